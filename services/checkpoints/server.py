@@ -1,0 +1,122 @@
+"""The gRPC door of the checkpoints room: ``lathe.v1.Checkpoints`` messages in, ``CheckpointService`` calls.
+
+Handlers only translate: store I/O is blocking, so each call runs in a worker thread, and a core
+``LatheError`` becomes the call's status code with the core's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from lathe.errors import LatheError
+from lathe.serving import CHANNEL_OPTIONS
+from lathe.v1 import checkpoints_pb2 as cpb
+from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
+
+from .service import CheckpointInfo, CheckpointService
+from .store import open_store
+
+log = logging.getLogger("lathe.checkpoints")
+T = TypeVar("T")
+
+
+async def _call(context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except LatheError as e:
+        await context.abort(e.status, e.message)  # raises: the call ends with that status
+
+
+def _info(info: CheckpointInfo) -> cpb.CheckpointInfo:
+    return cpb.CheckpointInfo(**asdict(info))
+
+
+class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
+    def __init__(self, service: CheckpointService) -> None:
+        self.service = service
+
+    async def Put(self, request: cpb.PutCheckpointRequest, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        info = await _call(context, self.service.put, tenant=request.tenant, run_id=request.run_id,
+                           kind=request.kind, name=request.name, files=dict(request.files),
+                           metadata_json=request.metadata_json, ttl_seconds=request.ttl_seconds,
+                           overwrite=request.overwrite)
+        return _info(info)
+
+    async def Get(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext) -> cpb.GetCheckpointResponse:
+        info, files = await _call(context, self.service.get, request.tenant, request.path)
+        return cpb.GetCheckpointResponse(info=_info(info), files=files)
+
+    async def Stat(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        return _info(await _call(context, self.service.stat, request.tenant, request.path))
+
+    async def List(self, request: cpb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+                   ) -> cpb.ListCheckpointsResponse:
+        page = await _call(context, self.service.list, request.tenant, request.run_id, request.limit, request.offset)
+        return cpb.ListCheckpointsResponse(checkpoints=[_info(i) for i in page.checkpoints],
+                                           total_count=page.total_count)
+
+    async def Delete(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext
+                     ) -> cpb.DeleteCheckpointResponse:
+        await _call(context, self.service.delete, request.tenant, request.path)
+        return cpb.DeleteCheckpointResponse()
+
+
+async def _sweep_every(service: CheckpointService, interval_s: float) -> None:
+    """Sweep now, then every ``interval_s``; a failed sweep is logged and retried next round."""
+    while True:
+        try:
+            swept = await asyncio.to_thread(service.sweep_expired)
+        except Exception:
+            log.exception("checkpoint sweep failed")
+        else:
+            if swept.expired or swept.orphan_files:
+                log.info("swept %d expired checkpoints and %d orphan files", swept.expired, swept.orphan_files)
+        await asyncio.sleep(interval_s)
+
+
+class CheckpointsServer:
+    """A started checkpoints server: the ``grpc.aio`` server, the port it bound, its core, and the sweeper.
+
+    (A bare ``grpc.aio.Server`` cannot say which port it picked for port 0, and the periodic TTL sweep
+    must stop with it; hence this handle.)
+    """
+
+    __slots__ = ("server", "port", "service", "_sweeper")
+
+    def __init__(self, server: grpc.aio.Server, port: int, service: CheckpointService, sweep_interval_s: float
+                 ) -> None:
+        self.server = server
+        self.port = port
+        self.service = service
+        self._sweeper = asyncio.create_task(_sweep_every(service, sweep_interval_s))
+
+    async def stop(self, grace: float | None = None) -> None:
+        self._sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sweeper
+        await self.server.stop(grace)
+
+
+async def serve(port: int, root: Path | str, host: str = "127.0.0.1", *, sweep_interval_s: float = 60.0
+                ) -> CheckpointsServer:
+    """Start a checkpoints server on ``host:port`` (0 = a free port) over the store at ``root``.
+
+    ``root`` is a directory or a store URL (see ``lathe.checkpoints.store.open_store``). Messages up
+    to 1 GiB pass both ways.
+    """
+    if sweep_interval_s <= 0:
+        raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
+    service = CheckpointService(open_store(root))
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    cpb_grpc.add_CheckpointsServicer_to_server(CheckpointsServicer(service), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return CheckpointsServer(server, bound, service, sweep_interval_s)
