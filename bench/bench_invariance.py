@@ -1,0 +1,220 @@
+"""Cost of batch invariance: ``lathe.kernels.ops`` with invariant=True vs. invariant=False on CPU.
+
+One SmolLM2-135M decoder layer (hidden 576, intermediate 1536, 9 query / 3 KV heads, head_dim 64)
+and its LM head (vocab 49152), random weights, each case timed in both modes:
+  layer forward, training-style: 8 sequences x 256 tokens packed, autograd recording
+  LM head + log_softmax over those 2048 tokens, 256 rows at a time (as the trainer chunks them)
+  layer decode step: 32 sequences, one new token each against a 256-token KV cache
+  LM head + log_softmax of the 32 decoded tokens
+  and, to split the layer figures, attention alone for the 8x256 prefill and the 32 decode calls
+Prints the median wall time of --repeats runs (after --warmup) per mode and the ratio invariant/plain.
+
+Run it alone: other processes on the same cores distort these timings badly (ENVIRONMENT.md).
+Run: python bench/bench_invariance.py [--repeats 5 --warmup 1 --threads 2 --dtypes fp32 bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lathe.kernels import ops
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    hidden: int = 576
+    intermediate: int = 1536
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    vocab: int = 49152
+    eps: float = 1e-5
+    train_sequences: int = 8
+    train_length: int = 256
+    decode_sequences: int = 32
+    decode_cache: int = 256
+    logit_chunk: int = 256
+
+
+SMOLLM2 = Shapes()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per case and mode (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    args = p.parse_args(argv)
+    for name in ("repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1; got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be at least 0; got {args.warmup}")
+    return args
+
+
+class Layer:
+    """Random weights of one Llama-style layer and its LM head, and their forward in either mode."""
+
+    def __init__(self, s: Shapes, dtype: torch.dtype, *, requires_grad: bool) -> None:
+        gen = torch.Generator().manual_seed(0)
+
+        def weight(*shape: int) -> torch.Tensor:
+            w = (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(dtype)
+            return w.requires_grad_(requires_grad)
+
+        self.s = s
+        self.norm1, self.norm2, self.final_norm = (torch.ones(s.hidden, dtype=dtype) for _ in range(3))
+        self.q = weight(s.heads * s.head_dim, s.hidden)
+        self.k = weight(s.kv_heads * s.head_dim, s.hidden)
+        self.v = weight(s.kv_heads * s.head_dim, s.hidden)
+        self.o = weight(s.hidden, s.heads * s.head_dim)
+        self.gate = weight(s.intermediate, s.hidden)
+        self.up = weight(s.intermediate, s.hidden)
+        self.down = weight(s.hidden, s.intermediate)
+        self.head = weight(s.vocab, s.hidden)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        invariant: bool,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; attend(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]."""
+        s = self.s
+        h = ops.rms_norm(x, self.norm1, s.eps, invariant=invariant)
+        q = ops.linear(h, self.q, invariant=invariant).view(-1, s.heads, s.head_dim)
+        k = ops.linear(h, self.k, invariant=invariant).view(-1, s.kv_heads, s.head_dim)
+        v = ops.linear(h, self.v, invariant=invariant).view(-1, s.kv_heads, s.head_dim)
+        x = x + ops.linear(attend(q, k, v).reshape(x.shape[0], -1), self.o, invariant=invariant)
+        h = ops.rms_norm(x, self.norm2, s.eps, invariant=invariant)
+        gate, up = ops.linear(h, self.gate, invariant=invariant), ops.linear(h, self.up, invariant=invariant)
+        return x + ops.linear(F.silu(gate) * up, self.down, invariant=invariant)
+
+    def logprobs(self, x: torch.Tensor, invariant: bool) -> list[torch.Tensor]:
+        """Full-vocabulary log-softmax of x [T, hidden], ``logit_chunk`` rows at a time."""
+        out = []
+        for rows in x.split(self.s.logit_chunk):
+            h = ops.rms_norm(rows, self.final_norm, self.s.eps, invariant=invariant)
+            out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant), invariant=invariant))
+        return out
+
+
+def train_forward(layer: Layer, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    s = layer.s
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pieces = (t.split(s.train_length) for t in (q, k, v))
+        scale = s.head_dim**-0.5
+        return torch.cat(
+            [ops.attention(*qkv, q_offset=0, scale=scale, invariant=invariant) for qkv in zip(*pieces, strict=True)]
+        )
+
+    return layer.forward(x, attend, invariant)
+
+
+def decode_step(layer: Layer, x: torch.Tensor, cache: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """One token for each of the B sequences; cache [2, B, decode_cache + 1, Hkv, D], last slot new."""
+    s, t = layer.s, cache.shape[2] - 1
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = cache
+        keys[:, t], values[:, t] = k, v
+        scale = s.head_dim**-0.5
+        rows = zip(q.split(1), keys, values, strict=True)
+        return torch.cat([ops.attention(*qkv, q_offset=t, scale=scale, invariant=invariant) for qkv in rows])
+
+    return layer.forward(x, attend, invariant)
+
+
+def median_ms(fn: Callable[[bool], object], repeats: int, warmup: int) -> tuple[float, float]:
+    """Median ms of fn(False) and fn(True), alternated run by run so that drift hits both alike."""
+    for _ in range(warmup):
+        for invariant in (False, True):
+            fn(invariant)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for invariant in (False, True):
+            start = time.perf_counter()
+            fn(invariant)
+            times[invariant].append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True])
+
+
+def cases(s: Shapes, dtype: torch.dtype) -> dict[str, Callable[[bool], object]]:
+    """Each case as fn(invariant) -> result; inputs built once, shared by both modes."""
+    gen = torch.Generator().manual_seed(1)
+    train_layer, infer_layer = Layer(s, dtype, requires_grad=True), Layer(s, dtype, requires_grad=False)
+    tokens = s.train_sequences * s.train_length
+    x_train = torch.randn(tokens, s.hidden, generator=gen).to(dtype)
+    x_decode = torch.randn(s.decode_sequences, s.hidden, generator=gen).to(dtype)
+    cache_shape = (2, s.decode_sequences, s.decode_cache + 1, s.kv_heads, s.head_dim)
+    cache = torch.randn(cache_shape, generator=gen).to(dtype)
+
+    def train(invariant: bool) -> object:
+        return train_forward(train_layer, x_train, invariant)
+
+    def train_head(invariant: bool) -> object:
+        with torch.no_grad():
+            return infer_layer.logprobs(x_train, invariant)
+
+    def decode(invariant: bool) -> object:
+        with torch.no_grad():
+            return decode_step(infer_layer, x_decode, cache, invariant)
+
+    def decode_head(invariant: bool) -> object:
+        with torch.no_grad():
+            return infer_layer.logprobs(x_decode, invariant)
+
+    scale = s.head_dim**-0.5
+    q_train = torch.randn(s.train_length, s.heads, s.head_dim, generator=gen).to(dtype)
+    q_decode = torch.randn(s.decode_sequences, 1, s.heads, s.head_dim, generator=gen).to(dtype)
+
+    def prefill_attention(invariant: bool) -> object:
+        with torch.no_grad():
+            kv = cache[0, 0, : s.train_length]
+            return [
+                ops.attention(q_train, kv, kv, q_offset=0, scale=scale, invariant=invariant)
+                for _ in range(s.train_sequences)
+            ]
+
+    def decode_attention(invariant: bool) -> object:
+        with torch.no_grad():
+            t = s.decode_cache
+            rows = zip(q_decode, cache[0], cache[1], strict=True)
+            return [ops.attention(*qkv, q_offset=t, scale=scale, invariant=invariant) for qkv in rows]
+
+    return {
+        f"layer forward {s.train_sequences}x{s.train_length} (autograd on)": train,
+        f"LM head + log_softmax, {tokens} tokens": train_head,
+        f"layer decode step, {s.decode_sequences} seqs, cache {s.decode_cache}": decode,
+        f"LM head + log_softmax, {s.decode_sequences} tokens": decode_head,
+        f"attention only, {s.train_sequences}x{s.train_length} prefill": prefill_attention,
+        f"attention only, {s.decode_sequences} decodes, cache {s.decode_cache}": decode_attention,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cpu = torch.backends.cpu.get_cpu_capability()
+    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {cpu}")
+    print(f"{'dtype':5}  {'case':48}  {'plain ms':>9}  {'invariant ms':>12}  {'ratio':>6}")
+    for name in args.dtypes:
+        for case, fn in cases(SMOLLM2, DTYPES[name]).items():
+            plain, invariant = median_ms(fn, args.repeats, args.warmup)
+            print(f"{name:5}  {case:48}  {plain:9.2f}  {invariant:12.2f}  {invariant / plain:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
