@@ -1,0 +1,192 @@
+"""The Llama-family decoder shared by the trainer and the native sampler.
+
+Owns the frozen base weights (``dtype`` of the pool: fp32 or bf16) and the forward math: RMSNorm,
+RoPE from one precomputed table, grouped-query attention, SwiGLU, tied or untied embeddings,
+Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm. It never owns adapters or optimizer state: a
+``LoraBatch`` is passed in per call, and so is the sampler's KV cache.
+
+A batch is *packed*: the tokens of all sequences are one flat ``[T]`` row, sequence ``s`` owns rows
+``cu_seqlens[s]:cu_seqlens[s+1]``, and every matmul runs once over all ``T`` rows. With
+``invariant=True`` every op is batch-invariant (``lathe.kernels.ops``), so a token's hidden state and
+logprob have the same bits whatever else is in the batch and whether it was prefilled or decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import load_file
+from torch.utils.checkpoint import checkpoint
+
+from lathe.kernels import ops
+from lathe.models.config import ModelConfig
+from lathe.models.lora import UNEMBED, LoraBatch
+
+LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logprobs
+
+
+class KVCache(Protocol):
+    """What the decoder needs from a KV cache (the sampler owns the storage)."""
+
+    def extend(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Append ``k, v [L, Hkv, D]`` of sequence ``seq``; return all its keys, values and the
+        absolute position of the first new token."""
+        ...
+
+
+@dataclass(slots=True)
+class Packed:
+    """A packed batch: ``tokens [T]``, ``positions [T]`` and sequence boundaries ``cu_seqlens [S+1]``."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: list[int]
+
+    @classmethod
+    def from_sequences(cls, seqs: list[list[int]]) -> Packed:
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + len(s))
+        tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
+        return cls(tokens, positions, cu)
+
+
+def _rope_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x [T, H, D]`` with ``cos, sin [T, D]`` (the rotate-half convention of HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class Decoder(torch.nn.Module):
+    """Frozen base model. ``weights`` holds HF-named tensors; nothing here requires grad."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, invariant: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.invariant = invariant
+        self.w = weights
+        self.dtype = weights["model.embed_tokens.weight"].dtype
+        cos, sin = _rope_table(cfg)
+        self.cos, self.sin = cos, sin
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, *, dtype: torch.dtype = torch.float32, invariant: bool = True) -> Decoder:
+        """Load a Hugging Face directory (config.json + *.safetensors)."""
+        model_dir = Path(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(f))
+        if not weights:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+        if cfg.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return cls(cfg, weights, invariant=invariant)
+
+    # ---- building blocks ----
+
+    def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraBatch | None) -> torch.Tensor:
+        y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant)
+        if lora is not None:
+            d = lora.delta(key, x)
+            if d is not None:
+                y = y + d
+        return y
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return ops.rms_norm(x, self.w[name], self.cfg.rms_norm_eps, invariant=self.invariant)
+
+    def _attention(
+        self, i: int, x: torch.Tensor, batch: Packed, lora: LoraBatch | None, kv: KVCache | None
+    ) -> torch.Tensor:
+        cfg, p = self.cfg, f"model.layers.{i}.self_attn."
+        t = x.shape[0]
+        q = self._linear(x, p + "q_proj", (i, "q_proj"), lora).view(t, cfg.num_heads, cfg.head_dim)
+        k = self._linear(x, p + "k_proj", (i, "k_proj"), lora).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self._linear(x, p + "v_proj", (i, "v_proj"), lora).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = self._norm(q, p + "q_norm.weight")
+            k = self._norm(k, p + "k_norm.weight")
+        cos, sin = self.cos[batch.positions].to(x.dtype), self.sin[batch.positions].to(x.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        outs = []
+        cu = batch.cu_seqlens
+        for s in range(len(cu) - 1):
+            qs, ks, vs = q[cu[s]:cu[s + 1]], k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]]
+            offset = 0
+            if kv is not None:
+                ks, vs, offset = kv.extend(i, s, ks, vs)
+            outs.append(ops.attention(qs, ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
+                                      invariant=self.invariant))
+        o = torch.cat(outs, dim=0).reshape(t, cfg.num_heads * cfg.head_dim)
+        return self._linear(o, p + "o_proj", (i, "o_proj"), lora)
+
+    def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp."
+        gate = self._linear(x, p + "gate_proj", (i, "gate_proj"), lora)
+        up = self._linear(x, p + "up_proj", (i, "up_proj"), lora)
+        return self._linear(torch.nn.functional.silu(gate) * up, p + "down_proj", (i, "down_proj"), lora)
+
+    # ---- public ----
+
+    def hidden(self, batch: Packed, lora: LoraBatch | None = None, kv: KVCache | None = None) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of a packed batch."""
+        x = self.w["model.embed_tokens.weight"][batch.tokens]
+        for i in range(self.cfg.num_layers):
+            x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, lora, kv)
+            x = x + self._mlp(i, self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight"), lora)
+        return self._norm(x, "model.norm.weight")
+
+    def logits(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
+        y = ops.linear(h, self.lm_head, invariant=self.invariant)
+        if lora is not None:
+            d = lora.delta((-1, UNEMBED), h)
+            if d is not None:
+                y = y + d
+        return y.float()
+
+    def target_logprobs(
+        self, h: torch.Tensor, targets: torch.Tensor, lora: LoraBatch | None = None, *, chunk: int = LOGIT_CHUNK
+    ) -> torch.Tensor:
+        """``log_softmax(logits(h))[t, targets[t]]`` -> ``[T]`` fp32, computed ``chunk`` rows at a time.
+
+        Under autograd each chunk is recomputed in backward (activation checkpointing), so at most one
+        chunk of full-vocabulary logits is alive at once instead of the whole batch's.
+        """
+        out = []
+        for r0 in range(0, h.shape[0], chunk):
+            r1 = min(r0 + chunk, h.shape[0])
+            sub = lora.rows(r0, r1) if lora is not None else None
+            fn = _ChunkLogprobs(self, sub)
+            if torch.is_grad_enabled():
+                out.append(checkpoint(fn, h[r0:r1], targets[r0:r1], use_reentrant=False))
+            else:
+                out.append(fn(h[r0:r1], targets[r0:r1]))
+        return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
+
+
+class _ChunkLogprobs:
+    """One chunk of ``target_logprobs`` as a plain callable (what activation checkpointing replays)."""
+
+    def __init__(self, model: Decoder, lora: LoraBatch | None) -> None:
+        self.model, self.lora = model, lora
+
+    def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lp = ops.log_softmax(self.model.logits(h, self.lora), dim=-1, invariant=self.model.invariant)
+        return lp.gather(1, targets[:, None]).squeeze(1)

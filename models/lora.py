@@ -1,0 +1,181 @@
+"""LoRA adapters and how a packed batch of many adapters reaches the decoder.
+
+Owns: ``LoraSpec`` (what a LoraConfig asks for), ``LoraWeights`` (one adapter's trainable A/B
+tensors, fp32, named as PEFT names them so that a saved adapter loads in PEFT unchanged) and
+``LoraBatch`` (the segment layout of a packed batch: which token rows belong to which adapter).
+Never touches optimizer state or storage: that is the trainer's and the checkpoint store's.
+
+For target module ``m`` with base weight ``W [O, I]`` the layer computes, per segment ``i``:
+
+    y[seg[i]:seg[i+1]] = x @ W.T + (x @ A[m].T) @ B[m].T * (alpha / rank)      A: [r, I], B: [O, r]
+
+``B`` starts at zero, so a fresh adapter equals the base model exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from lathe.kernels import ops
+from lathe.models.config import ModelConfig
+
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = "lm_head"
+MAX_RANK = 256
+
+Key = tuple[int, str]  # (layer index, target); the unembedding is (-1, "lm_head")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    """A LoraConfig as the model sees it. ``alpha`` defaults to 32 (Tinker's convention)."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"lora rank must be in [1, {MAX_RANK}], got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora alpha must be a positive number, got {self.alpha}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ValueError("lora config trains nothing: train_attn, train_mlp and train_unembed are all false")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def keys(self, cfg: ModelConfig) -> list[Key]:
+        targets = (ATTN_TARGETS if self.train_attn else ()) + (MLP_TARGETS if self.train_mlp else ())
+        keys: list[Key] = [(i, t) for i in range(cfg.num_layers) for t in targets]
+        if self.train_unembed:
+            keys.append((-1, UNEMBED))
+        return keys
+
+
+def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
+    """(in_features, out_features) of a target module."""
+    h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h), UNEMBED: (h, cfg.vocab_size),
+    }[target]
+
+
+def peft_name(key: Key, which: str) -> str:
+    """PEFT's state-dict name for ``which`` in {"lora_A", "lora_B"} of a target."""
+    layer, target = key
+    if target == UNEMBED:
+        return f"base_model.model.lm_head.{which}.weight"
+    block = "self_attn" if target in ATTN_TARGETS else "mlp"
+    return f"base_model.model.model.layers.{layer}.{block}.{target}.{which}.weight"
+
+
+def default_seed(model_id: str) -> int:
+    """A stable seed for an adapter whose LoraConfig has none."""
+    return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "little")
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    """One adapter's trainable tensors (fp32, requires_grad)."""
+
+    spec: LoraSpec
+    a: dict[Key, torch.Tensor]
+    b: dict[Key, torch.Tensor]
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, spec: LoraSpec, seed: int) -> LoraWeights:
+        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform default), B = 0."""
+        gen = torch.Generator().manual_seed(seed)
+        a, b = {}, {}
+        for key in spec.keys(cfg):
+            fan_in, fan_out = module_shape(cfg, key[1])
+            bound = 1.0 / math.sqrt(fan_in)
+            a[key] = (torch.rand(spec.rank, fan_in, generator=gen) * 2 - 1).mul_(bound).requires_grad_()
+            b[key] = torch.zeros(fan_out, spec.rank, requires_grad=True)
+        return cls(spec, a, b)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [t for key in self.a for t in (self.a[key], self.b[key])]
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for key in self.a:
+            out[peft_name(key, "lora_A")] = self.a[key]
+            out[peft_name(key, "lora_B")] = self.b[key]
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone().contiguous() for name, t in self.named_parameters().items()}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy saved tensors in, by PEFT name; refuses missing, extra or mis-shaped tensors."""
+        own = self.named_parameters()
+        missing = sorted(set(own) - set(tensors))
+        extra = sorted(set(tensors) - set(own))
+        if missing or extra:
+            raise ValueError(f"adapter tensors do not match its config: missing {missing[:3]}, extra {extra[:3]}")
+        for name, param in own.items():
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise ValueError(f"adapter tensor {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"expected {tuple(param.shape)}")
+        with torch.no_grad():
+            for name, param in own.items():
+                param.copy_(tensors[name])
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """The adapter layout of a packed batch.
+
+    Rows ``seg[i]:seg[i+1]`` of every activation belong to adapter ``adapters[ids[i]]``. The decoder
+    calls ``delta(key, x)`` after each target module's base matmul. Each segment is computed on its
+    own (no rank padding, no dependence on which other adapters share the batch), with the same
+    batch-invariant matmul as the base model, so a token's bits do not depend on its batch mates.
+    """
+
+    seg: list[int]
+    ids: list[int]
+    adapters: list[LoraWeights]
+    invariant: bool = True
+    _segments: list[tuple[int, int, LoraWeights]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.seg) != len(self.ids) + 1:
+            raise ValueError("seg must have one more entry than ids")
+        self._segments = [
+            (self.seg[i], self.seg[i + 1], self.adapters[w])
+            for i, w in enumerate(self.ids)
+            if self.seg[i + 1] > self.seg[i]
+        ]
+
+    def rows(self, r0: int, r1: int) -> LoraBatch:
+        """The same layout restricted to rows [r0, r1) (for chunked LM-head work)."""
+        seg = [min(max(s - r0, 0), r1 - r0) for s in self.seg]
+        return LoraBatch(seg, list(self.ids), self.adapters, self.invariant)
+
+    def delta(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA correction of target ``key`` for activations ``x [T, I]`` -> ``[T, O]`` or None."""
+        holders = [w for _, _, w in self._segments if key in w.a]
+        if not holders:
+            return None
+        out_features = holders[0].b[key].shape[0]
+        parts = []
+        for s0, s1, w in self._segments:
+            xs = x[s0:s1]
+            if key in w.a:
+                v = ops.linear(xs, w.a[key].to(x.dtype), invariant=self.invariant)
+                parts.append(ops.linear(v, w.b[key].to(x.dtype), invariant=self.invariant) * w.spec.scale)
+            else:
+                parts.append(xs.new_zeros(s1 - s0, out_features))
+        return torch.cat(parts, dim=0)

@@ -1,0 +1,41 @@
+"""Lathe's decoder loads Hugging Face directories and computes what transformers computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lathe.models.decoder import Decoder, Packed
+from lathe.models.tiny import write_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_logits_equal_transformers(tmp_path: Path, arch: str, tied: bool, invariant: bool) -> None:
+    d = write_tiny_model(tmp_path / arch, arch, seed=3, tie_word_embeddings=tied)
+    ref = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    ours = Decoder.from_dir(d, invariant=invariant)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, ours.cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 9, 70, 130)]
+    batch = Packed.from_sequences(seqs)
+    with torch.no_grad():
+        logits = ours.logits(ours.hidden(batch))
+        for s, toks in enumerate(seqs):
+            expected = ref(torch.tensor([toks])).logits[0]
+            got = logits[batch.cu_seqlens[s]:batch.cu_seqlens[s + 1]]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert ours.cfg.arch == arch and ours.cfg.tie_word_embeddings == tied
+    assert ("lm_head.weight" in ours.w) == (not tied)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    d = write_tiny_model(tmp_path / "m", "llama")
+    cfg = (d / "config.json").read_text().replace("LlamaForCausalLM", "MixtralForCausalLM")
+    (d / "config.json").write_text(cfg)
+    with pytest.raises(ValueError, match="unsupported architectures \\['MixtralForCausalLM'\\]"):
+        Decoder.from_dir(d)
