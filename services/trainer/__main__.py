@@ -1,0 +1,56 @@
+"""``python -m lathe.trainer``: one trainer process (a pool of one) for the configured base models."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from prometheus_client import start_http_server
+
+from lathe.models.catalog import ModelCatalog
+from lathe.serving import run
+from lathe.trainer.engine import TrainerConfig, TrainerEngine
+from lathe.trainer.server import TrainerServicer
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m lathe.trainer")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--models", default=TrainerConfig.models, help="served base models, comma-separated")
+    ap.add_argument("--cache-root", type=Path, default=TrainerConfig.cache_root)
+    ap.add_argument("--dtype", default=TrainerConfig.dtype, choices=["float32", "bfloat16"])
+    ap.add_argument("--no-invariant", action="store_true", help="use plain (not batch-invariant) ops")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--checkpoints", default="", help="address of the checkpoints service")
+    ap.add_argument("--max-request-tokens", type=int, default=TrainerConfig.max_request_tokens)
+    ap.add_argument("--cycle-tokens", type=int, default=TrainerConfig.cycle_tokens)
+    ap.add_argument("--max-resident-adapters", type=int, default=TrainerConfig.max_resident_adapters)
+    ap.add_argument("--page-store", default="", help="directory or URL for paged-out adapters")
+    ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype,
+                        invariant=not args.no_invariant, max_request_tokens=args.max_request_tokens,
+                        cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
+                        page_store=args.page_store)
+    store = None
+    if args.checkpoints:
+        from lathe.checkpoints.client import CheckpointsClient
+
+        store = CheckpointsClient(args.checkpoints)
+    engine = TrainerEngine(cfg, ModelCatalog.from_spec(cfg.models, cfg.cache_root), store)
+    if args.metrics_port >= 0:
+        server, _ = start_http_server(args.metrics_port, addr=args.host, registry=engine.metrics.registry)
+        print(f"lathe.trainer metrics on http://{args.host}:{server.server_port}/metrics", flush=True)
+    engine.start()
+    run("lathe.trainer", args.host, args.port,
+        lambda server: pb_grpc.add_TrainerServicer_to_server(TrainerServicer(engine), server),
+        on_stop=engine.stop)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Cycle planning: which operations of which training runs go into the next clock cycle.
+
+Each cycle has a token capacity. Runs are visited round-robin from a rotating start, so no tenant
+starves behind a large one. For every run the planner takes its next operation in ``seq_id`` order:
+
+- save / load: a control step, run at the start of the cycle;
+- optim_step: applied at the end of the cycle;
+- forward / forward_backward: its datums join the cycle's packed batch while the capacity lasts. A
+  request larger than what is left waits for the next cycle, unless it is larger than a whole cycle:
+  then it is split over several cycles, part by part (its gradients accumulate; its result is
+  returned when the last part is done). When the last part is planned and the run's next operation
+  is an optim_step, that step lands in the same cycle.
+
+The planner owns no tensors; ``Partial`` carries a split request's progress between cycles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lathe.trainer.order import Pending, Sequencer
+from lathe.trainer.validate import Example
+
+
+@dataclass(slots=True)
+class Partial:
+    """A forward / forward_backward request in progress (possibly over several cycles)."""
+
+    item: Pending
+    examples: list[Example]
+    loss_fn: str
+    loss_cfg: dict[str, float]
+    backward: bool
+    done: int = 0  # datums finished
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    loss: float = 0.0
+    grad_backup: dict[str, torch.Tensor | None] | None = None  # restored if a later part fails
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(x) for x in self.examples)
+
+
+@dataclass(slots=True)
+class Work:
+    """What one training run does in one cycle."""
+
+    run: object  # the engine's per-run record
+    control: Pending | None = None
+    compute: Partial | None = None
+    part: tuple[int, int] = (0, 0)  # datum range of ``compute`` in this cycle
+    optim: Pending | None = None
+
+    @property
+    def last_part(self) -> bool:
+        return self.compute is not None and self.part[1] == len(self.compute.examples)
+
+
+def take_part(examples: list[Example], start: int, budget: int, force: bool) -> int:
+    """End index of the datums from ``start`` that fit in ``budget`` tokens (at least one if ``force``)."""
+    end, used = start, 0
+    while end < len(examples) and used + len(examples[end]) <= budget:
+        used += len(examples[end])
+        end += 1
+    if end == start and force:
+        end += 1
+    return end
+
+
+def plan_cycle(
+    runs: list[tuple[object, Sequencer, Partial | None]],
+    capacity: int,
+    begin: Callable[[object, Pending], Partial | None],
+) -> list[Work]:
+    """Plan one cycle. ``runs`` are (run, its sequencer, its request in progress), in visiting order.
+
+    ``begin(run, item)`` checks a forward / forward_backward request that reaches the head of its
+    queue, records its ``Partial`` as the run's request in progress and returns it (or returns None if
+    the request failed its checks and has been answered already).
+    """
+    works: list[Work] = []
+    budget = capacity
+    for run, seq, partial in runs:
+        if partial is None:
+            head = seq.peek()
+            if head is None:
+                continue
+            kind = head.op.WhichOneof("op")
+            if kind in ("save", "load"):
+                works.append(Work(run, control=seq.pop()))
+                continue
+            if kind == "optim_step":
+                works.append(Work(run, optim=seq.pop()))
+                continue
+            if budget < _tokens(head) <= capacity:
+                continue  # fits a later cycle whole: wait rather than split it
+            partial = begin(run, seq.pop())
+            if partial is None:
+                continue
+        end = take_part(partial.examples, partial.done, budget, force=budget == capacity)
+        if end == partial.done:
+            continue  # no room left in this cycle; the run keeps its request in progress
+        budget -= sum(len(x) for x in partial.examples[partial.done:end])
+        work = Work(run, compute=partial, part=(partial.done, end))
+        if work.last_part:
+            nxt = seq.peek()
+            if nxt is not None and nxt.op.WhichOneof("op") == "optim_step":
+                work.optim = seq.pop()
+        works.append(work)
+    return works
+
+
+def _tokens(item: Pending) -> int:
+    return sum(len(c.tokens) for d in item.op.forward_backward.data for c in d.model_input.chunks)

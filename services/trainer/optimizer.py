@@ -1,0 +1,82 @@
+"""AdamW for one adapter, with Tinker's defaults and per-call hyperparameters.
+
+    g      = grad * min(1, clip / ||grad||)          (only when grad_clip_norm > 0; norm over the adapter)
+    p     *= 1 - lr * weight_decay                    (decoupled decay)
+    m      = b1 * m + (1 - b1) * g
+    v      = b2 * v + (1 - b2) * g^2
+    p     -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+The same arithmetic, in the same order, as ``torch.optim.AdamW``. Defaults: lr 1e-4, betas 0.9/0.95,
+eps 1e-12, weight_decay 0, grad_clip_norm 0 (off). Owns the moments; the bank owns the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lathe.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"adam_params.{name} = {value} must be a finite number >= 0")
+        for name in ("beta1", "beta2"):
+            if getattr(self, name) >= 1:
+                raise InvalidArgument(f"adam_params.{name} = {getattr(self, name)} must be < 1")
+
+
+@dataclass(slots=True)
+class AdamState:
+    """First and second moments per parameter name, and the number of steps taken."""
+
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    step: int = 0
+
+    @classmethod
+    def zeros(cls, params: dict[str, torch.Tensor]) -> AdamState:
+        return cls({n: torch.zeros_like(p) for n, p in params.items()},
+                   {n: torch.zeros_like(p) for n, p in params.items()})
+
+
+def grad_norm(params: dict[str, torch.Tensor]) -> float:
+    grads = [p.grad for p in params.values() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+@torch.no_grad()
+def adamw_step(params: dict[str, torch.Tensor], state: AdamState, hp: AdamParams) -> dict[str, float]:
+    """Apply one update to ``params`` from their ``.grad`` (missing grads count as zero), then clear grads."""
+    norm = grad_norm(params)
+    clip = hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm else 1.0
+    state.step += 1
+    bc1 = 1 - hp.beta1**state.step
+    bc2_sqrt = math.sqrt(1 - hp.beta2**state.step)
+    for name, p in params.items():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if clip != 1.0:
+            g = g * clip
+        m, v = state.exp_avg[name], state.exp_avg_sq[name]
+        p.mul_(1 - hp.learning_rate * hp.weight_decay)
+        m.lerp_(g, 1 - hp.beta1)
+        v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
+        denom = (v.sqrt() / bc2_sqrt).add_(hp.eps)
+        p.addcdiv_(m, denom, value=-hp.learning_rate / bc1)
+        p.grad = None
+    return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate, "step:max": float(state.step)}

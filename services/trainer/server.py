@@ -1,0 +1,35 @@
+"""gRPC door of the trainer: translates ``lathe.v1.Trainer`` calls into ``TrainerEngine`` calls."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from lathe.errors import LatheError
+from lathe.trainer.engine import TrainerEngine
+from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+
+
+class TrainerServicer(pb_grpc.TrainerServicer):
+    def __init__(self, engine: TrainerEngine) -> None:
+        self.engine = engine
+
+    async def Capabilities(self, request: pb.TrainerCapabilitiesRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ServerCapabilities:
+        return self.engine.capabilities()
+
+    async def CreateAdapter(self, request: pb.CreateAdapterRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.AdapterInfo:
+        try:
+            return await asyncio.to_thread(self.engine.create_adapter, request)
+        except LatheError as e:
+            await context.abort(e.status, e.message)
+
+    async def Run(self, request: pb.TrainerOp, context: grpc.aio.ServicerContext) -> pb.TrainerResult:
+        try:
+            fut = self.engine.submit(request)
+        except LatheError as e:
+            await context.abort(e.status, e.message)
+        return await asyncio.wrap_future(fut)

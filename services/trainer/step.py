@@ -1,0 +1,84 @@
+"""The math of one cycle: a packed forward (and backward) over the operations of many adapters.
+
+``run_jobs`` takes one ``Job`` per (adapter, forward/forward_backward operation), packs all their
+tokens into one flat batch with one LoRA segment per job, runs the base model once, splits the target
+logprobs back per datum, computes each job's own loss, and backpropagates the sum of the
+forward_backward jobs' losses: each adapter's ``.grad`` receives exactly its own job's gradient
+(adapters share no parameters), accumulating onto what earlier cycles left there. Forward-only jobs
+run in a separate pass without autograd. A job whose loss is not finite fails alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from lathe.errors import InvalidArgument, LatheError
+from lathe.models.decoder import Decoder, Packed
+from lathe.models.lora import LoraBatch, LoraWeights
+from lathe.trainer.losses import LOSSES
+from lathe.trainer.validate import Example
+
+
+@dataclass(slots=True)
+class Job:
+    weights: LoraWeights
+    examples: list[Example]
+    loss_fn: str
+    loss_cfg: dict[str, float]
+    backward: bool
+
+
+@dataclass(slots=True)
+class JobResult:
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # per datum, [L] fp32
+    loss: float = 0.0
+    error: LatheError | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(x) for x in self.logprobs)
+
+
+def run_jobs(model: Decoder, jobs: list[Job]) -> list[JobResult]:
+    """Results in the order of ``jobs``."""
+    results = [JobResult() for _ in jobs]
+    grad_idx = [i for i, j in enumerate(jobs) if j.backward]
+    fwd_idx = [i for i, j in enumerate(jobs) if not j.backward]
+    if grad_idx:
+        _pass(model, [jobs[i] for i in grad_idx], [results[i] for i in grad_idx], backward=True)
+    if fwd_idx:
+        with torch.no_grad():
+            _pass(model, [jobs[i] for i in fwd_idx], [results[i] for i in fwd_idx], backward=False)
+    return results
+
+
+def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward: bool) -> None:
+    examples = [ex for j in jobs for ex in j.examples]
+    batch = Packed.from_sequences([ex.tokens for ex in examples])
+    seg = [0]
+    for j in jobs:
+        seg.append(seg[-1] + sum(len(ex) for ex in j.examples))
+    lora = LoraBatch(seg, list(range(len(jobs))), [j.weights for j in jobs], invariant=model.invariant)
+    h = model.hidden(batch, lora)
+    lp = model.target_logprobs(h, torch.cat([ex.targets for ex in examples]), lora)
+    total: torch.Tensor | None = None
+    offset = 0
+    for job, res in zip(jobs, results, strict=True):
+        loss = lp.new_zeros(())
+        spec = LOSSES[job.loss_fn]
+        for ex in job.examples:
+            lp_d = lp[offset:offset + len(ex)]
+            offset += len(ex)
+            res.logprobs.append(lp_d.detach())
+            loss = loss + spec.fn(lp_d, ex.inputs, job.loss_cfg)
+        res.loss = float(loss.detach())
+        if not math.isfinite(res.loss):
+            res.error = InvalidArgument(f"loss {job.loss_fn!r} is {res.loss} for this batch: a non-finite loss "
+                                        "is not applied (check the inputs and the adapter's weights)")
+            continue
+        total = loss if total is None else total + loss
+    if backward and total is not None:
+        total.backward()

@@ -1,0 +1,132 @@
+"""Datum checks: every datum is decoded and checked before it touches the model.
+
+A rejected request raises ``lathe.errors.InvalidArgument`` whose message names the datum index, the
+field and the lengths or values at fault; nothing has been computed or changed at that point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lathe.errors import InvalidArgument
+from lathe.trainer.losses import LOSSES
+from lathe.v1 import lathe_pb2 as pb
+
+_NP_DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32}
+_INT_FIELDS = ("target_tokens",)
+
+
+@dataclass(slots=True)
+class Example:
+    """One checked datum: model input, targets and float inputs of the loss, all of length L."""
+
+    tokens: list[int]
+    targets: torch.Tensor  # [L] int64
+    inputs: dict[str, torch.Tensor]  # name -> [L] float32
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    vocab_size: int
+    max_context: int
+    max_request_tokens: int
+
+
+def decode_tensor(t: pb.Tensor, where: str) -> np.ndarray:
+    if t.dtype not in _NP_DTYPES:
+        raise InvalidArgument(f"{where}: dtype {t.dtype!r} is not one of {sorted(_NP_DTYPES)}")
+    itemsize = np.dtype(_NP_DTYPES[t.dtype]).itemsize
+    if len(t.data) % itemsize:
+        raise InvalidArgument(f"{where}: {len(t.data)} bytes is not a whole number of {t.dtype} values")
+    arr = np.frombuffer(t.data, dtype=_NP_DTYPES[t.dtype])
+    shape = tuple(t.shape) or (arr.size,)
+    if math.prod(shape) != arr.size:
+        raise InvalidArgument(f"{where}: shape {list(shape)} does not hold {arr.size} values")
+    return arr.reshape(shape)
+
+
+def _tokens(d: pb.Datum, i: int) -> list[int]:
+    tokens = [t for c in d.model_input.chunks for t in c.tokens]
+    if not tokens:
+        raise InvalidArgument(f"datum {i}: model_input is empty")
+    return tokens
+
+
+def _check_ids(values: np.ndarray | list[int], field: str, i: int, vocab: int) -> None:
+    arr = np.asarray(values)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidArgument(f"datum {i}: {field}[{j}] = {int(arr[j])} is outside the vocabulary [0, {vocab})")
+
+
+def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits) -> Example:
+    spec = LOSSES[loss_fn]
+    tokens = _tokens(d, i)
+    n = len(tokens)
+    if n > limits.max_context:
+        raise InvalidArgument(f"datum {i}: model_input has {n} tokens, over the model's context length "
+                              f"{limits.max_context}")
+    _check_ids(tokens, "model_input", i, limits.vocab_size)
+    allowed = {"target_tokens", *spec.inputs}
+    unknown = sorted(set(d.loss_fn_inputs) - allowed)
+    if unknown:
+        raise InvalidArgument(f"datum {i}: loss_fn_inputs has unknown key(s) {unknown} for loss {loss_fn!r} "
+                              f"(expected {sorted(allowed)})")
+    if "target_tokens" not in d.loss_fn_inputs:
+        raise InvalidArgument(f"datum {i}: loss_fn_inputs is missing 'target_tokens'")
+    arrays: dict[str, np.ndarray] = {}
+    for name, tensor in d.loss_fn_inputs.items():
+        where = f"datum {i}: loss_fn_inputs[{name!r}]"
+        arr = decode_tensor(tensor, where).reshape(-1)
+        is_int = arr.dtype.kind == "i"
+        if name in _INT_FIELDS and not is_int:
+            raise InvalidArgument(f"{where}: dtype {tensor.dtype} must be int64 (token ids)")
+        if name not in _INT_FIELDS and is_int:
+            raise InvalidArgument(f"{where}: dtype {tensor.dtype} must be float32")
+        if arr.size != n:
+            raise InvalidArgument(f"{where} has length {arr.size} but model_input has {n} tokens")
+        if not is_int and not np.isfinite(arr).all():
+            j = int(np.flatnonzero(~np.isfinite(arr))[0])
+            raise InvalidArgument(f"{where}[{j}] = {arr[j]} is not finite")
+        arrays[name] = arr
+    missing = [k for k in spec.inputs if k not in arrays and not (loss_fn == "cross_entropy" and k == "weights")]
+    if missing:
+        raise InvalidArgument(f"datum {i}: loss {loss_fn!r} needs loss_fn_inputs {missing}")
+    _check_ids(arrays["target_tokens"], "loss_fn_inputs['target_tokens']", i, limits.vocab_size)
+    inputs = {k: torch.from_numpy(v.astype(np.float32)) for k, v in arrays.items() if k != "target_tokens"}
+    if loss_fn == "cross_entropy" and "weights" not in inputs:
+        inputs["weights"] = torch.ones(n)
+    return Example(tokens, torch.from_numpy(arrays["target_tokens"].astype(np.int64)), inputs)
+
+
+def check_request(
+    data: Sequence[pb.Datum], loss_fn: str, loss_fn_config: Mapping[str, float], limits: Limits
+) -> tuple[list[Example], dict[str, float]]:
+    """Decode and check a whole forward/backward request; returns the examples and the loss config."""
+    if loss_fn not in LOSSES:
+        raise InvalidArgument(f"unknown loss_fn {loss_fn!r}; supported: {sorted(LOSSES)}")
+    if not data:
+        raise InvalidArgument("data is empty: a forward/backward needs at least one datum")
+    defaults = LOSSES[loss_fn].config
+    unknown = sorted(set(loss_fn_config) - set(defaults))
+    if unknown:
+        raise InvalidArgument(f"loss_fn_config has unknown key(s) {unknown} for loss {loss_fn!r} "
+                              f"(accepted: {sorted(defaults)})")
+    cfg = {**defaults, **{k: float(v) for k, v in loss_fn_config.items()}}
+    bad = [k for k, v in cfg.items() if not math.isfinite(v)]
+    if bad:
+        raise InvalidArgument(f"loss_fn_config[{bad[0]!r}] = {cfg[bad[0]]} is not finite")
+    total = sum(len(_tokens(d, i)) for i, d in enumerate(data))
+    if total > limits.max_request_tokens:
+        raise InvalidArgument(f"request has {total} tokens in {len(data)} datums, over the limit of "
+                              f"{limits.max_request_tokens} tokens per request; send it in smaller batches")
+    return [check_datum(d, i, loss_fn, limits) for i, d in enumerate(data)], cfg

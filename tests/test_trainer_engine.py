@@ -1,0 +1,271 @@
+"""The trainer engine in-process: ordering, exactly-once, bad input, cycles."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lathe.models.catalog import ModelCatalog
+from lathe.trainer.engine import TrainerConfig, TrainerEngine
+from lathe.v1 import lathe_pb2 as pb
+
+torch.set_num_threads(1)
+BASE = "lathe/tiny-llama"
+
+
+def tensor(values: list, dtype: str) -> pb.Tensor:
+    arr = np.asarray(values, dtype=dtype)
+    return pb.Tensor(data=arr.tobytes(), dtype=dtype, shape=list(arr.shape))
+
+
+def datum(tokens: list[int], targets: list[int] | None = None, weights: list[float] | None = None,
+          **extra: pb.Tensor) -> pb.Datum:
+    targets = targets if targets is not None else tokens[1:] + [tokens[0]]
+    weights = weights if weights is not None else [1.0] * len(tokens)
+    inputs = {"target_tokens": tensor(targets, "int64"), "weights": tensor(weights, "float32"), **extra}
+    return pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=tokens)]), loss_fn_inputs=inputs)
+
+
+def batch(seed: int, n: int = 3) -> list[pb.Datum]:
+    rng = random.Random(seed)
+    return [datum([rng.randrange(1, 200) for _ in range(rng.randrange(5, 30))]) for _ in range(n)]
+
+
+def fb(model_id: str, seq: int, data: list[pb.Datum], loss_fn: str = "cross_entropy") -> pb.TrainerOp:
+    return pb.TrainerOp(model_id=model_id, seq_id=seq, tenant="t", request_id=f"r{seq}",
+                        forward_backward=pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, data=data,
+                                                                   loss_fn=loss_fn))
+
+
+def opt(model_id: str, seq: int, lr: float = 1e-2) -> pb.TrainerOp:
+    return pb.TrainerOp(model_id=model_id, seq_id=seq, tenant="t", request_id=f"r{seq}",
+                        optim_step=pb.OptimStepRequest(model_id=model_id, seq_id=seq,
+                                                       adam_params=pb.AdamParams(learning_rate=lr, beta1=0.9,
+                                                                                 beta2=0.95, eps=1e-12)))
+
+
+@pytest.fixture()
+def engine(model_cache: Path, tiny_dir: Path) -> TrainerEngine:
+    eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache), ModelCatalog.from_spec(BASE, model_cache))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def create(eng: TrainerEngine, model_id: str, rank: int = 4, seed: int = 7) -> None:
+    eng.create_adapter(pb.CreateAdapterRequest(model_id=model_id, tenant="t", base_model=BASE,
+                                               lora_config=pb.LoraConfig(rank=rank, seed=seed, train_attn=True,
+                                                                         train_mlp=True, train_unembed=True)))
+
+
+def weights(eng: TrainerEngine, model_id: str) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in eng.bank.get(model_id).weights.named_parameters().items()}
+
+
+def ops_for(model_id: str) -> list[pb.TrainerOp]:
+    out = []
+    for k in range(4):
+        out += [fb(model_id, 2 * k + 1, batch(k)), opt(model_id, 2 * k + 2)]
+    return out
+
+
+def test_out_of_order_and_duplicated_delivery_equals_in_order(engine: TrainerEngine) -> None:
+    create(engine, "in-order")
+    create(engine, "shuffled")
+    for op in ops_for("in-order"):
+        engine.submit(op).result(timeout=60)
+    ops = ops_for("shuffled")
+    delivery = ops + random.Random(0).sample(ops, 5)  # every op once, then five repeats
+    random.Random(1).shuffle(delivery)
+    futures: list = []
+    threads = [threading.Thread(target=lambda o=o: futures.append((o.seq_id, engine.submit(o)))) for o in delivery]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results: dict[int, pb.TrainerResult] = {}
+    for seq, f in futures:
+        r = f.result(timeout=60)
+        assert results.setdefault(seq, r) is r, "a repeated seq_id must get the first delivery's answer"
+    assert [results[s].receipt.seq_id for s in sorted(results)] == list(range(1, 9))
+    assert [results[s].receipt.adapter_step for s in sorted(results)] == [0, 1, 1, 2, 2, 3, 3, 4]
+    a, b = weights(engine, "in-order"), weights(engine, "shuffled")
+    assert engine.bank.get("shuffled").step == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert any(not torch.equal(a[k], weights_init) for k, weights_init in _fresh(engine).items())
+
+
+def _fresh(engine: TrainerEngine) -> dict[str, torch.Tensor]:
+    create(engine, "fresh")
+    return weights(engine, "fresh")
+
+
+def test_forward_backward_and_optim_step_share_a_cycle(engine: TrainerEngine) -> None:
+    create(engine, "m")
+    f2 = engine.submit(opt("m", 2))
+    f1 = engine.submit(fb("m", 1, batch(3)))
+    r1, r2 = f1.result(timeout=60), f2.result(timeout=60)
+    assert r1.receipt.cycle == r2.receipt.cycle
+    assert r1.forward_backward.metrics["loss:sum"] > 0
+    assert r2.receipt.adapter_step == 1
+
+
+BAD = [
+    (lambda: [datum([1, 2, 3], targets=[2, 3])], "datum 0: loss_fn_inputs['target_tokens'] has length 2 but "
+                                                 "model_input has 3 tokens"),
+    (lambda: [datum([1, 2, 3], weights=[1.0, 1.0])], "datum 0: loss_fn_inputs['weights'] has length 2"),
+    (lambda: [datum([5, 6]), pb.Datum()], "datum 1: model_input is empty"),
+    (lambda: [datum([1, -4, 3])], "datum 0: model_input[1] = -4 is outside the vocabulary"),
+    (lambda: [datum([1, 99999, 3])], "datum 0: model_input[1] = 99999 is outside the vocabulary"),
+    (lambda: [datum([1, 2, 3], targets=[2, 3, 10**6])], "loss_fn_inputs['target_tokens'][2] = 1000000 is outside"),
+    (lambda: [datum([1, 2, 3], weights=[1.0, float("nan"), 1.0])], "loss_fn_inputs['weights'][1] = nan is not "
+                                                                   "finite"),
+    (lambda: [datum([1, 2, 3], advantages=tensor([0.0] * 3, "float32"))], "unknown key(s) ['advantages'] for "
+                                                                          "loss 'cross_entropy'"),
+    (lambda: [datum([1, 2, 3], targets=[2.0, 3.0, 4.0])], None),  # replaced below: float targets
+    (lambda: [datum(list(range(1, 600)))], "model_input has 599 tokens, over the model's context length 512"),
+    (lambda: [], "data is empty"),
+]
+
+
+def _float_targets() -> list[pb.Datum]:
+    d = datum([1, 2, 3])
+    d.loss_fn_inputs["target_tokens"].CopyFrom(tensor([2.0, 3.0, 4.0], "float32"))
+    return [d]
+
+
+BAD[8] = (_float_targets, "loss_fn_inputs['target_tokens']: dtype float32 must be int64")
+
+
+@pytest.mark.parametrize("make,message", BAD)
+def test_bad_input_is_rejected_with_its_message_and_changes_nothing(engine: TrainerEngine, make, message) -> None:  # noqa: ANN001
+    create(engine, "bad")
+    engine.submit(fb("bad", 1, batch(0))).result(timeout=60)  # leaves a gradient to protect
+    before = weights(engine, "bad")
+    grads = {k: p.grad.clone() for k, p in engine.bank.get("bad").weights.named_parameters().items()}
+    res = engine.submit(fb("bad", 2, make())).result(timeout=60)
+    assert res.WhichOneof("result") == "error"
+    assert res.error.code == "InvalidArgument" and res.error.category == "user"
+    assert message in res.error.message
+    for k, p in engine.bank.get("bad").weights.named_parameters().items():
+        assert torch.equal(p.detach(), before[k]) and torch.equal(p.grad, grads[k])
+    ok = engine.submit(opt("bad", 3)).result(timeout=60)  # the run goes on
+    assert ok.WhichOneof("result") == "optim_step" and ok.receipt.adapter_step == 1
+
+
+def test_unknown_loss_and_bad_config_and_bad_adam(engine: TrainerEngine) -> None:
+    create(engine, "cfg")
+    r = engine.submit(fb("cfg", 1, batch(0), loss_fn="hinge")).result(timeout=60)
+    assert "unknown loss_fn 'hinge'" in r.error.message
+    op = fb("cfg", 2, batch(0), loss_fn="ppo")
+    op.forward_backward.loss_fn_config["clip_low"] = 0.5
+    assert "loss_fn_config has unknown key(s) ['clip_low']" in engine.submit(op).result(timeout=60).error.message
+    bad = opt("cfg", 3, lr=-1.0)
+    assert "adam_params.learning_rate = -1.0" in engine.submit(bad).result(timeout=60).error.message
+
+
+def test_bad_lora_config_and_unknown_base_model(engine: TrainerEngine) -> None:
+    from lathe.errors import InvalidArgument, NotFound
+
+    with pytest.raises(InvalidArgument, match="lora rank must be in"):
+        create(engine, "r0", rank=0)
+    with pytest.raises(NotFound, match="nope"):
+        engine.create_adapter(pb.CreateAdapterRequest(model_id="x", tenant="t", base_model="nope",
+                                                      lora_config=pb.LoraConfig(rank=4, train_mlp=True)))
+
+
+def _engine(model_cache: Path, **kw: object) -> TrainerEngine:
+    return TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, **kw),
+                         ModelCatalog.from_spec(BASE, model_cache))
+
+
+def _lp(r: pb.TrainerResult) -> list[np.ndarray]:
+    return [np.frombuffer(o.tensors["logprobs"].data, np.float32) for o in r.forward_backward.loss_fn_outputs]
+
+
+def test_batch_over_capacity_is_split_across_cycles_and_equals_unsplit(model_cache: Path, tiny_dir: Path) -> None:
+    split, whole = _engine(model_cache, cycle_tokens=40), _engine(model_cache)
+    data = batch(5, n=8)  # about 140 tokens: four or more cycles of 40
+    out = {}
+    for name, eng in (("split", split), ("whole", whole)):
+        create(eng, "m")
+        f1, f2 = eng.submit(fb("m", 1, data)), eng.submit(opt("m", 2))
+        while not f2.done():
+            assert eng.run_cycle() > 0
+        out[name] = (f1.result(), f2.result(), weights(eng, "m"), eng.cycle)
+    (s_fb, s_opt, s_w, s_cycles), (w_fb, _, w_w, w_cycles) = out["split"], out["whole"]
+    assert w_cycles == 1 and s_cycles >= 4
+    assert s_fb.receipt.cycle == s_opt.receipt.cycle == s_cycles  # the step lands with the last part
+    assert s_fb.forward_backward.metrics["loss:sum"] == pytest.approx(w_fb.forward_backward.metrics["loss:sum"],
+                                                                      rel=1e-6)
+    for a, b in zip(_lp(s_fb), _lp(w_fb), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for k in s_w:
+        assert float((s_w[k] - w_w[k]).norm()) <= 1e-6 * max(float(w_w[k].norm()), 1e-12), k
+
+
+def test_small_tenant_is_not_starved_behind_a_large_one(model_cache: Path, tiny_dir: Path) -> None:
+    eng = _engine(model_cache, cycle_tokens=40)
+    create(eng, "big")
+    create(eng, "small")
+    f_big = eng.submit(fb("big", 1, batch(9, n=10)))
+    f_small = [eng.submit(fb("small", 1, batch(1, n=1))), eng.submit(opt("small", 2))]
+    while not f_small[1].done():
+        eng.run_cycle()
+    assert not f_big.done(), "the small tenant finished while the large request was still being split"
+    while not f_big.done():
+        eng.run_cycle()
+    assert f_small[1].result().receipt.cycle < f_big.result().receipt.cycle
+
+
+def test_one_tenants_failure_leaves_the_others_untouched(model_cache: Path, tiny_dir: Path) -> None:
+    alone, mixed = _engine(model_cache), _engine(model_cache)
+    for eng in (alone, mixed):
+        create(eng, "good")
+    create(mixed, "poisoned")
+    with torch.no_grad():
+        for p in mixed.bank.get("poisoned").weights.parameters():
+            p.fill_(float("nan"))
+    f_alone = alone.submit(fb("good", 1, batch(2)))
+    f_bad, f_good = mixed.submit(fb("poisoned", 1, batch(3))), mixed.submit(fb("good", 1, batch(2)))
+    alone.run_cycle()
+    mixed.run_cycle()
+    bad, good, ref = f_bad.result(), f_good.result(), f_alone.result()
+    assert bad.receipt.cycle == good.receipt.cycle == 1  # they really shared the cycle
+    assert bad.WhichOneof("result") == "error" and "is nan" in bad.error.message
+    assert all(np.array_equal(a, b) for a, b in zip(_lp(good), _lp(ref), strict=True))
+    ga = {k: p.grad for k, p in mixed.bank.get("good").weights.named_parameters().items()}
+    gb = {k: p.grad for k, p in alone.bank.get("good").weights.named_parameters().items()}
+    assert all(torch.equal(ga[k], gb[k]) for k in ga)
+
+
+def test_paging_adapters_out_and_back_in_changes_nothing(model_cache: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    tight = _engine(model_cache, max_resident_adapters=1, page_store=str(tmp_path / "pages"))
+    roomy = _engine(model_cache)
+    results: dict[str, list[pb.TrainerResult]] = {"tight": [], "roomy": []}
+    paged_seen = 0
+    for name, eng in (("tight", tight), ("roomy", roomy)):
+        for mid in ("a", "b", "c"):
+            create(eng, mid, seed=ord(mid))
+        for k in range(3):  # forward_backward in one cycle, its optim_step in a later one
+            for kind in (fb, opt):
+                futs = [eng.submit(kind(mid, 2 * k + (1 if kind is fb else 2), *([batch(k)] if kind is fb else [])))
+                        for mid in ("a", "b", "c")]
+                eng.run_cycle()
+                results[name] += [f.result() for f in futs]
+                if name == "tight":
+                    paged_seen = max(paged_seen, eng.bank.paged)
+                    assert eng.bank.resident == 1
+    assert paged_seen == 2
+    for r_t, r_r in zip(results["tight"], results["roomy"], strict=True):
+        assert r_t.WhichOneof("result") == r_r.WhichOneof("result")
+        if r_t.WhichOneof("result") == "forward_backward":
+            assert all(np.array_equal(a, b) for a, b in zip(_lp(r_t), _lp(r_r), strict=True))
+    for mid in ("a", "b", "c"):
+        assert all(torch.equal(weights(tight, mid)[k], v) for k, v in weights(roomy, mid).items())
