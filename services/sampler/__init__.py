@@ -1,1 +1,25 @@
-"""lathe.sampler"""
+"""lathe.sampler: the native sampling engine (many LoRA adapters on one frozen base model).
+
+In:  ``lathe.v1.Sampler.Sample(SampleRequest)`` from the gateway: prompt tokens, Tinker's sampling
+     params (temperature, top_k, top_p, seed, max_tokens, stop strings / token ids / EOS),
+     num_samples, prompt_logprobs / topk_prompt_logprobs, and the policy: base model, tenant,
+     sampler-weights path and the version (creation time) the sampling client was bound to.
+Out: ``SampleResult``: per sequence the tokens, the logprob of each (temperature 1, bitwise equal to
+     the trainer's forward logprob for the same tokens when both run the batch-invariant ops), the stop
+     reason ("stop" | "length") and the policy version; prompt logprobs; a receipt; or an ``Error``.
+
+Where a request's data lives, and who owns it:
+  server.SamplerServicer   gRPC only: request in, awaited future out
+  engine.SamplerEngine     admission queue, waiting line, running sequences, the scheduler thread;
+                           base models (one ``lathe.models.decoder.Decoder`` each, CPU, pool dtype)
+  validate.check_sample    SampleRequest -> Plan (checked prompt, params, stop rule, seed)
+  adapters.AdapterCache    (tenant, path, version) -> LoraWeights, LRU; bytes from an AdapterSource
+  kv.SeqCache / StepKV     per-sequence K/V buffers per layer (model dtype, grown in 64-token blocks)
+                           and the decoder's KVCache view of one packed step
+  step.run_step            one packed forward (prefills + decode tokens, adapter segments) -> rows
+  sampling.choose          one logits row -> next token (greedy / temperature / top-k / top-p, per-
+                           sequence seeded generator);  stops.StopRule: when a sequence ends
+
+Never touches: the trainer or its adapter bank, object storage (checkpoint bytes come through the
+checkpoints service), sessions, auth or futures (the gateway's).
+"""

@@ -1,0 +1,387 @@
+"""The native sampler engine: continuous batching across requests and adapters, no gRPC in sight.
+
+Data path of a request:
+  ``sample(SampleRequest)`` -> admission queue (bounded: ``ResourceExhausted`` when full) -> a loader
+  thread resolves the base model, checks the request (``validate.check_sample``) and fetches its
+  adapter (``AdapterCache``) -> the waiting line -> the scheduler thread admits it (FIFO, within
+  ``max_running`` sequences and ``max_prefill_tokens`` per step) -> every step runs, per base model,
+  ONE packed forward (``step.run_step``) holding the prompt of each newly admitted request (prefilled
+  once, then forked into its ``num_samples`` sequences) and one decode token of every running
+  sequence -> each sequence draws its next token from its own last row -> finished sequences
+  ("stop": stop token / EOS / stop string; "length": max_tokens) leave the batch at once; when all of
+  a request's sequences are done, its future resolves to a ``SampleResult``.
+
+Every problem with one request (bad argument, unknown model, overwritten checkpoint) resolves that
+request's future with ``SampleResult(error=...)`` and touches nothing else; only a full queue (and a
+stopping engine) is raised from ``sample`` itself, since no request exists yet.
+
+Owns: the base models (one ``Decoder`` per served model, loaded on first use), the KV caches of
+running sequences, the adapter cache. Never touches the trainer, storage (bytes come through an
+``AdapterSource``) or the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tokenizers import Tokenizer
+
+from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
+from lathe.models.decoder import Decoder
+from lathe.models.lora import LoraWeights
+from lathe.sampler.adapters import AdapterCache, AdapterSource
+from lathe.sampler.kv import SeqCache
+from lathe.sampler.sampling import choose, generator
+from lathe.sampler.step import Item, ItemOut, run_step
+from lathe.sampler.validate import ModelLimits, Plan, check_sample
+from lathe.v1 import lathe_pb2 as pb
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CatalogEntry(Protocol):
+    name: str
+    path: Path
+    max_context_length: int
+
+
+class Catalog(Protocol):
+    """What the engine needs from ``lathe.models.catalog.ModelCatalog``."""
+
+    def resolve(self, name: str) -> CatalogEntry:
+        """The served model called ``name``; ``KeyError`` when there is none."""
+        ...
+
+    def entries(self) -> list[CatalogEntry]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerConfig:
+    models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
+    cache_root: Path = Path(".cache/lathe")
+    dtype: str = "float32"  # the dtype of the frozen base weights (LoRA is cast to it)
+    invariant: bool = True  # batch-invariant ops: logprobs bitwise equal to the trainer's
+    max_running: int = 64  # sequences decoding at once (each sample of a request is one)
+    max_queue: int = 1024  # requests accepted but not yet running
+    adapter_cache: int = 16  # adapters kept loaded
+    max_prefill_tokens: int = 4096  # prompt tokens admitted per step (a lone request always fits)
+    loaders: int = 2  # threads that load models and adapters and check requests
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "loaders"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class _Base:
+    model: Decoder
+    limits: ModelLimits
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    req: pb.SampleRequest
+    future: Future[pb.SampleResult]
+    arrived: float
+    base: _Base | None = None
+    plan: Plan | None = None
+    adapter: LoraWeights | None = None
+    admitted: float = 0.0
+    step: int = 0
+    seqs: list[_Seq] = field(default_factory=list)
+    unfinished: int = 0
+    output: pb.SampleOutput = field(default_factory=pb.SampleOutput)
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    request: _Request
+    gen: torch.Generator
+    cache: SeqCache | None = None  # None once finished
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str = ""
+
+
+def _error(e: LatheError) -> pb.Error:
+    return pb.Error(code=type(e).__name__, message=e.message, category=e.category)
+
+
+class SamplerEngine:
+    def __init__(self, cfg: SamplerConfig, catalog: Catalog, source: AdapterSource | None = None) -> None:
+        self.cfg, self.catalog = cfg, catalog
+        self.dtype = DTYPES[cfg.dtype]
+        self.adapters = AdapterCache(source, cfg.adapter_cache)
+        self.steps = 0
+        self._bases: dict[str, _Base] = {}
+        self._base_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._live: set[_Request] = set()
+        self._queued = 0  # accepted and not yet admitted (being checked or waiting)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Seq] = []  # the scheduler thread's alone
+        self._loader = ThreadPoolExecutor(cfg.loaders, thread_name_prefix="sampler-load")
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- models ----
+
+    def base(self, name: str) -> _Base:
+        """The served base model ``name``, loaded on first use (``NotFound`` when not served)."""
+        with self._base_lock:
+            if name not in self._bases:
+                try:
+                    entry = self.catalog.resolve(name)
+                except KeyError:
+                    raise NotFound(f"base_model {name!r} is not served by this sampler") from None
+                model = Decoder.from_dir(entry.path, dtype=self.dtype, invariant=self.cfg.invariant)
+                tok_file = Path(entry.path) / "tokenizer.json"
+                cfg = model.cfg
+                limits = ModelLimits(
+                    name=name, vocab_size=cfg.vocab_size, eos_ids=cfg.eos_token_ids,
+                    max_context=min(entry.max_context_length or cfg.max_position_embeddings,
+                                    cfg.max_position_embeddings),
+                    tokenizer=Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None,
+                )
+                self._bases[name] = _Base(model, limits)
+            return self._bases[name]
+
+    def capabilities(self) -> pb.ServerCapabilities:
+        return pb.ServerCapabilities(supported_models=[
+            pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length)
+            for e in self.catalog.entries()
+        ])
+
+    def stats(self) -> dict[str, int]:
+        """Gauges for monitoring: requests queued (being checked or waiting), of which waiting, running
+        sequences, adapters cached, steps run."""
+        with self._cond:
+            return {"queued": self._queued, "waiting": len(self._waiting), "running": len(self._running),
+                    "adapters": len(self.adapters), "steps": self.steps}
+
+    # ---- submission ----
+
+    def sample(self, req: pb.SampleRequest) -> Future[pb.SampleResult]:
+        """Accept one request; the future resolves to its ``pb.SampleResult`` (output or error).
+
+        Raises ``ResourceExhausted`` (with ``retry_after_s``) when the admission queue is full and
+        ``Unavailable`` when the engine is stopping; nothing is queued then.
+        """
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("the sampler is shutting down")
+            if self._queued >= self.cfg.max_queue:
+                raise ResourceExhausted(f"sampler queue is full ({self._queued} requests waiting); retry later",
+                                        retry_after_s=1.0)
+            self._queued += 1
+            r = _Request(req, Future(), time.monotonic())
+            self._live.add(r)
+        self._loader.submit(self._prepare, r)
+        return r.future
+
+    def _prepare(self, r: _Request) -> None:
+        """Loader thread: resolve the model, check the request, fetch its adapter, then queue it."""
+        try:
+            if not r.req.base_model:
+                raise InvalidArgument("base_model is empty: the gateway must name the model to sample")
+            r.base = self.base(r.req.base_model)
+            r.plan = check_sample(r.req, r.base.limits)
+            if r.req.model_path:
+                r.adapter = self.adapters.get(r.req.tenant, r.req.model_path, r.req.model_version,
+                                              r.base.model.cfg, self.dtype, r.req.base_model)
+        except Exception as e:  # noqa: BLE001 - any failure is this request's answer, never a hang
+            err = e if isinstance(e, LatheError) else Internal(f"loading failed: {type(e).__name__}: {e}")
+            with self._cond:
+                self._queued -= 1
+            self._finish(r, error=err)
+            return
+        with self._cond:
+            self._waiting.append(r)
+            self._cond.notify_all()
+
+    # ---- the scheduler ----
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="sampler-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the scheduler; every request not finished yet gets ``Unavailable``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self._loader.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            live = list(self._live)
+        for r in live:
+            self._finish(r, error=Unavailable("the sampler shut down before this request finished"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a bug fails the running requests instead of hanging them
+                err = Internal(f"sampler step {self.steps} failed: {type(e).__name__}: {e}")
+                for r in {s.request for s in self._running}:
+                    self._finish(r, error=err)
+                self._running = []
+
+    def _admit(self) -> list[_Request]:
+        """Take requests off the waiting line, FIFO, while they fit (caller holds the lock)."""
+        out: list[_Request] = []
+        seqs, tokens = len(self._running), 0
+        while self._waiting:
+            r = self._waiting[0]
+            if not r.future.cancelled():
+                n, length = r.plan.num_samples, len(r.plan.prompt)
+                if (out or self._running) and (seqs + n > self.cfg.max_running
+                                               or tokens + length > self.cfg.max_prefill_tokens):
+                    break
+                out.append(r)
+                seqs, tokens = seqs + n, tokens + length
+            else:
+                self._live.discard(r)
+            self._waiting.popleft()
+            self._queued -= 1
+        return out
+
+    def step(self) -> int:
+        """One step: admit, one packed forward per base model, draw a token per sequence, finish.
+
+        Returns the number of sequences that received a token.
+        """
+        with self._cond:
+            admitted = self._admit()
+            cancelled = {s.request for s in self._running if s.request.future.cancelled()}
+            self._live -= cancelled
+        self._running = [s for s in self._running if s.request not in cancelled]
+        if not admitted and not self._running:
+            return 0
+        self.steps += 1
+        now = time.monotonic()
+        work: dict[int, tuple[_Base, list[_Request], list[_Seq]]] = {}
+        for r in admitted:
+            r.admitted, r.step = now, self.steps
+            work.setdefault(id(r.base), (r.base, [], []))[1].append(r)
+        for s in self._running:
+            work.setdefault(id(s.request.base), (s.request.base, [], []))[2].append(s)
+        advanced: list[_Seq] = []
+        for base, prefills, decodes in work.values():
+            advanced += self._forward(base, prefills, decodes)
+        self._running = [s for s in advanced if not s.stop_reason]
+        return len(advanced)
+
+    def _forward(self, base: _Base, prefills: list[_Request], decodes: list[_Seq]) -> list[_Seq]:
+        """Run one base model's packed forward and draw every sequence's next token."""
+        cfg = base.model.cfg
+        items = [Item(list(r.plan.prompt), SeqCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),
+                      r.adapter, r.plan.prompt_logprobs, r.plan.topk_prompt) for r in prefills]
+        items += [Item([s.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
+        try:
+            outs = run_step(base.model, items)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving
+            err = Internal(f"sampler step {self.steps} failed: {type(e).__name__}: {e}")
+            for r in {*prefills, *(s.request for s in decodes)}:
+                self._finish(r, error=err)
+            return []
+        advanced: list[_Seq] = []
+        failed: set[_Request] = set()
+        k = len(prefills)
+        for r, item, out in zip(prefills, items[:k], outs[:k], strict=True):
+            try:
+                advanced += self._start_samples(r, item.cache, out)
+            except Exception as e:  # noqa: BLE001 - e.g. non-finite logits: fail this request alone
+                failed.add(r)
+                self._finish(r, error=Internal(f"sampling failed: {e}"))
+        for s, out in zip(decodes, outs[k:], strict=True):
+            if s.request in failed:
+                continue
+            try:
+                self._advance(s, out)
+            except Exception as e:  # noqa: BLE001
+                failed.add(s.request)
+                self._finish(s.request, error=Internal(f"sampling failed: {e}"))
+            advanced.append(s)
+        return [s for s in advanced if s.request not in failed]
+
+    def _start_samples(self, r: _Request, cache: SeqCache, out: ItemOut) -> list[_Seq]:
+        """After a prefill: record prompt logprobs, draw each sample's first token, fork the cache."""
+        plan = r.plan
+        if plan.prompt_logprobs:
+            r.output.prompt_logprobs.extend([math.nan, *out.prompt_logprobs.tolist()])
+        if plan.topk_prompt:
+            r.output.topk_prompt_logprobs.append(pb.TopkLogprobs())
+            for ids, lps in zip(out.topk_ids.tolist(), out.topk_logprobs.tolist(), strict=True):
+                r.output.topk_prompt_logprobs.append(pb.TopkLogprobs(token_ids=ids, logprobs=lps))
+        r.seqs = [_Seq(r, generator(plan.seed, i)) for i in range(plan.num_samples)]
+        r.unfinished = len(r.seqs)
+        for s in r.seqs:
+            self._advance(s, out)
+        alive = [s for s in r.seqs if not s.stop_reason]
+        for k, s in enumerate(alive):  # the last one takes the prefilled cache itself, the others copies
+            s.cache = cache if k == len(alive) - 1 else cache.fork()
+        return r.seqs
+
+    def _advance(self, s: _Seq, out: ItemOut) -> None:
+        """Draw the next token of ``s`` from its row; record its logprob; finish it if it stops."""
+        r = s.request
+        token = choose(out.logits, r.plan.rule, s.gen)
+        s.tokens.append(token)
+        s.logprobs.append(float(out.logprobs[token]))
+        if r.plan.stop.hit(s.tokens):
+            s.stop_reason = "stop"
+        elif len(s.tokens) >= r.plan.max_tokens:
+            s.stop_reason = "length"
+        else:
+            return
+        s.cache = None
+        r.unfinished -= 1
+        if r.unfinished == 0:
+            self._finish(r)
+
+    # ---- results ----
+
+    def _finish(self, r: _Request, error: LatheError | None = None) -> None:
+        """Resolve ``r``'s future once (with its output, or ``error``) and forget the request."""
+        with self._cond:
+            if r not in self._live:
+                return
+            self._live.discard(r)
+        now = time.monotonic()
+        started = r.admitted or now
+        receipt = pb.Receipt(
+            request_id=r.req.request_id, seq_id=r.req.seq_id, cycle=r.step, dtype=self.cfg.dtype, op="sample",
+            tokens=(len(r.plan.prompt) + sum(len(s.tokens) for s in r.seqs)) if error is None else 0,
+            queued_s=started - r.arrived, run_s=now - started,
+        )
+        if error is not None:
+            result = pb.SampleResult(receipt=receipt, error=_error(error))
+        else:
+            policy = r.req.model_path or r.req.base_model
+            r.output.sequences.extend(
+                pb.SampledSequence(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason,
+                                   policy_version=policy)
+                for s in r.seqs
+            )
+            result = pb.SampleResult(receipt=receipt, sample=r.output)
+        with contextlib.suppress(InvalidStateError):  # the caller may have cancelled it meanwhile
+            r.future.set_result(result)

@@ -1,0 +1,37 @@
+"""gRPC door of the sampler: translates ``lathe.v1.Sampler`` calls into ``SamplerEngine`` calls.
+
+``Sample`` answers with the engine's ``SampleResult``: a per-request problem (bad argument, unknown
+model, overwritten checkpoint) is ``SampleResult.error`` with an OK status. Only a request the engine
+cannot accept at all aborts the call with its status: RESOURCE_EXHAUSTED when the queue is full (the
+trailing metadata ``retry-after`` holds the seconds to wait) and UNAVAILABLE while shutting down.
+If the caller goes away, the request is cancelled and its sequences leave the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from lathe.errors import LatheError
+from lathe.sampler.engine import SamplerEngine
+from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+
+
+class SamplerServicer(pb_grpc.SamplerServicer):
+    def __init__(self, engine: SamplerEngine) -> None:
+        self.engine = engine
+
+    async def Capabilities(self, request: pb.TrainerCapabilitiesRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ServerCapabilities:
+        return self.engine.capabilities()
+
+    async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext) -> pb.SampleResult:
+        try:
+            fut = self.engine.sample(request)
+        except LatheError as e:
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", f"{e.retry_after_s:g}"),))
+            await context.abort(e.status, e.message)
+        return await asyncio.wrap_future(fut)

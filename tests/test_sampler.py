@@ -1,0 +1,583 @@
+"""The native sampler in-process, against the trainer's own forward pass.
+
+Protects: the logprob reported for every sampled token is bitwise the trainer's forward logprob for
+the same token, whatever the batch (one request alone vs. many adapters and lengths with prefill
+and decode mixed in one step), in fp32 and bf16; plain ops do break that (so the check can fail);
+seeded sampling is batch-independent; greedy = argmax of the trainer's logits; stop strings / stop
+ids / max_tokens; prompt logprobs and top-k; request validation; the checkpoint version pin; the
+bounded queue; and the KV cache, selection rules and adapter cache on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from lathe.errors import NotFound, ResourceExhausted
+from lathe.models.catalog import ModelCatalog
+from lathe.models.decoder import Decoder, Packed
+from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+from lathe.sampler.adapters import AdapterCache
+from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.kv import BLOCK, SeqCache, StepKV
+from lathe.sampler.sampling import Rule, choose, generator
+from lathe.serving import READY_MARK
+from lathe.trainer.bank import Adapter
+from lathe.trainer.optimizer import AdamState
+from lathe.trainer.step import Job, run_jobs
+from lathe.trainer.validate import Example
+from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+
+torch.set_num_threads(1)
+BASE = "lathe/tiny-llama"
+TENANT = "t"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+class MemorySource:
+    """An ``AdapterSource`` over a dict: (tenant, path) -> (files, version); counts fetches."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str], tuple[dict[str, bytes], float]] = {}
+        self.fetches = 0
+
+    def put(self, path: str, weights: LoraWeights, version: float) -> None:
+        state = Adapter(path, TENANT, BASE, weights, AdamState.zeros(weights.named_parameters()))
+        self.items[(TENANT, path)] = (state.sampler_files(), version)
+
+    def get(self, tenant: str, path: str) -> tuple[dict[str, bytes], float]:
+        self.fetches += 1
+        if (tenant, path) not in self.items:
+            raise NotFound(f"no checkpoint at {path}")
+        return self.items[(tenant, path)]
+
+
+def lora(model: Decoder, rank: int, seed: int, **targets: bool) -> LoraWeights:
+    """An adapter with random A and random non-zero B (so it changes the logprobs)."""
+    w = LoraWeights.init(model.cfg, LoraSpec(rank=rank, **targets), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for b in w.b.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.02)
+    return w
+
+
+@functools.cache
+def trainer_model(model_dir: Path, dtype: str, invariant: bool) -> Decoder:
+    return Decoder.from_dir(model_dir, dtype=DTYPES[dtype], invariant=invariant)
+
+
+@functools.cache
+def adapters(model_dir: Path) -> dict[str, LoraWeights]:
+    """Sampler-weights paths -> adapters: different ranks and target sets."""
+    m = trainer_model(model_dir, "float32", True)
+    return {
+        "tinker://run-a/sampler_weights/s1": lora(m, 2, 11),
+        "tinker://run-b/sampler_weights/s1": lora(m, 4, 12, train_mlp=False),
+        "tinker://run-c/sampler_weights/s1": lora(m, 8, 13, train_attn=False, train_unembed=False),
+    }
+
+
+def source_for(model_dir: Path) -> MemorySource:
+    src = MemorySource()
+    for path, w in adapters(model_dir).items():
+        src.put(path, w, version=100.0)
+    return src
+
+
+def trainer_logprobs(model: Decoder, weights: LoraWeights | None, tokens: list[int]) -> torch.Tensor:
+    """The trainer's forward logprobs ``[len(tokens) - 1]`` of tokens[1:] (base model: a B = 0 adapter)."""
+    w = weights if weights is not None else LoraWeights.init(model.cfg, LoraSpec(rank=1), seed=0)
+    ex = Example(tokens[:-1], torch.tensor(tokens[1:]), {"weights": torch.ones(len(tokens) - 1)})
+    return run_jobs(model, [Job(w, [ex], "cross_entropy", {}, backward=False)])[0].logprobs[0]
+
+
+def request(prompt: list[int], *, path: str = "", n: int = 1, max_tokens: int = 8, seed: int | None = 1,
+            temperature: float = 1.0, prompt_logprobs: bool = False, top_p: float = 1.0,
+            **params: object) -> pb.SampleRequest:
+    sp = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, **params)
+    if seed is not None:
+        sp.seed = seed
+    return pb.SampleRequest(prompt=prompt, num_samples=n, params=sp, prompt_logprobs=prompt_logprobs,
+                            tenant=TENANT, base_model=BASE, model_path=path,
+                            model_version=100.0 if path else 0.0, request_id=f"req-{random.random()}")
+
+
+def make_engine(model_cache: Path, source: MemorySource | None = None, **cfg: object) -> SamplerEngine:
+    cfg.setdefault("max_running", 64)
+    return SamplerEngine(SamplerConfig(models=BASE, cache_root=model_cache, **cfg),
+                         ModelCatalog.from_spec(BASE, model_cache), source)
+
+
+@pytest.fixture()
+def engines(model_cache: Path) -> Iterator[Callable[..., SamplerEngine]]:
+    """``engines(source=None, **config)``: engines that are not started (tests drive them with
+    ``pump``) and are stopped after the test."""
+    made: list[SamplerEngine] = []
+
+    def make(source: MemorySource | None = None, **cfg: object) -> SamplerEngine:
+        made.append(make_engine(model_cache, source, **cfg))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.stop()
+
+
+def wait_waiting(eng: SamplerEngine, n: int, timeout: float = 60.0) -> None:
+    """Block until ``n`` requests passed their checks and wait for admission."""
+    deadline = time.monotonic() + timeout
+    while eng.stats()["waiting"] < n:
+        assert time.monotonic() < deadline, f"requests never reached the waiting line: {eng.stats()}"
+        time.sleep(0.001)
+
+
+def pump(eng: SamplerEngine, futures: list[Future], timeout: float = 120.0) -> list[pb.SampleResult]:
+    """Drive an engine that was not started: run steps until every future is resolved."""
+    deadline = time.monotonic() + timeout
+    while not all(f.done() for f in futures):
+        assert time.monotonic() < deadline, "sampling did not finish"
+        if eng.step() == 0:
+            time.sleep(0.001)
+    return [f.result() for f in futures]
+
+
+def ok(res: pb.SampleResult) -> pb.SampleOutput:
+    assert res.WhichOneof("result") == "sample", res.error
+    return res.sample
+
+
+def sample_one(eng: SamplerEngine, req: pb.SampleRequest) -> pb.SampleResult:
+    return pump(eng, [eng.sample(req)])[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+
+
+# ---------------------------------------------------------------- exactness against the trainer
+
+
+def _workload(vocab: int) -> list[pb.SampleRequest]:
+    """Requests over three adapters and the base model, with different prompt lengths and sizes."""
+    rng = random.Random(5)
+    paths = ["", "tinker://run-a/sampler_weights/s1", "tinker://run-b/sampler_weights/s1",
+             "tinker://run-c/sampler_weights/s1"]
+    reqs = []
+    for i in range(8):
+        prompt = [rng.randrange(vocab) for _ in range(rng.choice([1, 3, 7, 18, 40, 70]))]
+        reqs.append(request(prompt, path=paths[i % 4], n=1 + i % 3, max_tokens=6 + i % 5, seed=100 + i,
+                            top_k=[0, 40][i % 2], top_p=[1.0, 0.95][i % 3 == 0], prompt_logprobs=i % 2 == 0))
+    return reqs
+
+
+@functools.cache
+def _runs(model_cache: Path, model_dir: Path, dtype: str, invariant: bool
+          ) -> tuple[list[pb.SampleRequest], list[pb.SampleOutput], list[pb.SampleOutput]]:
+    """The workload run one request at a time, and run busy: four requests, three steps later the
+    other four arrive (their prefills share steps with the first four's decodes)."""
+    eng = make_engine(model_cache, source_for(model_dir), dtype=dtype, invariant=invariant)
+    reqs = _workload(trainer_model(model_dir, dtype, invariant).cfg.vocab_size)
+    alone = [ok(sample_one(eng, r)) for r in reqs]
+    first = [eng.sample(r) for r in reqs[:4]]
+    wait_waiting(eng, 4)
+    for _ in range(3):
+        eng.step()
+    second = [eng.sample(r) for r in reqs[4:]]
+    wait_waiting(eng, 4)
+    busy = pump(eng, first + second)
+    start = busy[0].receipt.cycle  # the first four were prefilled together, the others 3 steps later,
+    assert [r.receipt.cycle for r in busy] == [start] * 4 + [start + 3] * 4  # in the middle of their decoding
+    assert min(q.params.max_tokens for q in reqs[:4]) > 3
+    eng.stop()
+    return reqs, alone, [ok(r) for r in busy]
+
+
+def _mismatches(model_cache: Path, model_dir: Path, dtype: str, invariant: bool) -> tuple[int, int]:
+    """(tokens whose sampled logprob differs from the trainer's, tokens compared)."""
+    reqs, alone, busy = _runs(model_cache, model_dir, dtype, invariant)
+    model = trainer_model(model_dir, dtype, invariant)
+    ads = adapters(model_dir)
+    bad = total = 0
+    for req, outs in zip(reqs * 2, alone + busy, strict=True):
+        for seq in outs.sequences:
+            full = list(req.prompt) + list(seq.tokens)
+            ref = trainer_logprobs(model, ads.get(req.model_path), full)[len(req.prompt) - 1:]
+            got = torch.tensor(list(seq.logprobs), dtype=torch.float32)
+            bad += int((got != ref).sum())
+            total += len(seq.tokens)
+    return bad, total
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampled_logprobs_equal_trainer_forward_bitwise(model_cache: Path, tiny_dir: Path, dtype: str) -> None:
+    bad, total = _mismatches(model_cache, tiny_dir, dtype, invariant=True)
+    assert total > 100
+    assert bad == 0, f"{bad}/{total} sampled logprobs differ from the trainer's"
+
+
+def test_plain_ops_break_exactness(model_cache: Path, tiny_dir: Path) -> None:
+    """The same comparison with invariant=False on both sides: some logprob differs."""
+    bad, total = _mismatches(model_cache, tiny_dir, "float32", invariant=False)
+    assert bad > 0, f"all {total} logprobs matched with plain ops: the exactness test cannot fail"
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(model_cache: Path, tiny_dir: Path) -> None:
+    reqs, alone, busy = _runs(model_cache, tiny_dir, "float32", True)
+    for req, a, b in zip(reqs, alone, busy, strict=True):
+        assert [list(s.tokens) for s in a.sequences] == [list(s.tokens) for s in b.sequences]
+        assert len(a.sequences) == req.num_samples
+    multi = [a for a in alone if len(a.sequences) > 1]
+    assert any(len({tuple(s.tokens) for s in a.sequences}) > 1 for a in multi), "samples of a request are all equal"
+
+
+def test_prompt_logprobs_equal_trainer_forward(model_cache: Path, tiny_dir: Path) -> None:
+    reqs, alone, busy = _runs(model_cache, tiny_dir, "float32", True)
+    model = trainer_model(tiny_dir, "float32", True)
+    checked = 0
+    for req, out in zip(reqs * 2, alone + busy, strict=True):
+        if not req.prompt_logprobs:
+            assert len(out.prompt_logprobs) == 0
+            continue
+        lp = list(out.prompt_logprobs)
+        assert len(lp) == len(req.prompt) and math.isnan(lp[0])
+        if len(req.prompt) > 1:
+            ref = trainer_logprobs(model, adapters(tiny_dir).get(req.model_path), list(req.prompt))
+            assert torch.equal(torch.tensor(lp[1:], dtype=torch.float32), ref)
+            checked += 1
+    assert checked >= 4
+
+
+# ---------------------------------------------------------------- selection and stopping
+
+
+def test_greedy_is_argmax_of_trainer_logits(engines: Callable[..., SamplerEngine], tiny_dir: Path) -> None:
+    path = "tinker://run-a/sampler_weights/s1"
+    w = adapters(tiny_dir)[path]
+    model = trainer_model(tiny_dir, "float32", True)
+    eng = engines(source_for(tiny_dir))
+    prompt = [5, 17, 3, 99, 42]
+    out = ok(sample_one(eng, request(prompt, path=path, n=2, max_tokens=12, temperature=0.0, seed=None)))
+    full = prompt + list(out.sequences[0].tokens)
+    batch = Packed.from_sequences([full[:-1]])
+    segs = LoraBatch([0, len(full) - 1], [0], [w])
+    with torch.no_grad():
+        logits = model.logits(model.hidden(batch, segs), segs)
+    assert list(out.sequences[0].tokens) == logits.argmax(-1)[len(prompt) - 1:].tolist()
+    assert list(out.sequences[1].tokens) == list(out.sequences[0].tokens)  # greedy ignores the seed
+    assert [s.stop_reason for s in out.sequences] == ["length", "length"]
+    assert {s.policy_version for s in out.sequences} == {path}
+
+
+def _greedy(eng: SamplerEngine, prompt: list[int], **params: object) -> pb.SampledSequence:
+    return ok(sample_one(eng, request(prompt, temperature=0.0, seed=None, **params))).sequences[0]
+
+
+def test_stop_token_ids_and_stop_strings_end_with_stop(engines: Callable[..., SamplerEngine],
+                                                       tokenizer: Tokenizer) -> None:
+    eng = engines()
+    prompt = [7, 8, 9, 10, 11]
+    free = list(_greedy(eng, prompt, max_tokens=24).tokens)
+    assert len(free) == 24
+    # stop token id: the sequence ends at the first occurrence, which is kept
+    stop_id = free[5]
+    seq = _greedy(eng, prompt, max_tokens=24, stop_token_ids=[stop_id])
+    assert list(seq.tokens) == free[: free.index(stop_id) + 1] and seq.stop_reason == "stop"
+
+
+def test_stop_strings_end_at_the_token_that_completes_them(engines: Callable[..., SamplerEngine],
+                                                           tokenizer: Tokenizer) -> None:
+    """Stop strings taken from the greedy text (2+ characters over 1-3 tokens); the expected cut is
+    the first prefix whose full decoding contains the string."""
+    eng = engines()
+
+    def text(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens, skip_special_tokens=False)
+
+    checked = 0
+    for first in range(1, 40, 3):
+        prompt = [first, first + 1, first + 2]
+        free = list(_greedy(eng, prompt, max_tokens=24).tokens)
+        spans = [text(free[j:j + n]) for n in (2, 3, 1) for j in range(2, len(free) - n)]
+        usable = [s for s in spans if len(s.strip()) >= 2 and "\ufffd" not in s]
+        for stop in usable[:2]:
+            end = next(i for i in range(len(free)) if stop in text(free[: i + 1]))
+            seq = _greedy(eng, prompt, max_tokens=24, stop_strings=[stop, "never-in-this-text"])
+            assert list(seq.tokens) == free[: end + 1], repr(stop)
+            assert seq.stop_reason == "stop"
+            checked += 1
+        if checked >= 4:
+            break
+    assert checked, "no usable stop string in the greedy texts"
+
+
+def test_no_eos_and_no_stops_runs_to_max_tokens(engines: Callable[..., SamplerEngine]) -> None:
+    eng = engines()
+    out = ok(sample_one(eng, request([1, 2, 3], n=3, max_tokens=9, use_eos=False)))
+    assert [(len(s.tokens), s.stop_reason) for s in out.sequences] == [(9, "length")] * 3
+    assert all(len(s.logprobs) == 9 for s in out.sequences)
+
+
+def test_eos_stops_only_when_asked(engines: Callable[..., SamplerEngine]) -> None:
+    """EOS ends a sequence with use_eos, or alongside stop strings / ids; never with neither."""
+    eng = engines()
+    prompt = [4, 5, 6]
+    free = list(_greedy(eng, prompt, max_tokens=20, use_eos=False).tokens)
+    base = eng.base(BASE)  # pretend the model's EOS is a token the greedy text contains
+    base.limits = dataclasses.replace(base.limits, eos_ids=(free[4],))
+
+    def upto(stops: set[int]) -> list[int]:
+        return free[: next(i for i, t in enumerate(free) if t in stops) + 1]
+
+    seq = _greedy(eng, prompt, max_tokens=20, use_eos=True)
+    assert list(seq.tokens) == upto({free[4]}) and seq.stop_reason == "stop"
+    assert list(_greedy(eng, prompt, max_tokens=20, stop_token_ids=[free[-1]]).tokens) == upto({free[4], free[-1]})
+    assert list(_greedy(eng, prompt, max_tokens=20, use_eos=False).tokens) == free
+
+
+K = 64
+
+
+def test_topk_prompt_logprobs_are_sorted_and_hold_the_true_token(engines: Callable[..., SamplerEngine],
+                                                                 tiny_dir: Path) -> None:
+    path = "tinker://run-b/sampler_weights/s1"
+    eng = engines(source_for(tiny_dir))
+    prompt = random.Random(3).choices(range(200), k=30)
+    req = request(prompt, path=path, max_tokens=1, prompt_logprobs=True)
+    req.topk_prompt_logprobs = K
+    out = ok(sample_one(eng, req))
+    top = out.topk_prompt_logprobs
+    assert len(top) == len(prompt) and len(top[0].token_ids) == 0
+    found = 0
+    for i in range(1, len(prompt)):
+        lps = list(top[i].logprobs)
+        assert len(lps) == K == len(top[i].token_ids) and lps == sorted(lps, reverse=True)
+        if prompt[i] in top[i].token_ids:
+            assert lps[list(top[i].token_ids).index(prompt[i])] == out.prompt_logprobs[i]
+            found += 1
+        else:
+            assert out.prompt_logprobs[i] <= lps[-1]
+    model = trainer_model(tiny_dir, "float32", True)
+    ref = trainer_logprobs(model, adapters(tiny_dir)[path], prompt)
+    assert torch.equal(torch.tensor(list(out.prompt_logprobs)[1:]), ref)
+    assert 0 < found < len(prompt) - 1  # both branches ran
+
+
+# ---------------------------------------------------------------- validation, versions, admission
+
+_V = 1 << 30  # stands for the vocabulary size in the cases below
+
+
+def _bad(mutate: Callable[[pb.SampleRequest], None]) -> pb.SampleRequest:
+    req = request([1, 2, 3], path="tinker://run-a/sampler_weights/s1")
+    mutate(req)
+    return req
+
+
+BAD_INPUTS = {
+    "max_tokens zero": (lambda r: setattr(r.params, "max_tokens", 0), "params.max_tokens = 0 must be >= 1"),
+    "max_tokens over context": (lambda r: setattr(r.params, "max_tokens", 10**6), "is over the context length"),
+    "no samples": (lambda r: setattr(r, "num_samples", 0), "num_samples = 0 must be in [1, 128]"),
+    "too many samples": (lambda r: setattr(r, "num_samples", 129), "num_samples = 129 must be in [1, 128]"),
+    "negative temperature": (lambda r: setattr(r.params, "temperature", -0.5), "params.temperature = -0.5"),
+    "top_p zero": (lambda r: setattr(r.params, "top_p", 0.0), "params.top_p = 0.0 must be in (0, 1]"),
+    "top_p above one": (lambda r: setattr(r.params, "top_p", 1.5), "params.top_p = 1.5 must be in (0, 1]"),
+    "empty prompt": (lambda r: r.ClearField("prompt"), "prompt is empty"),
+    "prompt over context": (lambda r: r.prompt.extend([1] * 10**5), "tokens, over the context length"),
+    "token above vocab": (lambda r: r.prompt.append(_V), "prompt[3] = "),
+    "negative token": (lambda r: r.prompt.insert(0, -1), "prompt[0] = -1 is outside the vocabulary"),
+    "stop id above vocab": (lambda r: r.params.stop_token_ids.append(_V), "params.stop_token_ids[0] = "),
+    "empty stop string": (lambda r: r.params.stop_strings.append(""), "params.stop_strings[0] is empty"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_is_rejected_with_its_message(engines: Callable[..., SamplerEngine], tiny_dir: Path,
+                                                name: str) -> None:
+    mutate, fragment = BAD_INPUTS[name]
+    vocab = trainer_model(tiny_dir, "float32", True).cfg.vocab_size
+    req = _bad(mutate)
+    for i, t in enumerate(req.prompt):
+        if t == _V:
+            req.prompt[i] = vocab
+    for i, t in enumerate(req.params.stop_token_ids):
+        if t == _V:
+            req.params.stop_token_ids[i] = vocab
+    source = source_for(tiny_dir)
+    eng = engines(source)
+    res = eng.sample(req).result(timeout=60)
+    assert res.WhichOneof("result") == "error"
+    assert res.error.code == "InvalidArgument" and res.error.category == "user"
+    assert fragment in res.error.message, res.error.message
+    assert eng.stats() == {"queued": 0, "waiting": 0, "running": 0, "adapters": 0, "steps": 0}
+    assert source.fetches == 0
+
+
+def test_unknown_base_model_is_not_found(engines: Callable[..., SamplerEngine]) -> None:
+    eng = engines()
+    req = request([1, 2])
+    req.base_model = "no/such-model"
+    res = eng.sample(req).result(timeout=60)
+    assert res.error.code == "NotFound" and "no/such-model" in res.error.message
+
+
+def test_overwritten_checkpoint_is_refused(engines: Callable[..., SamplerEngine], tiny_dir: Path) -> None:
+    path = "tinker://run-a/sampler_weights/s1"
+    source = source_for(tiny_dir)
+    bound = request([3, 4, 5], path=path, max_tokens=4, seed=9)
+    warm = engines(source)
+    before = ok(sample_one(warm, bound))
+    source.put(path, lora(trainer_model(tiny_dir, "float32", True), 2, 77), version=200.0)  # overwritten
+    cold = engines(source)
+    res = cold.sample(bound).result(timeout=60)
+    assert res.error.code == "FailedPrecondition"
+    assert f"the checkpoint at {path} was overwritten after this sampling client was bound" in res.error.message
+    # an engine still holding the bound version serves exactly it, never the newer weights
+    assert ok(sample_one(warm, bound)) == before
+    rebound = request([3, 4, 5], path=path, max_tokens=4, seed=9)
+    rebound.model_version = 200.0
+    assert ok(sample_one(cold, rebound)).sequences[0].logprobs != before.sequences[0].logprobs
+
+
+def test_a_broken_adapter_fails_only_its_own_request(engines: Callable[..., SamplerEngine], tiny_dir: Path) -> None:
+    source = source_for(tiny_dir)
+    broken = lora(trainer_model(tiny_dir, "float32", True), 2, 5)
+    with torch.no_grad():
+        next(iter(broken.b.values()))[0, 0] = float("nan")
+    source.put("tinker://broken/sampler_weights/s", broken, version=100.0)
+    eng = engines(source)
+    futs = [eng.sample(request([1, 2, 3], path=p, max_tokens=4))
+            for p in ("tinker://broken/sampler_weights/s", "tinker://run-a/sampler_weights/s1")]
+    wait_waiting(eng, 2)
+    bad, good = pump(eng, futs)
+    assert bad.error.code == "Internal" and "non-finite logits" in bad.error.message
+    assert len(ok(good).sequences[0].tokens) == 4 and good.receipt.cycle == bad.receipt.cycle
+
+
+def test_full_queue_is_resource_exhausted_and_stop_fails_the_rest(engines: Callable[..., SamplerEngine]) -> None:
+    eng = engines(max_queue=2)  # never stepped: nothing leaves the queue
+    futs = [eng.sample(request([1, 2, 3])) for _ in range(2)]
+    with pytest.raises(ResourceExhausted) as exc:
+        eng.sample(request([1, 2, 3]))
+    assert exc.value.retry_after_s and "queue is full" in exc.value.message
+    eng.stop()
+    assert [f.result(timeout=10).error.code for f in futs] == ["Unavailable", "Unavailable"]
+
+
+def test_threaded_engine_serves_concurrent_requests(engines: Callable[..., SamplerEngine], tiny_dir: Path) -> None:
+    eng = engines(source_for(tiny_dir), max_running=4)
+    eng.start()
+    futs = [eng.sample(request([i + 1, 2, 3], path=p, n=2, max_tokens=5))
+            for i, p in enumerate([""] + list(adapters(tiny_dir)) * 2)]
+    results = [f.result(timeout=120) for f in futs]
+    for res in results:
+        out = ok(res)
+        assert [len(s.tokens) for s in out.sequences] == [5, 5]
+        assert res.receipt.op == "sample" and res.receipt.dtype == "float32" and res.receipt.tokens == 3 + 10
+        assert res.receipt.request_id.startswith("req-")
+
+
+# ---------------------------------------------------------------- the process
+
+
+def test_sampler_process_serves_grpc(model_cache: Path, tiny_dir: Path) -> None:
+    """``python -m lathe.sampler`` prints its ready line, answers Capabilities and Sample (per-request
+    problems as an Error result), and stops cleanly on SIGTERM."""
+    cmd = [sys.executable, "-m", "lathe.sampler", "--port", "0", "--models", BASE, "--cache-root", str(model_cache),
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+
+    def drain() -> None:
+        for x in proc.stdout:
+            lines.put(x)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        line = ""
+        while READY_MARK not in line:
+            line = lines.get(timeout=120)
+        with grpc.insecure_channel(line.rsplit(READY_MARK, 1)[1].strip()) as channel:
+            stub = pb_grpc.SamplerStub(channel)
+            caps = stub.Capabilities(pb.TrainerCapabilitiesRequest(), timeout=30)
+            assert BASE in [m.model_name for m in caps.supported_models]
+            res = stub.Sample(request([1, 2, 3], n=2, max_tokens=5), timeout=60)
+            assert [len(s.tokens) for s in ok(res).sequences] == [5, 5]
+            assert stub.Sample(request([]), timeout=60).error.code == "InvalidArgument"
+            res = stub.Sample(request([1, 2], path="tinker://run-a/sampler_weights/s1"), timeout=60)
+            assert res.error.code == "FailedPrecondition" and "no checkpoint store" in res.error.message
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+
+
+# ---------------------------------------------------------------- parts on their own
+
+
+def test_kv_cache_grows_in_zeroed_blocks_and_forks_independently() -> None:
+    c = SeqCache(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
+    step = StepKV([c], [3])
+    k = torch.randn(3, 2, 4)
+    k_all, v_all, offset = step.extend(1, 0, k, k + 1)
+    step.commit()
+    assert offset == 0 and torch.equal(k_all, k) and c.length == 3 and c.capacity == BLOCK
+    assert not c.k[1][3:].any() and not c.k[0].any()
+    twin = c.fork()
+    step = StepKV([c, twin], [1, BLOCK])
+    step.extend(0, 0, torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+    k_all, _, offset = step.extend(0, 1, torch.full((BLOCK, 2, 4), 2.0), torch.zeros(BLOCK, 2, 4))
+    step.commit()
+    assert offset == 3 and k_all.shape[0] == 3 + BLOCK and twin.capacity == 2 * BLOCK and c.capacity == BLOCK
+    assert torch.equal(twin.k[1][:3], k) and not twin.k[1][3:].any()  # the copy kept its bits and zeros
+    assert torch.equal(c.k[0][3], torch.ones(2, 4)) and (twin.k[0][3] == 2.0).all()
+
+
+def test_selection_rules() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0, 0.5])
+    g = generator(1, 0)
+    assert choose(logits, Rule(temperature=0.0), g) == 1
+    assert {choose(logits, Rule(temperature=5.0, top_k=1), g) for _ in range(20)} == {1}
+    assert {choose(logits, Rule(temperature=5.0, top_p=0.01), g) for _ in range(20)} == {1}
+    assert {choose(logits, Rule(temperature=5.0, top_k=2), g) for _ in range(50)} == {1, 2}
+    draws = [choose(logits, Rule(temperature=1.0), generator(7, i)) for i in range(16)]
+    assert draws == [choose(logits, Rule(temperature=1.0), generator(7, i)) for i in range(16)]
+    assert len(set(draws)) > 1
+
+
+def test_adapter_cache_is_lru_and_versioned(tiny_dir: Path) -> None:
+    cfg = trainer_model(tiny_dir, "float32", True).cfg
+    source = source_for(tiny_dir)
+    cache = AdapterCache(source, capacity=2)
+    paths = list(adapters(tiny_dir))
+    got = [cache.get(TENANT, p, 100.0, cfg, torch.bfloat16, BASE) for p in paths]
+    assert source.fetches == 3 and len(cache) == 2
+    assert cache.get(TENANT, paths[2], 100.0, cfg, torch.bfloat16, BASE) is got[2] and source.fetches == 3
+    cache.get(TENANT, paths[0], 100.0, cfg, torch.bfloat16, BASE)  # evicted before: fetched again
+    assert source.fetches == 4
+    w = adapters(tiny_dir)[paths[1]]
+    assert all(torch.equal(got[1].b[k], w.b[k].detach().to(torch.bfloat16)) for k in w.b)
+    assert got[1].spec == LoraSpec(rank=4, train_mlp=False)
