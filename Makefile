@@ -28,7 +28,7 @@ $(GEN_STAMP): $(PROTOS) $(STAMP)
 protos: $(GEN_STAMP)
 
 demo: $(GEN_STAMP)
-	$(PY) -m lathe.cli demo
+	$(PY) -m examples.demo
 
 serve: $(GEN_STAMP)
 	$(PY) -m lathe.cli serve

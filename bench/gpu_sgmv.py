@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from lathe.kernels import lora
 from lathe.kernels import sgmv_triton as st
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lathe.kernels import lora
 from lathe.kernels import sgmv_triton as st
 

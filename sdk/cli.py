@@ -1,0 +1,57 @@
+"""The ``lathe`` command.
+
+    lathe serve [--port 8500] [--models lathe/tiny-llama,HuggingFaceTB/SmolLM2-135M-Instruct]
+
+starts the embedded stack (checkpoints, trainer, gateway: each its own process and gRPC server on
+loopback), prints where the gateway listens, and stops every child cleanly on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+from lathe.stack import Stack, StackConfig
+
+
+def _serve(args: argparse.Namespace) -> None:
+    cfg = StackConfig(gateway_port=args.port, models=args.models, store_root=args.store,
+                      cache_root=args.cache, trainer_threads=args.threads, trainer_dtype=args.dtype,
+                      invariant=not args.no_invariant, api_keys=args.api_keys, log_dir=args.log_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with Stack(cfg) as stack:
+        for s in stack.services:
+            print(f"  {s.name:<12} pid {s.proc.pid:<8} {s.address}", flush=True)
+        print(f"Lathe gateway listening on {stack.gateway}  (Ctrl-C to stop)", flush=True)
+        while not stop.wait(0.5):
+            dead = [s.name for s in stack.services if s.proc.poll() is not None]
+            if dead:
+                print(f"service(s) {dead} exited; stopping", flush=True)
+                break
+    print("Lathe stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="lathe")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="run the embedded stack until Ctrl-C")
+    serve.add_argument("--port", type=int, default=8500, help="gateway port on 127.0.0.1 (0: any free port)")
+    serve.add_argument("--models", default="lathe/tiny-llama,HuggingFaceTB/SmolLM2-135M-Instruct")
+    serve.add_argument("--store", type=Path, default=Path(".cache/lathe/store"), help="checkpoint directory")
+    serve.add_argument("--cache", type=Path, default=Path(".cache/lathe"), help="model cache directory")
+    serve.add_argument("--threads", type=int, default=0, help="trainer torch threads (0: all cores)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    serve.add_argument("--no-invariant", action="store_true")
+    serve.add_argument("--api-keys", default="", help="KEY=TENANT,... (empty: each key is its own tenant)")
+    serve.add_argument("--log-dir", type=Path, default=None, help="write each service's stderr here")
+    serve.set_defaults(fn=_serve)
+    args = ap.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""How results come back: the client's link to the gateway, retries, and ``APIFuture``.
+
+Owns, per ``ServiceClient``:
+- ``Connection``: a private asyncio event loop on a daemon thread, one ``grpc.aio`` channel to the gateway
+  on that loop, the ``x-api-key`` metadata sent on every call, and the ``RetryPolicy``. Every gateway call
+  of the SDK runs as a coroutine on this loop, so a sync caller only blocks on a ``concurrent.futures``
+  future and an async caller awaits it on its own loop; no thread is held per waiting request.
+- ``APIFuture[T]``: Tinker's future. A model operation is submitted (the gateway answers a request id at
+  once) and then long-polled with ``Gateway.RetrieveFuture(request_id, timeout_s=POLL_S)``: the gateway
+  holds each poll until the result is ready or ``timeout_s`` has passed, and the poll is repeated until
+  ``done``. Polling starts as soon as the submit returns; ``result()`` waits for it and caches the value
+  (or the ``lathe.errors`` exception of an ``Error`` result).
+
+Calls that fail with UNAVAILABLE are retried with capped exponential backoff within the policy's budget;
+a submit is retried as the same request (same ``seq_id``), which the gateway treats as idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Generator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from lathe.errors import FailedPrecondition, from_rpc_error
+from lathe.serving import CHANNEL_OPTIONS
+from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+log = logging.getLogger("lathe")
+
+POLL_S = 30.0  # how long the gateway may hold one RetrieveFuture call (it caps this too)
+POLL_GRACE_S = 15.0  # extra client-side deadline on a poll before it counts as lost and is retried
+MIN_POLL_INTERVAL_S = 0.1  # floor between polls, in case a server answers "not done" without holding
+RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+POLL_RETRY_CODES = RETRY_CODES | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Backoff for calls that fail with a retryable code: ``first_s``, doubling up to ``max_s``, for at
+    most ``budget_s`` per call."""
+
+    first_s: float = 0.1
+    max_s: float = 5.0
+    budget_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_s <= self.max_s or self.budget_s < 0:
+            raise ValueError(f"RetryPolicy needs 0 < first_s <= max_s and budget_s >= 0, got {self}")
+
+
+class Connection:
+    """One ServiceClient's link to the gateway at ``target`` (``host:port``); shared by its training and
+    REST clients. Thread-safe: ``spawn`` may be called from any thread."""
+
+    def __init__(self, target: str, api_key: str | None, retry: RetryPolicy) -> None:
+        self.target = target
+        self.retry = retry
+        self._metadata = (("x-api-key", api_key),) if api_key else ()
+        self._lock = threading.Lock()  # orders spawn against close
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"lathe-client-{target}", daemon=True)
+        self._thread.start()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.GatewayStub = self.spawn(self._open()).result()
+
+    async def _open(self) -> pb_grpc.GatewayStub:
+        self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return pb_grpc.GatewayStub(self._channel)
+
+    def spawn(self, work: Coroutine[Any, Any, T]) -> cf.Future[T]:
+        """Run ``work`` on the connection's loop."""
+        with self._lock:
+            if self._closed:
+                work.close()
+                raise FailedPrecondition(f"the client for {self.target} is closed")
+            return asyncio.run_coroutine_threadsafe(work, self._loop)
+
+    async def call(self, rpc: str, request: Message, *, timeout: float | None = None,
+                   retry_codes: frozenset[grpc.StatusCode] = RETRY_CODES) -> Any:
+        """``Gateway.<rpc>(request)`` with the API key; failures become ``lathe.errors`` exceptions."""
+        method = getattr(self._stub, rpc)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.retry.budget_s
+        delay = self.retry.first_s
+        while True:
+            try:
+                return await method(request, metadata=self._metadata, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in retry_codes or loop.time() + delay > give_up:
+                    raise from_rpc_error(e) from None
+                log.info("Gateway.%s at %s: %s; retrying in %.1f s", rpc, self.target, e.code().name, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.retry.max_s)
+
+    def close(self) -> None:
+        """Cancel everything in flight (their futures raise CancelledError), close the channel, stop the loop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class APIFuture(Generic[T]):
+    """A result that will exist: ``.result(timeout)`` in sync code, ``await fut`` or
+    ``await fut.result_async(timeout)`` in async code. The value (or error) is cached. Waiting less than it
+    takes (a ``timeout``, or cancelling an ``await``) raises ``TimeoutError`` / cancels only the wait, never
+    the operation."""
+
+    def __init__(self, future: cf.Future[T], request_id: cf.Future[str] | None = None) -> None:
+        self._future = future
+        self._request_id = request_id
+
+    @property
+    def request_id(self) -> str | None:
+        """The gateway's request id, once submitted (blocks until then; raises if the submit failed).
+        None for plain queries, which have no server-side future."""
+        return None if self._request_id is None else self._request_id.result()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> T:
+        return self._future.result(timeout)
+
+    async def result_async(self, timeout: float | None = None) -> T:
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self.result_async().__await__()
+
+    def __repr__(self) -> str:
+        return f"<APIFuture {'done' if self.done() else 'pending'}>"
+
+
+def call_future(conn: Connection, work: Coroutine[Any, Any, T]) -> APIFuture[T]:
+    """An APIFuture of a plain call (no server-side future), e.g. a registry query."""
+    return APIFuture(conn.spawn(work))
+
+
+def server_future(conn: Connection, submit: Coroutine[Any, Any, str],
+                  decode: Callable[[pb.FutureResult], T]) -> APIFuture[T]:
+    """An APIFuture of a server-side future: ``submit`` yields its request id, then it is long-polled and
+    the finished ``FutureResult`` is read with ``decode`` (which raises for an ``Error`` result)."""
+    request_id: cf.Future[str] = cf.Future()
+
+    async def run() -> T:
+        try:
+            rid = await submit
+        except asyncio.CancelledError:
+            request_id.cancel()
+            raise
+        except Exception as e:
+            request_id.set_exception(e)
+            raise
+        request_id.set_result(rid)
+        return decode(await poll(conn, rid))
+
+    try:
+        return APIFuture(conn.spawn(run()), request_id)
+    except FailedPrecondition:  # closed: ``run`` never started, so neither did ``submit``
+        submit.close()
+        raise
+
+
+async def poll(conn: Connection, request_id: str) -> pb.FutureResult:
+    """Long-poll ``RetrieveFuture`` until the request is done; each poll waits on the server."""
+    loop = asyncio.get_running_loop()
+    request = pb.RetrieveFutureRequest(request_id=request_id, timeout_s=POLL_S)
+    while True:
+        started = loop.time()
+        res = await conn.call("RetrieveFuture", request, timeout=POLL_S + POLL_GRACE_S,
+                              retry_codes=POLL_RETRY_CODES)
+        if res.done:
+            return res
+        await asyncio.sleep(max(0.0, MIN_POLL_INTERVAL_S - (loop.time() - started)))

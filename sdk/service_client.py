@@ -1,0 +1,169 @@
+"""``ServiceClient``: the entry point of Lathe's SDK, shaped like Tinker's.
+
+Owns the ``Connection`` to the gateway (see ``lathe.futures``) and the session: created lazily by the first
+call that needs one (``CreateSession``, with the client's ``user_metadata``), then kept alive by a heartbeat
+every ``HEARTBEAT_S`` seconds until ``close()``. Creates ``TrainingClient``s (waiting for the model to exist
+and reading its info) and ``RestClient``s, which share its connection. This is the only place that reads the
+environment: ``LATHE_BASE_URL`` and ``LATHE_API_KEY`` when the arguments are not given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, Self
+
+from lathe import wire
+from lathe.errors import LatheError
+from lathe.futures import APIFuture, Connection, RetryPolicy, call_future, poll
+from lathe.rest_client import RestClient
+from lathe.training_client import TrainingClient
+from lathe.types import CreateModelResponse, GetServerCapabilitiesResponse, LoraConfig
+from lathe.v1 import lathe_pb2 as pb
+
+log = logging.getLogger("lathe")
+
+DEFAULT_BASE_URL = "127.0.0.1:8500"  # where `lathe serve` listens by default
+HEARTBEAT_S = 10.0
+
+
+def grpc_target(base_url: str) -> str:
+    """``host:port`` from ``"host:port"`` or ``"grpc://host:port"``."""
+    scheme, sep, rest = base_url.strip().partition("://")
+    target = (rest if sep else scheme).rstrip("/")
+    if (sep and scheme != "grpc") or not target or "/" in target:
+        raise ValueError(f"base_url {base_url!r} is not a gateway address of the form host:port or "
+                         "grpc://host:port (Lathe's SDK speaks gRPC; the HTTP door is for the tinker SDK)")
+    return target
+
+
+class ServiceClient:
+    """``ServiceClient(base_url, api_key, *, user_metadata)``; use it as a context manager or ``close()`` it.
+
+    ``retry`` sets how long calls that find the gateway UNAVAILABLE are retried (default: up to 120 s each).
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 user_metadata: dict[str, str] | None = None, retry: RetryPolicy | None = None) -> None:
+        target = grpc_target(base_url or os.environ.get("LATHE_BASE_URL") or DEFAULT_BASE_URL)
+        self._conn = Connection(target, api_key or os.environ.get("LATHE_API_KEY"), retry or RetryPolicy())
+        self._user_metadata = dict(user_metadata or {})
+        # Touched only on the connection's loop:
+        self._session: asyncio.Task[str] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<ServiceClient {self._conn.target}>"
+
+    # ---- session ----
+
+    async def _session_id(self) -> str:
+        if self._session is None:
+            self._session = asyncio.create_task(self._create_session())
+        task = self._session
+        try:
+            return await asyncio.shield(task)
+        except LatheError:
+            if self._session is task:
+                self._session = None  # the next call tries again
+            raise
+
+    async def _create_session(self) -> str:
+        resp = await self._conn.call("CreateSession", pb.CreateSessionRequest(user_metadata=self._user_metadata))
+        self._heartbeat = asyncio.create_task(self._beat(resp.session_id))
+        return resp.session_id
+
+    async def _beat(self, session_id: str) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self._conn.call("Heartbeat", pb.HeartbeatRequest(session_id=session_id))
+            except LatheError as e:
+                log.warning("heartbeat of session %s failed: %s", session_id, e)
+
+    # ---- training clients ----
+
+    async def _new_training_client(self, rpc: str, request: pb.CreateModelRequest | pb.CreateModelFromStateRequest
+                                   ) -> TrainingClient:
+        """Submit a model creation, wait for the model to exist, then read its info."""
+        request.session_id = await self._session_id()
+        submitted = await self._conn.call(rpc, request)
+        created = wire.result_from_proto(await poll(self._conn, submitted.request_id), CreateModelResponse)
+        info = await self._conn.call("GetInfo", pb.GetInfoRequest(model_id=created.model_id))
+        return TrainingClient(self._conn, wire.get_info_from_proto(info))
+
+    def _lora(self, base_model: str, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
+              train_unembed: bool, user_metadata: dict[str, str] | None) -> Coroutine[Any, Any, TrainingClient]:
+        lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
+                          train_unembed=train_unembed)
+        return self._new_training_client("CreateModel", pb.CreateModelRequest(
+            base_model=base_model, lora_config=wire.lora_config_to_proto(lora), user_metadata=user_metadata or {}))
+
+    def _from_state(self, path: str, with_optimizer: bool, user_metadata: dict[str, str] | None
+                    ) -> Coroutine[Any, Any, TrainingClient]:
+        return self._new_training_client("CreateModelFromState", pb.CreateModelFromStateRequest(
+            path=path, with_optimizer=with_optimizer, user_metadata=user_metadata or {}))
+
+    def _run(self, work: Coroutine[Any, Any, Any]) -> APIFuture[Any]:
+        return call_future(self._conn, work)
+
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
+                                    user_metadata: dict[str, str] | None = None) -> TrainingClient:
+        """A new LoRA adapter on ``base_model``; returns once the server has created it."""
+        return self._run(self._lora(base_model, rank, seed, train_mlp, train_attn, train_unembed,
+                                    user_metadata)).result()
+
+    async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
+                                                train_mlp: bool = True, train_attn: bool = True,
+                                                train_unembed: bool = True,
+                                                user_metadata: dict[str, str] | None = None) -> TrainingClient:
+        return await self._run(self._lora(base_model, rank, seed, train_mlp, train_attn, train_unembed,
+                                          user_metadata))
+
+    def create_training_client_from_state(self, path: str, user_metadata: dict[str, str] | None = None
+                                          ) -> TrainingClient:
+        """A new training run starting from the weights saved at ``path``; its optimizer starts over."""
+        return self._run(self._from_state(path, False, user_metadata)).result()
+
+    async def create_training_client_from_state_async(self, path: str, user_metadata: dict[str, str] | None = None
+                                                      ) -> TrainingClient:
+        return await self._run(self._from_state(path, False, user_metadata))
+
+    def create_training_client_from_state_with_optimizer(self, path: str,
+                                                         user_metadata: dict[str, str] | None = None
+                                                         ) -> TrainingClient:
+        """A new training run starting from the weights and optimizer state saved at ``path``."""
+        return self._run(self._from_state(path, True, user_metadata)).result()
+
+    async def create_training_client_from_state_with_optimizer_async(
+            self, path: str, user_metadata: dict[str, str] | None = None) -> TrainingClient:
+        return await self._run(self._from_state(path, True, user_metadata))
+
+    # ---- registry ----
+
+    def create_rest_client(self) -> RestClient:
+        return RestClient(self._conn)
+
+    def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
+        """The base models this server trains, with their context lengths."""
+        return self.create_rest_client().get_server_capabilities().result()
+
+    async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
+        return await self.create_rest_client().get_server_capabilities()
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Stop the heartbeat, cancel what is in flight and close the connection (idempotent)."""
+        self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

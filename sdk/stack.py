@@ -1,0 +1,134 @@
+"""The embedded stack: every Lathe service as its own process, each its own gRPC server on loopback.
+
+``Stack`` starts checkpoints -> trainer -> sampler -> gateway, waits for each one's ready line (bounded), and
+stops them in reverse order (SIGTERM, then SIGKILL after a grace period). ``lathe serve``, the demo
+and the end-to-end tests all use it. Torch-free: it only spawns ``python -m lathe.<service>``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lathe.serving import READY_MARK
+
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass(slots=True)
+class StackConfig:
+    host: str = "127.0.0.1"
+    gateway_port: int = 0
+    models: str = "lathe/tiny-llama"
+    store_root: Path = Path(".cache/lathe/store")
+    cache_root: Path = Path(".cache/lathe")
+    trainer_threads: int = 0
+    sampler_threads: int = 0
+    trainer_dtype: str = "float32"
+    invariant: bool = True
+    api_keys: str = ""
+    log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"the embedded stack listens on loopback only, not {self.host!r}")
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    proc: subprocess.Popen
+    address: str
+    lines: list[str] = field(default_factory=list)
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.services: list[Service] = []
+
+    @property
+    def gateway(self) -> str:
+        return self.services[-1].address
+
+    def start(self) -> Stack:
+        c = self.cfg
+        try:
+            ckpt = self._spawn("checkpoints", ["--root", str(c.store_root)])
+            trainer_args = ["--models", c.models, "--cache-root", str(c.cache_root), "--dtype", c.trainer_dtype,
+                            "--checkpoints", ckpt.address]
+            if c.trainer_threads:
+                trainer_args += ["--threads", str(c.trainer_threads)]
+            if not c.invariant:
+                trainer_args.append("--no-invariant")
+            trainer = self._spawn("trainer", trainer_args)
+            sampler_args = ["--models", c.models, "--cache-root", str(c.cache_root), "--dtype", c.trainer_dtype,
+                            "--checkpoints", ckpt.address]
+            if c.sampler_threads:
+                sampler_args += ["--threads", str(c.sampler_threads)]
+            if not c.invariant:
+                sampler_args.append("--no-invariant")
+            sampler = self._spawn("sampler", sampler_args)
+            gw_args = ["--trainer", trainer.address, "--checkpoints", ckpt.address, "--sampler", sampler.address,
+                       "--port", str(c.gateway_port)]
+            if c.api_keys:
+                gw_args += ["--api-keys", c.api_keys]
+            self._spawn("gateway", gw_args, port=None)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, args: list[str], port: int | None = 0) -> Service:
+        cmd = [sys.executable, "-m", f"lathe.{name}", "--host", self.cfg.host, *args]
+        if port is not None:
+            cmd += ["--port", str(port)]
+        stderr = None
+        if self.cfg.log_dir is not None:
+            self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        service = Service(name, proc, "")
+        self.services.append(service)
+        ready = threading.Event()
+
+        def drain() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                service.lines.append(line.rstrip("\n"))
+                if READY_MARK in line and not ready.is_set():
+                    service.address = line.rsplit(READY_MARK, 1)[1].strip()
+                    ready.set()
+
+        threading.Thread(target=drain, name=f"{name}-stdout", daemon=True).start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.wait(0.05):
+            if proc.poll() is not None:
+                raise RuntimeError(f"lathe.{name} exited with code {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lathe.{name} was not ready within {READY_TIMEOUT_S:.0f} s")
+        return service
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for s in reversed(self.services):
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+                try:
+                    s.proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
+                    s.proc.wait(timeout=grace_s)
+        self.services.clear()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

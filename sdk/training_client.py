@@ -1,0 +1,186 @@
+"""``TrainingClient``: one LoRA adapter (a training run) on the gateway, driven like Tinker's.
+
+Owns the client side of per-model ordering: a ``seq_id`` counter starting at 1, reserved under a lock in
+the order the user calls the methods, and a chain of turns so that each operation is *submitted* only after
+the one before it (the gateway additionally runs them strictly in ``seq_id`` order). A submit that fails with
+UNAVAILABLE is retried with the same ``seq_id``. A submit that fails for good leaves a gap the server would
+wait on forever, so it poisons the client: every later operation fails with ``FailedPrecondition`` (as in
+Tinker), and a new client must be created (e.g. from the last saved state).
+
+Every operation returns an ``APIFuture`` at once; the ``*_async`` variants are coroutines that return the
+same future. The model math, the adapter and its optimizer state live on the server, never here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import functools
+import numbers
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+from lathe import wire
+from lathe.errors import FailedPrecondition, LatheError
+from lathe.futures import APIFuture, Connection, server_future
+from lathe.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
+from lathe.v1 import lathe_pb2 as pb
+
+R = TypeVar("R")
+
+
+def _loss_fn_config(config: Mapping[str, float] | None) -> dict[str, float]:
+    out = {}
+    for key, value in (config or {}).items():
+        if not isinstance(value, numbers.Real):
+            raise ValueError(f"loss_fn_config[{key!r}] = {value!r}; Lathe's loss configs take numbers only")
+        out[key] = float(value)
+    return out
+
+
+class TrainingClient:
+    """Created by ``ServiceClient.create_lora_training_client`` / ``create_training_client_from_state*``."""
+
+    def __init__(self, conn: Connection, info: GetInfoResponse) -> None:
+        self.model_id = info.model_id
+        self._conn = conn
+        self._info = info
+        self._lock = threading.Lock()
+        self._next_seq = 1
+        self._last_turn: cf.Future[None] = cf.Future()
+        self._last_turn.set_result(None)
+        self._failed: tuple[int, LatheError] | None = None  # (seq_id, error) of the first failed submit
+
+    def __repr__(self) -> str:
+        return f"<TrainingClient {self.model_id} on {self._info.model_name}>"
+
+    # ---- ordered submission ----
+
+    def _submit(self, rpc: str, request: Message, kind: type[R]) -> APIFuture[R]:
+        """Reserve the next seq_id for ``request`` and submit it after every earlier one."""
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            prev, mine = self._last_turn, cf.Future()
+            self._last_turn = mine
+        request.seq_id = seq
+        return server_future(self._conn, self._in_turn(seq, prev, mine, rpc, request),
+                             functools.partial(wire.result_from_proto, kind=kind))
+
+    async def _in_turn(self, seq: int, prev: cf.Future[None], mine: cf.Future[None], rpc: str,
+                       request: Message) -> str:
+        try:
+            await asyncio.wrap_future(prev)
+            if self._failed is not None:
+                first, err = self._failed
+                raise FailedPrecondition(
+                    f"{self.model_id}: seq_id {seq} was not submitted because seq_id {first} failed to submit "
+                    f"({type(err).__name__}: {err.message}); create a new training client")
+            try:
+                return (await self._conn.call(rpc, request)).request_id
+            except LatheError as e:
+                self._failed = (seq, e)
+                raise
+        finally:
+            mine.set_result(None)
+
+    # ---- operations ----
+
+    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
+                loss_fn_config: Mapping[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
+        """The loss and per-datum outputs (e.g. ``logprobs``) without gradients."""
+        return self._forward_backward(data, loss_fn, loss_fn_config, forward_only=True)
+
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
+                         loss_fn_config: Mapping[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
+        """Accumulate the gradients of ``loss_fn`` (a sum over tokens) into the adapter."""
+        return self._forward_backward(data, loss_fn, loss_fn_config, forward_only=False)
+
+    def _forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
+                          *, forward_only: bool) -> APIFuture[ForwardBackwardOutput]:
+        if not data:
+            raise ValueError("no data given: pass at least one Datum")
+        request = pb.ForwardBackwardRequest(model_id=self.model_id, data=[wire.datum_to_proto(d) for d in data],
+                                            loss_fn=loss_fn, loss_fn_config=_loss_fn_config(loss_fn_config),
+                                            forward_only=forward_only)
+        return self._submit("ForwardBackward", request, ForwardBackwardOutput)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        """One AdamW update of the adapter with the gradients accumulated since the last step."""
+        request = pb.OptimStepRequest(model_id=self.model_id, adam_params=wire.adam_params_to_proto(adam_params))
+        return self._submit("OptimStep", request, OptimStepResponse)
+
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+                   ) -> APIFuture[SaveWeightsResponse]:
+        """Save the training state (adapter + optimizer) as ``tinker://<model_id>/weights/<name>``."""
+        return self._submit("Save", self._save_request(name, "weights", ttl_seconds, overwrite), SaveWeightsResponse)
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None
+                                 ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """Save the adapter for sampling as ``tinker://<model_id>/sampler_weights/<name>``."""
+        return self._submit("Save", self._save_request(name, "sampler_weights", ttl_seconds, False),
+                            SaveWeightsForSamplerResponse)
+
+    def _save_request(self, name: str, kind: str, ttl_seconds: int | None, overwrite: bool) -> pb.SaveRequest:
+        return pb.SaveRequest(model_id=self.model_id, name=name, kind=kind, ttl_seconds=ttl_seconds or 0,
+                              overwrite=overwrite)
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Replace the adapter's weights with a saved state's; the optimizer starts over."""
+        return self._load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Replace the adapter's weights and optimizer state with a saved state's."""
+        return self._load(path, with_optimizer=True)
+
+    def _load(self, path: str, *, with_optimizer: bool) -> APIFuture[LoadWeightsResponse]:
+        request = pb.LoadRequest(model_id=self.model_id, path=path, with_optimizer=with_optimizer)
+        return self._submit("Load", request, LoadWeightsResponse)
+
+    def get_info(self) -> GetInfoResponse:
+        """The model's base model, tokenizer and LoRA config, fetched when the client was created (as in
+        Tinker, this never waits on the server)."""
+        return self._info
+
+    # ---- async variants (Tinker's): coroutines returning the same futures ----
+
+    async def forward_async(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
+                            loss_fn_config: Mapping[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward(data, loss_fn, loss_fn_config)
+
+    async def forward_backward_async(self, data: Sequence[Datum], loss_fn: str,
+                                     loss_fn_config: Mapping[str, float] | None = None
+                                     ) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward(data, loss_fn, loss_fn_config)
+
+    async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return self.optim_step(adam_params)
+
+    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+                               ) -> APIFuture[SaveWeightsResponse]:
+        return self.save_state(name, ttl_seconds, overwrite)
+
+    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None
+                                             ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(name, ttl_seconds)
+
+    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path)
+
+    async def get_info_async(self) -> GetInfoResponse:
+        return self._info

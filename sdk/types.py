@@ -1,0 +1,423 @@
+"""The values a Lathe user builds and gets back, named and shaped like the official ``tinker`` SDK's types.
+
+Plain dataclasses, owned by the user's process; ``lathe.wire`` turns them into ``lathe.v1`` messages and
+back, and nothing here knows about gRPC. Code written against ``tinker.types`` keeps working with
+``from lathe import types``.
+
+- Inputs: ``ModelInput`` (a list of ``EncodedTextChunk``), ``TensorData`` (a flat array + dtype + shape),
+  ``Datum`` (model input + ``loss_fn_inputs``), ``AdamParams``, ``LoraConfig``.
+- Results of training futures: ``ForwardBackwardOutput``, ``OptimStepResponse``, ``SaveWeightsResponse``,
+  ``SaveWeightsForSamplerResponse``, ``LoadWeightsResponse``, ``CreateModelResponse``; each carries the
+  ``Receipt`` of the operation that produced it (None when the server sent none).
+- Registry views: ``GetInfoResponse`` (+ ``ModelData``), ``TrainingRun``, ``Checkpoint``, the list responses
+  with their ``Cursor``, and ``GetServerCapabilitiesResponse`` (+ ``SupportedModel``).
+
+torch is never imported here at module level: only ``TensorData.from_torch`` / ``to_torch`` import it, and
+a ``Datum`` recognises a torch tensor only when the caller has already imported torch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+TensorDtype = Literal["int64", "float32", "int32"]
+NUMPY_DTYPES: dict[str, type[np.generic]] = {"int64": np.int64, "float32": np.float32, "int32": np.int32}
+
+# The dtype Tinker gives a plain-list loss input of each known key (other keys: by the values' kind).
+LOSS_INPUT_DTYPES: dict[str, TensorDtype] = {
+    "target_tokens": "int64",
+    "weights": "float32",
+    "advantages": "float32",
+    "logprobs": "float32",
+    "clip_low_threshold": "float32",
+    "clip_high_threshold": "float32",
+}
+
+
+# ---------- model input ----------
+
+
+@dataclass(slots=True)
+class EncodedTextChunk:
+    """A run of token ids."""
+
+    tokens: Sequence[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """The tokens a model reads, as chunks (only encoded text for now)."""
+
+    chunks: list[EncodedTextChunk]
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
+        return cls(chunks=[EncodedTextChunk(tokens=list(tokens))])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(chunks=[])
+
+    def to_ints(self) -> list[int]:
+        return [int(t) for chunk in self.chunks for t in chunk.tokens]
+
+    @property
+    def length(self) -> int:
+        """The number of context positions this input takes."""
+        return sum(chunk.length for chunk in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        """A new ModelInput with ``chunk`` added at the end."""
+        return ModelInput(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> ModelInput:
+        """A new ModelInput with one more token."""
+        return self.append(EncodedTextChunk(tokens=[token]))
+
+
+# ---------- tensors and data ----------
+
+
+def _dtype_of_kind(kind: str, what: str) -> TensorDtype:
+    """Tinker's rule: floating point -> float32, integers and booleans -> int64."""
+    if kind == "f":
+        return "float32"
+    if kind in "iub":
+        return "int64"
+    raise ValueError(f"{what} has element kind {kind!r}; expected numbers")
+
+
+@dataclass(slots=True, eq=False)
+class TensorData:
+    """A dense tensor: flat ``data`` (list or numpy array), ``dtype`` and ``shape`` (None: 1-D).
+
+    Equality compares dtype, shape and values.
+    """
+
+    data: list[int] | list[float] | np.ndarray
+    dtype: TensorDtype
+    shape: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in NUMPY_DTYPES:
+            raise ValueError(f"TensorData.dtype = {self.dtype!r}; expected one of {sorted(NUMPY_DTYPES)}")
+        if isinstance(self.data, np.ndarray) and self.data.ndim != 1:
+            if self.shape is None:
+                self.shape = list(self.data.shape)
+            self.data = self.data.reshape(-1)
+        if self.shape is not None:
+            self.shape = [int(d) for d in self.shape]
+            if math.prod(self.shape) != len(self.data):
+                raise ValueError(f"TensorData.shape = {self.shape} holds {math.prod(self.shape)} values, "
+                                 f"but data has {len(self.data)}")
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        dtype = _dtype_of_kind(array.dtype.kind, f"numpy array of dtype {array.dtype}")
+        return cls(data=array.astype(NUMPY_DTYPES[dtype]).reshape(-1), dtype=dtype, shape=list(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
+        import torch
+
+        dtype: TensorDtype = "float32" if tensor.dtype.is_floating_point else "int64"
+        flat = tensor.detach().to("cpu", getattr(torch, dtype)).reshape(-1).numpy()
+        return cls(data=flat, dtype=dtype, shape=list(tensor.shape))
+
+    def to_numpy(self) -> np.ndarray:
+        arr = np.asarray(self.data, dtype=NUMPY_DTYPES[self.dtype])
+        return arr.reshape(self.shape) if self.shape is not None else arr
+
+    def to_torch(self) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(self.to_numpy())
+
+    def tolist(self) -> list[Any]:
+        return self.to_numpy().tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorData):
+            return NotImplemented
+        a, b = self.to_numpy(), other.to_numpy()
+        return self.dtype == other.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _is_torch_tensor(value: object) -> bool:
+    torch = sys.modules.get("torch")  # a tensor exists only if its creator imported torch
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def as_tensor_data(key: str, value: object) -> TensorData:
+    """One ``loss_fn_inputs`` value as TensorData, converted the way Tinker's ``Datum`` does.
+
+    numpy arrays and torch tensors keep their kind (floating -> float32, integer -> int64); plain lists take
+    the dtype of their key (``target_tokens`` int64; ``weights``, ``advantages``, ``logprobs`` float32) or,
+    for other keys, of their values.
+    """
+    if isinstance(value, TensorData):
+        return value
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if _is_torch_tensor(value):
+        return TensorData.from_torch(value)
+    if isinstance(value, list | tuple):
+        what = f"loss_fn_inputs[{key!r}]"
+        try:
+            array = np.asarray(value)
+        except ValueError:  # ragged nesting
+            array = np.asarray(None)
+        if array.dtype == object:
+            raise ValueError(f"{what} must be a rectangular array of numbers")
+        dtype = LOSS_INPUT_DTYPES.get(key) or _dtype_of_kind(array.dtype.kind, what)
+        return TensorData.from_numpy(array.astype(NUMPY_DTYPES[dtype]))
+    raise TypeError(f"loss_fn_inputs[{key!r}] is a {type(value).__name__}; expected TensorData, "
+                    "a numpy array, a torch tensor or a list of numbers")
+
+
+@dataclass(slots=True)
+class Datum:
+    """One training example: the model input and the loss function's per-token inputs.
+
+    ``loss_fn_inputs`` values may be TensorData, numpy arrays, torch tensors or lists; the constructor
+    converts them (see ``as_tensor_data``).
+    """
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData]
+
+    def __post_init__(self) -> None:
+        self.loss_fn_inputs = {k: as_tensor_data(k, v) for k, v in self.loss_fn_inputs.items()}
+
+
+# ---------- configuration ----------
+
+
+@dataclass(slots=True)
+class AdamParams:
+    """One AdamW step's hyperparameters (decoupled weight decay; grad_clip_norm 0 = no clipping)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass(slots=True)
+class LoraConfig:
+    """Which modules get LoRA adapters and how they start. ``alpha`` None: the server's default (32)."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    alpha: float | None = None
+
+
+# ---------- results of futures ----------
+
+
+@dataclass(slots=True)
+class Receipt:
+    """What ran, where, on which adapter version, and how long it waited and ran."""
+
+    request_id: str
+    model_id: str
+    seq_id: int
+    cycle: int
+    tokens: int
+    adapter_step: int  # optimizer steps applied to the adapter before this operation
+    queued_s: float
+    run_s: float
+    dtype: str
+    op: str
+
+
+LossFnOutput = dict[str, TensorData]
+
+
+@dataclass(slots=True)
+class ForwardBackwardOutput:
+    """Per-datum outputs (e.g. ``logprobs``) and metrics keyed ``name:reduction`` (always ``loss:sum``)."""
+
+    loss_fn_output_type: str
+    loss_fn_outputs: list[LossFnOutput]
+    metrics: dict[str, float] = field(default_factory=dict)
+    receipt: Receipt | None = None
+
+
+@dataclass(slots=True)
+class OptimStepResponse:
+    metrics: dict[str, float] | None = None
+    receipt: Receipt | None = None
+
+
+@dataclass(slots=True)
+class SaveWeightsResponse:
+    """``path``: ``tinker://<run>/weights/<name>``, a training state (adapter + optimizer)."""
+
+    path: str
+    receipt: Receipt | None = None
+
+
+@dataclass(slots=True)
+class SaveWeightsForSamplerResponse:
+    """``path``: ``tinker://<run>/sampler_weights/<name>``, a PEFT-style adapter for sampling."""
+
+    path: str
+    receipt: Receipt | None = None
+
+
+@dataclass(slots=True)
+class LoadWeightsResponse:
+    path: str | None = None
+    model_id: str | None = None
+    receipt: Receipt | None = None
+
+
+@dataclass(slots=True)
+class CreateModelResponse:
+    model_id: str
+
+
+# ---------- registry views ----------
+
+
+@dataclass(slots=True)
+class ModelData:
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+@dataclass(slots=True)
+class GetInfoResponse:
+    """A training client's model: base model, tokenizer, LoRA configuration, context length."""
+
+    model_id: str
+    model_data: ModelData
+    lora_config: LoraConfig
+    max_context_length: int
+
+    @property
+    def model_name(self) -> str | None:
+        return self.model_data.model_name
+
+    @property
+    def is_lora(self) -> bool:
+        return True  # every Lathe model is a LoRA adapter
+
+    @property
+    def lora_rank(self) -> int:
+        return self.lora_config.rank
+
+
+CheckpointType = Literal["training", "sampler"]
+_KIND_TO_TYPE: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+
+
+@dataclass(slots=True)
+class ParsedCheckpointTinkerPath:
+    """``tinker://<training_run_id>/<weights|sampler_weights>/<name>`` taken apart."""
+
+    tinker_path: str
+    training_run_id: str
+    checkpoint_type: CheckpointType
+    checkpoint_id: str  # "<kind>/<name>"
+
+    @classmethod
+    def from_tinker_path(cls, tinker_path: str) -> ParsedCheckpointTinkerPath:
+        parts = tinker_path.removeprefix("tinker://").split("/")
+        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in _KIND_TO_TYPE \
+                or not parts[0] or not parts[2]:
+            raise ValueError(f"invalid tinker path {tinker_path!r}; expected "
+                             "tinker://<run>/<weights|sampler_weights>/<name>")
+        return cls(tinker_path, parts[0], _KIND_TO_TYPE[parts[1]], f"{parts[1]}/{parts[2]}")
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A saved artifact. ``time`` and ``size_bytes`` are None where only the path is known (a run's
+    ``last_checkpoint``); ``expires_at`` None: never expires."""
+
+    checkpoint_id: str
+    checkpoint_type: CheckpointType
+    tinker_path: str
+    time: datetime | None = None
+    size_bytes: int | None = None
+    expires_at: datetime | None = None
+
+    @classmethod
+    def from_tinker_path(cls, tinker_path: str) -> Checkpoint:
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        return cls(parsed.checkpoint_id, parsed.checkpoint_type, tinker_path)
+
+
+@dataclass(slots=True)
+class TrainingRun:
+    """One model (LoRA adapter) in the gateway's registry; its id is the model id."""
+
+    training_run_id: str
+    base_model: str
+    lora_config: LoraConfig
+    created_at: datetime
+    last_request_time: datetime
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+
+    @property
+    def is_lora(self) -> bool:
+        return True
+
+    @property
+    def lora_rank(self) -> int:
+        return self.lora_config.rank
+
+
+@dataclass(slots=True)
+class Cursor:
+    offset: int
+    limit: int
+    total_count: int
+
+
+@dataclass(slots=True)
+class TrainingRunsResponse:
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+@dataclass(slots=True)
+class CheckpointsListResponse:
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+@dataclass(slots=True)
+class SupportedModel:
+    model_name: str
+    max_context_length: int
+
+
+@dataclass(slots=True)
+class GetServerCapabilitiesResponse:
+    supported_models: list[SupportedModel]

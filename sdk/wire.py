@@ -1,0 +1,296 @@
+"""Conversions between ``lathe.types`` values and ``lathe.v1`` messages, both directions.
+
+The clients (``service_client``, ``training_client``, ``rest_client``) use the ``*_to_proto`` functions to
+build requests and the ``*_from_proto`` ones to read replies; the other direction of each pair is what a
+server (or a test's fake gateway) uses to answer. Tensors travel as raw little-endian bytes. Times travel
+as float seconds since the epoch and come back as UTC datetimes (0 = unset).
+
+A finished ``FutureResult`` becomes the result type the caller expects (``result_from_proto``), or the
+``lathe.errors`` class named by its ``Error.code`` is raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import numpy as np
+
+from lathe import errors
+from lathe.types import (
+    NUMPY_DTYPES,
+    AdamParams,
+    Checkpoint,
+    CheckpointsListResponse,
+    CreateModelResponse,
+    Cursor,
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    GetServerCapabilitiesResponse,
+    LoadWeightsResponse,
+    LoraConfig,
+    ModelData,
+    ModelInput,
+    OptimStepResponse,
+    Receipt,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    SupportedModel,
+    TensorData,
+    TrainingRun,
+    TrainingRunsResponse,
+)
+from lathe.v1 import lathe_pb2 as pb
+
+R = TypeVar("R")
+
+# ---------- data ----------
+
+
+def tensor_to_proto(t: TensorData) -> pb.Tensor:
+    arr = t.to_numpy()
+    return pb.Tensor(data=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(), dtype=t.dtype,
+                     shape=list(arr.shape))
+
+
+def tensor_from_proto(msg: pb.Tensor) -> TensorData:
+    if msg.dtype not in NUMPY_DTYPES:
+        raise errors.InvalidArgument(f"Tensor.dtype = {msg.dtype!r}; expected one of {sorted(NUMPY_DTYPES)}")
+    dtype = np.dtype(NUMPY_DTYPES[msg.dtype]).newbyteorder("<")
+    if len(msg.data) % dtype.itemsize:
+        raise errors.InvalidArgument(f"Tensor of dtype {msg.dtype} has {len(msg.data)} bytes, "
+                                     f"not a multiple of {dtype.itemsize}")
+    flat = np.frombuffer(msg.data, dtype=dtype).astype(NUMPY_DTYPES[msg.dtype])  # a writable native copy
+    return TensorData(data=flat, dtype=msg.dtype, shape=list(msg.shape))
+
+
+def model_input_to_proto(mi: ModelInput) -> pb.ModelInput:
+    return pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=c.tokens) for c in mi.chunks])
+
+
+def model_input_from_proto(msg: pb.ModelInput) -> ModelInput:
+    return ModelInput(chunks=[EncodedTextChunk(tokens=list(c.tokens)) for c in msg.chunks])
+
+
+def _tensors_to_proto(tensors: dict[str, TensorData]) -> dict[str, pb.Tensor]:
+    return {k: tensor_to_proto(v) for k, v in tensors.items()}
+
+
+def _tensors_from_proto(tensors: Any) -> dict[str, TensorData]:  # a protobuf map<string, Tensor>
+    return {k: tensor_from_proto(v) for k, v in tensors.items()}
+
+
+def datum_to_proto(d: Datum) -> pb.Datum:
+    return pb.Datum(model_input=model_input_to_proto(d.model_input),
+                    loss_fn_inputs=_tensors_to_proto(d.loss_fn_inputs))
+
+
+def datum_from_proto(msg: pb.Datum) -> Datum:
+    return Datum(model_input=model_input_from_proto(msg.model_input),
+                 loss_fn_inputs=_tensors_from_proto(msg.loss_fn_inputs))
+
+
+# ---------- configuration ----------
+
+
+def lora_config_to_proto(c: LoraConfig) -> pb.LoraConfig:
+    return pb.LoraConfig(rank=c.rank, seed=c.seed, train_mlp=c.train_mlp, train_attn=c.train_attn,
+                         train_unembed=c.train_unembed, alpha=c.alpha)
+
+
+def lora_config_from_proto(msg: pb.LoraConfig) -> LoraConfig:
+    return LoraConfig(rank=msg.rank, seed=msg.seed if msg.HasField("seed") else None, train_mlp=msg.train_mlp,
+                      train_attn=msg.train_attn, train_unembed=msg.train_unembed,
+                      alpha=msg.alpha if msg.HasField("alpha") else None)
+
+
+def adam_params_to_proto(p: AdamParams) -> pb.AdamParams:
+    return pb.AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+                         weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
+
+
+def adam_params_from_proto(msg: pb.AdamParams) -> AdamParams:
+    return AdamParams(learning_rate=msg.learning_rate, beta1=msg.beta1, beta2=msg.beta2, eps=msg.eps,
+                      weight_decay=msg.weight_decay, grad_clip_norm=msg.grad_clip_norm)
+
+
+# ---------- errors ----------
+
+ERROR_CLASSES: dict[str, type[errors.LatheError]] = {
+    name: cls for name, cls in vars(errors).items()
+    if isinstance(cls, type) and issubclass(cls, errors.LatheError)
+}
+
+
+def error_to_proto(err: errors.LatheError) -> pb.Error:
+    return pb.Error(code=type(err).__name__, message=err.message, category=err.category)
+
+
+def error_from_proto(msg: pb.Error) -> errors.LatheError:
+    """The ``lathe.errors`` class named by ``code`` (an unknown code becomes ``Internal``)."""
+    cls = ERROR_CLASSES.get(msg.code)
+    if cls is None:
+        return errors.Internal(f"{msg.code or 'error'}: {msg.message}")
+    return cls(msg.message)
+
+
+# ---------- results of futures ----------
+
+
+def receipt_to_proto(r: Receipt) -> pb.Receipt:
+    return pb.Receipt(request_id=r.request_id, model_id=r.model_id, seq_id=r.seq_id, cycle=r.cycle,
+                      tokens=r.tokens, adapter_step=r.adapter_step, queued_s=r.queued_s, run_s=r.run_s,
+                      dtype=r.dtype, op=r.op)
+
+
+def receipt_from_proto(msg: pb.Receipt) -> Receipt:
+    return Receipt(request_id=msg.request_id, model_id=msg.model_id, seq_id=msg.seq_id, cycle=msg.cycle,
+                   tokens=msg.tokens, adapter_step=msg.adapter_step, queued_s=msg.queued_s, run_s=msg.run_s,
+                   dtype=msg.dtype, op=msg.op)
+
+
+def forward_backward_output_to_proto(out: ForwardBackwardOutput) -> pb.ForwardBackwardOutput:
+    return pb.ForwardBackwardOutput(
+        loss_fn_output_type=out.loss_fn_output_type, metrics=out.metrics,
+        loss_fn_outputs=[pb.LossFnOutput(tensors=_tensors_to_proto(o)) for o in out.loss_fn_outputs])
+
+
+def forward_backward_output_from_proto(msg: pb.ForwardBackwardOutput, receipt: Receipt | None = None
+                                       ) -> ForwardBackwardOutput:
+    return ForwardBackwardOutput(
+        loss_fn_output_type=msg.loss_fn_output_type, metrics=dict(msg.metrics), receipt=receipt,
+        loss_fn_outputs=[_tensors_from_proto(o.tensors) for o in msg.loss_fn_outputs])
+
+
+# Result type -> (FutureResult oneof field, payload decoder, payload encoder). Sampling adds its row here.
+_RESULTS: dict[type, tuple[str, Callable[[Any, Receipt | None], Any], Callable[[Any], Any]]] = {
+    ForwardBackwardOutput: ("forward_backward", forward_backward_output_from_proto,
+                            forward_backward_output_to_proto),
+    OptimStepResponse: ("optim_step", lambda m, r: OptimStepResponse(dict(m.metrics), r),
+                        lambda v: pb.OptimStepOutput(metrics=v.metrics or {})),
+    SaveWeightsResponse: ("save", lambda m, r: SaveWeightsResponse(m.path, r),
+                          lambda v: pb.SaveOutput(path=v.path)),
+    SaveWeightsForSamplerResponse: ("save", lambda m, r: SaveWeightsForSamplerResponse(m.path, r),
+                                    lambda v: pb.SaveOutput(path=v.path)),
+    LoadWeightsResponse: ("load", lambda m, r: LoadWeightsResponse(m.path or None, m.model_id or None, r),
+                          lambda v: pb.LoadOutput(path=v.path or "", model_id=v.model_id or "")),
+    CreateModelResponse: ("create_model", lambda m, r: CreateModelResponse(m.model_id),
+                          lambda v: pb.CreateModelOutput(model_id=v.model_id)),
+}
+
+
+def result_to_proto(value: Any, request_id: str = "") -> pb.FutureResult:
+    """A finished ``FutureResult`` holding ``value`` (one of the result types) and its receipt."""
+    field, _, encode = _RESULTS[type(value)]
+    res = pb.FutureResult(request_id=request_id, done=True)
+    getattr(res, field).CopyFrom(encode(value))
+    receipt = getattr(value, "receipt", None)
+    if receipt is not None:
+        res.receipt.CopyFrom(receipt_to_proto(receipt))
+    return res
+
+
+def result_from_proto(res: pb.FutureResult, kind: type[R]) -> R:
+    """The ``kind`` value a finished request produced; raises its error if it failed."""
+    which = res.WhichOneof("result")
+    if which == "error":
+        raise error_from_proto(res.error)
+    field, decode, _ = _RESULTS[kind]
+    if which != field:
+        raise errors.Internal(f"request {res.request_id!r} finished with a {which!r} result; "
+                              f"expected {field!r} ({kind.__name__})")
+    receipt = receipt_from_proto(res.receipt) if res.HasField("receipt") else None
+    return decode(getattr(res, field), receipt)
+
+
+# ---------- registry views ----------
+
+
+def _time_to_proto(t: datetime | None) -> float:
+    return t.timestamp() if t is not None else 0.0
+
+
+def _time_from_proto(seconds: float) -> datetime | None:
+    return datetime.fromtimestamp(seconds, UTC) if seconds else None
+
+
+def get_info_to_proto(info: GetInfoResponse) -> pb.ModelInfo:
+    return pb.ModelInfo(model_id=info.model_id, base_model=info.model_data.model_name or "",
+                        lora_config=lora_config_to_proto(info.lora_config),
+                        tokenizer_id=info.model_data.tokenizer_id or "", max_context_length=info.max_context_length)
+
+
+def get_info_from_proto(msg: pb.ModelInfo) -> GetInfoResponse:
+    return GetInfoResponse(model_id=msg.model_id,
+                           model_data=ModelData(model_name=msg.base_model, tokenizer_id=msg.tokenizer_id or None),
+                           lora_config=lora_config_from_proto(msg.lora_config),
+                           max_context_length=msg.max_context_length)
+
+
+def capabilities_to_proto(caps: GetServerCapabilitiesResponse) -> pb.ServerCapabilities:
+    return pb.ServerCapabilities(supported_models=[
+        pb.SupportedModel(model_name=m.model_name, max_context_length=m.max_context_length)
+        for m in caps.supported_models])
+
+
+def capabilities_from_proto(msg: pb.ServerCapabilities) -> GetServerCapabilitiesResponse:
+    return GetServerCapabilitiesResponse(supported_models=[
+        SupportedModel(m.model_name, m.max_context_length) for m in msg.supported_models])
+
+
+def checkpoint_to_proto(c: Checkpoint) -> pb.CheckpointEntry:
+    return pb.CheckpointEntry(checkpoint_id=c.checkpoint_id, checkpoint_type=c.checkpoint_type,
+                              tinker_path=c.tinker_path, time=_time_to_proto(c.time), size_bytes=c.size_bytes or 0,
+                              expires_at=_time_to_proto(c.expires_at))
+
+
+def checkpoint_from_proto(msg: pb.CheckpointEntry) -> Checkpoint:
+    return Checkpoint(checkpoint_id=msg.checkpoint_id, checkpoint_type=msg.checkpoint_type,
+                      tinker_path=msg.tinker_path, time=_time_from_proto(msg.time), size_bytes=msg.size_bytes,
+                      expires_at=_time_from_proto(msg.expires_at))
+
+
+def training_run_to_proto(run: TrainingRun) -> pb.TrainingRun:
+    return pb.TrainingRun(
+        training_run_id=run.training_run_id, base_model=run.base_model,
+        lora_config=lora_config_to_proto(run.lora_config), created_at=_time_to_proto(run.created_at),
+        last_request_time=_time_to_proto(run.last_request_time), user_metadata=run.user_metadata,
+        last_checkpoint=run.last_checkpoint.tinker_path if run.last_checkpoint else "",
+        last_sampler_checkpoint=run.last_sampler_checkpoint.tinker_path if run.last_sampler_checkpoint else "")
+
+
+def training_run_from_proto(msg: pb.TrainingRun) -> TrainingRun:
+    """The registry keeps only the paths of a run's last checkpoints, so their time and size are None."""
+    return TrainingRun(
+        training_run_id=msg.training_run_id, base_model=msg.base_model,
+        lora_config=lora_config_from_proto(msg.lora_config), created_at=_time_from_proto(msg.created_at),
+        last_request_time=_time_from_proto(msg.last_request_time), user_metadata=dict(msg.user_metadata),
+        last_checkpoint=Checkpoint.from_tinker_path(msg.last_checkpoint) if msg.last_checkpoint else None,
+        last_sampler_checkpoint=(Checkpoint.from_tinker_path(msg.last_sampler_checkpoint)
+                                 if msg.last_sampler_checkpoint else None))
+
+
+def training_runs_to_proto(resp: TrainingRunsResponse) -> pb.ListTrainingRunsResponse:
+    return pb.ListTrainingRunsResponse(training_runs=[training_run_to_proto(r) for r in resp.training_runs],
+                                       total_count=resp.cursor.total_count)
+
+
+def training_runs_from_proto(msg: pb.ListTrainingRunsResponse, limit: int, offset: int) -> TrainingRunsResponse:
+    return TrainingRunsResponse(training_runs=[training_run_from_proto(r) for r in msg.training_runs],
+                                cursor=Cursor(offset=offset, limit=limit, total_count=msg.total_count))
+
+
+def checkpoints_to_proto(resp: CheckpointsListResponse) -> pb.ListRunCheckpointsResponse:
+    return pb.ListRunCheckpointsResponse(checkpoints=[checkpoint_to_proto(c) for c in resp.checkpoints],
+                                         total_count=resp.cursor.total_count if resp.cursor else len(resp.checkpoints))
+
+
+def checkpoints_from_proto(msg: pb.ListRunCheckpointsResponse, limit: int | None = None, offset: int = 0
+                           ) -> CheckpointsListResponse:
+    """``limit`` None: an unpaged listing, which has no cursor (like Tinker's ``list_checkpoints``)."""
+    return CheckpointsListResponse(
+        checkpoints=[checkpoint_from_proto(c) for c in msg.checkpoints],
+        cursor=None if limit is None else Cursor(offset=offset, limit=limit, total_count=msg.total_count))

@@ -1,0 +1,318 @@
+"""The gateway core, shared by both front doors (gRPC ``lathe.v1.Gateway`` and the Tinker HTTP API).
+
+Owns: sessions, the training-run registry (model id -> tenant, base model, LoRA config, metadata,
+last checkpoints), futures (request id -> result) and the idempotency map ``(model_id, seq_id) ->
+request id``. Routes model operations to the trainer and checkpoint queries to the checkpoints
+service. It holds no model state and imports no torch; per-model ``seq_id`` ordering is enforced
+where operations are applied, in the trainer's sequencer, so a repeat or an early arrival is safe on
+every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from lathe.errors import InvalidArgument, LatheError, NotFound, from_rpc_error
+from lathe.serving import CHANNEL_OPTIONS
+from lathe.v1 import checkpoints_pb2 as cpb
+from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
+from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+
+from .futures import Entry, FutureStore
+
+MAX_WAIT_S = 30.0  # a long-poll is held at most this long
+CAPABILITIES_TTL_S = 30.0
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    tenant: str
+    user_metadata: dict[str, str]
+    next_model: int = 0
+    next_sampler: int = 0
+    last_seen: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
+class Run:
+    model_id: str
+    tenant: str
+    base_model: str
+    lora: pb.LoraConfig
+    user_metadata: dict[str, str]
+    created_at: float = field(default_factory=time.time)
+    last_request_time: float = field(default_factory=time.time)
+    last_checkpoint: str = ""
+    last_sampler_checkpoint: str = ""
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def proto(self) -> pb.TrainingRun:
+        return pb.TrainingRun(
+            training_run_id=self.model_id, base_model=self.base_model, lora_config=self.lora,
+            created_at=self.created_at, last_request_time=self.last_request_time,
+            user_metadata=self.user_metadata, last_checkpoint=self.last_checkpoint,
+            last_sampler_checkpoint=self.last_sampler_checkpoint,
+        )
+
+
+@dataclass(slots=True)
+class SamplingSession:
+    """A policy version a sampling client is bound to: a saved sampler checkpoint or the base model."""
+
+    sampling_session_id: str
+    tenant: str
+    base_model: str
+    model_path: str
+    version: float
+
+    def proto(self) -> pb.SamplingSession:
+        return pb.SamplingSession(sampling_session_id=self.sampling_session_id, base_model=self.base_model,
+                                  model_path=self.model_path)
+
+
+def _error(err: LatheError) -> pb.Error:
+    return pb.Error(code=type(err).__name__, message=err.message, category=err.category)
+
+
+class GatewayCore:
+    def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str) -> None:
+        self._channels = [grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS)
+                          for t in (trainer_target, checkpoints_target, sampler_target)]
+        self.trainer = pb_grpc.TrainerStub(self._channels[0])
+        self.checkpoints = cpb_grpc.CheckpointsStub(self._channels[1])
+        self.sampler = pb_grpc.SamplerStub(self._channels[2])
+        self.sampling: dict[str, SamplingSession] = {}
+        self.futures = FutureStore()
+        self.sessions: dict[str, Session] = {}
+        self.runs: dict[str, Run] = {}
+        self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
+        self._caps: tuple[float, pb.ServerCapabilities] | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close()
+
+    # ---- plumbing ----
+
+    async def _call(self, rpc, request):  # noqa: ANN001, ANN202 - any unary aio stub method
+        try:
+            return await rpc(request)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _spawn(self, entry: Entry, work) -> None:  # noqa: ANN001 - a coroutine producing a FutureResult
+        async def runner() -> None:
+            try:
+                result = await work
+            except LatheError as e:
+                result = pb.FutureResult(error=_error(e))
+            except Exception as e:  # noqa: BLE001 - any crash becomes the request's error, never a hang
+                result = pb.FutureResult(error=pb.Error(code="Internal", message=f"internal error: {e}",
+                                                        category="server"))
+            self.futures.complete(entry, result)
+
+        task = asyncio.create_task(runner())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def session(self, tenant: str, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None or s.tenant != tenant:
+            raise NotFound(f"unknown session_id {session_id!r}")
+        s.last_seen = time.time()
+        return s
+
+    def run(self, tenant: str, model_id: str) -> Run:
+        r = self.runs.get(model_id)
+        if r is None or r.tenant != tenant:
+            raise NotFound(f"unknown model_id {model_id!r}")
+        return r
+
+    # ---- sessions and capabilities ----
+
+    def create_session(self, tenant: str, user_metadata: dict[str, str]) -> str:
+        sid = "sess-" + uuid.uuid4().hex[:16]
+        self.sessions[sid] = Session(sid, tenant, dict(user_metadata))
+        return sid
+
+    async def capabilities(self) -> pb.ServerCapabilities:
+        now = time.monotonic()
+        if self._caps is None or now - self._caps[0] > CAPABILITIES_TTL_S:
+            self._caps = (now, await self._call(self.trainer.Capabilities, pb.TrainerCapabilitiesRequest()))
+        return self._caps[1]
+
+    async def _check_base_model(self, base_model: str) -> int:
+        caps = await self.capabilities()
+        for m in caps.supported_models:
+            if m.model_name == base_model:
+                return m.max_context_length
+        names = [m.model_name for m in caps.supported_models]
+        raise InvalidArgument(f"unknown base_model {base_model!r}; this server serves {names}")
+
+    # ---- training runs ----
+
+    def _new_run(self, tenant: str, session_id: str, base_model: str, lora: pb.LoraConfig,
+                 user_metadata: dict[str, str]) -> Run:
+        s = self.session(tenant, session_id)
+        model_id = f"{session_id}:train:{s.next_model}"
+        s.next_model += 1
+        run = Run(model_id, tenant, base_model, lora, dict(user_metadata))
+        self.runs[model_id] = run
+        return run
+
+    async def create_model(self, tenant: str, req: pb.CreateModelRequest) -> pb.SubmitResponse:
+        await self._check_base_model(req.base_model)
+        if not 1 <= req.lora_config.rank <= 256:
+            raise InvalidArgument(f"lora_config.rank = {req.lora_config.rank} is outside [1, 256]")
+        run = self._new_run(tenant, req.session_id, req.base_model, req.lora_config, dict(req.user_metadata))
+        entry = self.futures.create(tenant)
+        self._spawn(entry, self._create_adapter(run, pb.CreateAdapterRequest(
+            model_id=run.model_id, tenant=tenant, base_model=req.base_model, lora_config=req.lora_config)))
+        return pb.SubmitResponse(request_id=entry.request_id, model_id=run.model_id)
+
+    async def create_model_from_state(self, tenant: str, req: pb.CreateModelFromStateRequest
+                                      ) -> pb.SubmitResponse:
+        info = await self._call(self.checkpoints.Stat, cpb.CheckpointRef(tenant=tenant, path=req.path))
+        if info.kind != "weights":
+            raise InvalidArgument(f"path {req.path!r} is a {info.kind} checkpoint; a training client starts "
+                                  "from a training state (tinker://<run>/weights/<name>)")
+        meta = json.loads(info.metadata_json or "{}")
+        run = self._new_run(tenant, req.session_id, meta.get("base_model", ""), pb.LoraConfig(),
+                            dict(req.user_metadata))
+        entry = self.futures.create(tenant)
+        self._spawn(entry, self._create_adapter(run, pb.CreateAdapterRequest(
+            model_id=run.model_id, tenant=tenant, from_path=req.path, with_optimizer=req.with_optimizer)))
+        return pb.SubmitResponse(request_id=entry.request_id, model_id=run.model_id)
+
+    async def _create_adapter(self, run: Run, req: pb.CreateAdapterRequest) -> pb.FutureResult:
+        try:
+            info = await self._call(self.trainer.CreateAdapter, req)
+        except LatheError:
+            self.runs.pop(run.model_id, None)
+            raise
+        run.base_model, run.lora = info.base_model, info.lora_config
+        run.ready.set()
+        return pb.FutureResult(create_model=pb.CreateModelOutput(model_id=run.model_id))
+
+    async def get_info(self, tenant: str, model_id: str) -> pb.ModelInfo:
+        run = self.run(tenant, model_id)
+        await run.ready.wait()
+        ctx = await self._check_base_model(run.base_model)
+        return pb.ModelInfo(model_id=model_id, base_model=run.base_model, lora_config=run.lora,
+                            tokenizer_id=run.base_model, max_context_length=ctx)
+
+    # ---- ordered model operations ----
+
+    async def submit(self, tenant: str, model_id: str, seq_id: int, **op: object) -> pb.SubmitResponse:
+        """Submit one ordered operation (exactly one of forward_backward / optim_step / save / load)."""
+        run = self.run(tenant, model_id)
+        if seq_id < 1:
+            raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
+        known = self._by_seq.get((model_id, seq_id))
+        if known is not None:
+            return pb.SubmitResponse(request_id=known, model_id=model_id)
+        entry = self.futures.create(tenant)
+        self._by_seq[(model_id, seq_id)] = entry.request_id
+        run.last_request_time = time.time()
+        trainer_op = pb.TrainerOp(model_id=model_id, seq_id=seq_id, request_id=entry.request_id, tenant=tenant,
+                                  **op)
+        self._spawn(entry, self._run_op(run, trainer_op))
+        return pb.SubmitResponse(request_id=entry.request_id, model_id=model_id)
+
+    async def _run_op(self, run: Run, op: pb.TrainerOp) -> pb.FutureResult:
+        await run.ready.wait()
+        res: pb.TrainerResult = await self._call(self.trainer.Run, op)
+        out = pb.FutureResult(receipt=res.receipt)
+        kind = res.WhichOneof("result")
+        getattr(out, kind).CopyFrom(getattr(res, kind))
+        if kind == "save":
+            if op.save.kind == "weights":
+                run.last_checkpoint = res.save.path
+            else:
+                run.last_sampler_checkpoint = res.save.path
+        return out
+
+    async def retrieve(self, tenant: str, request_id: str, timeout_s: float) -> pb.FutureResult:
+        entry = self.futures.get(request_id, tenant)
+        return await self.futures.wait(entry, min(timeout_s, MAX_WAIT_S))
+
+    # ---- listings ----
+
+    def list_runs(self, tenant: str, limit: int, offset: int) -> pb.ListTrainingRunsResponse:
+        mine = sorted((r for r in self.runs.values() if r.tenant == tenant), key=lambda r: r.created_at)
+        limit = limit or 20
+        return pb.ListTrainingRunsResponse(training_runs=[r.proto() for r in mine[offset:offset + limit]],
+                                           total_count=len(mine))
+
+    async def list_checkpoints(self, tenant: str, run_id: str, limit: int, offset: int
+                               ) -> pb.ListRunCheckpointsResponse:
+        if run_id:
+            self.run(tenant, run_id)
+        res = await self._call(self.checkpoints.List, cpb.ListCheckpointsRequest(
+            tenant=tenant, run_id=run_id, limit=limit, offset=offset))
+        return pb.ListRunCheckpointsResponse(total_count=res.total_count, checkpoints=[
+            pb.CheckpointEntry(checkpoint_id=f"{c.kind}/{c.name}",
+                               checkpoint_type="training" if c.kind == "weights" else "sampler",
+                               tinker_path=c.path, time=c.created_at, size_bytes=c.size_bytes,
+                               expires_at=c.expires_at)
+            for c in res.checkpoints
+        ])
+
+    async def delete_checkpoint(self, tenant: str, path: str) -> None:
+        await self._call(self.checkpoints.Delete, cpb.CheckpointRef(tenant=tenant, path=path))
+
+    # ---- sampling ----
+
+    async def create_sampling_session(self, tenant: str, req: pb.CreateSamplingSessionRequest) -> pb.SamplingSession:
+        """Bind a sampling client to one policy version: the checkpoint at ``model_path`` as it is now
+        (its creation time pins it), or the base model."""
+        s = self.session(tenant, req.session_id)
+        if req.model_path:
+            info = await self._call(self.checkpoints.Stat, cpb.CheckpointRef(tenant=tenant, path=req.model_path))
+            base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
+            version = info.created_at
+        elif req.base_model:
+            await self._check_base_model(req.base_model)
+            base_model, version = req.base_model, 0.0
+        else:
+            raise InvalidArgument("a sampling client needs model_path or base_model")
+        sid = f"{req.session_id}:sample:{s.next_sampler}"
+        s.next_sampler += 1
+        self.sampling[sid] = SamplingSession(sid, tenant, base_model, req.model_path, version)
+        return self.sampling[sid].proto()
+
+    def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:
+        rec = self.sampling.get(sampling_session_id)
+        if rec is None or rec.tenant != tenant:
+            raise NotFound(f"unknown sampling_session_id {sampling_session_id!r}")
+        return rec
+
+    async def sample(self, tenant: str, req: pb.SampleRequest) -> pb.SubmitResponse:
+        rec = self.sampling_session(tenant, req.sampling_session_id)
+        key = (rec.sampling_session_id, req.seq_id)
+        if req.seq_id and key in self._by_seq:
+            return pb.SubmitResponse(request_id=self._by_seq[key])
+        entry = self.futures.create(tenant)
+        if req.seq_id:
+            self._by_seq[key] = entry.request_id
+        full = pb.SampleRequest()
+        full.CopyFrom(req)
+        full.tenant, full.base_model, full.model_path = tenant, rec.base_model, rec.model_path
+        full.model_version, full.request_id = rec.version, entry.request_id
+        self._spawn(entry, self._run_sample(full))
+        return pb.SubmitResponse(request_id=entry.request_id)
+
+    async def _run_sample(self, req: pb.SampleRequest) -> pb.FutureResult:
+        res: pb.SampleResult = await self._call(self.sampler.Sample, req)
+        if res.WhichOneof("result") == "error":
+            return pb.FutureResult(receipt=res.receipt, error=res.error)
+        return pb.FutureResult(receipt=res.receipt, sample=res.sample)

@@ -1,0 +1,71 @@
+"""Futures: request id -> eventual result, awaited by long-poll, never by a busy loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from lathe.errors import NotFound, ResourceExhausted
+from lathe.v1 import lathe_pb2 as pb
+
+KEEP_DONE = 100_000  # completed results remembered, oldest dropped first
+
+
+@dataclass(slots=True)
+class Entry:
+    request_id: str
+    tenant: str
+    created: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: pb.FutureResult | None = None
+
+
+class FutureStore:
+    def __init__(self, max_pending_per_tenant: int = 4096) -> None:
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._pending: dict[str, int] = {}
+        self.max_pending_per_tenant = max_pending_per_tenant
+
+    def create(self, tenant: str) -> Entry:
+        if self._pending.get(tenant, 0) >= self.max_pending_per_tenant:
+            raise ResourceExhausted(f"tenant has {self.max_pending_per_tenant} requests in flight; "
+                                    "wait for some results before submitting more", retry_after_s=1.0)
+        entry = Entry("req-" + uuid.uuid4().hex, tenant)
+        self._entries[entry.request_id] = entry
+        self._pending[tenant] = self._pending.get(tenant, 0) + 1
+        return entry
+
+    def complete(self, entry: Entry, result: pb.FutureResult) -> None:
+        if entry.result is not None:
+            return
+        result.request_id = entry.request_id
+        result.done = True
+        entry.result = result
+        entry.done.set()
+        self._pending[entry.tenant] -= 1
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._entries) > KEEP_DONE:
+            oldest = next(iter(self._entries.values()))
+            if oldest.result is None:
+                break
+            self._entries.popitem(last=False)
+
+    def get(self, request_id: str, tenant: str) -> Entry:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.tenant != tenant:
+            raise NotFound(f"unknown request_id {request_id!r}")
+        return entry
+
+    async def wait(self, entry: Entry, timeout_s: float) -> pb.FutureResult:
+        """The result, or ``done=False`` if it is not ready within ``timeout_s``."""
+        try:
+            await asyncio.wait_for(entry.done.wait(), timeout=max(0.0, timeout_s))
+        except TimeoutError:
+            return pb.FutureResult(request_id=entry.request_id, done=False)
+        assert entry.result is not None
+        return entry.result
