@@ -34,6 +34,7 @@ from lathe.errors import (
 )
 from lathe.futures import APIFuture, RetryPolicy
 from lathe.rest_client import RestClient
+from lathe.sampling_client import SamplingClient
 from lathe.service_client import ServiceClient
 from lathe.training_client import TrainingClient
 from lathe.types import (
@@ -55,6 +56,9 @@ from lathe.types import (
     OptimStepResponse,
     ParsedCheckpointTinkerPath,
     Receipt,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     SupportedModel,
@@ -94,6 +98,10 @@ __all__ = [
     "ResourceExhausted",
     "RestClient",
     "RetryPolicy",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingClient",
+    "SamplingParams",
     "SaveWeightsForSamplerResponse",
     "SaveWeightsResponse",
     "ServiceClient",

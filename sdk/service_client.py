@@ -20,6 +20,7 @@ from lathe import wire
 from lathe.errors import LatheError
 from lathe.futures import APIFuture, Connection, RetryPolicy, call_future, poll
 from lathe.rest_client import RestClient
+from lathe.sampling_client import SamplingClient
 from lathe.training_client import TrainingClient
 from lathe.types import CreateModelResponse, GetServerCapabilitiesResponse, LoraConfig
 from lathe.v1 import lathe_pb2 as pb
@@ -93,7 +94,7 @@ class ServiceClient:
         submitted = await self._conn.call(rpc, request)
         created = wire.result_from_proto(await poll(self._conn, submitted.request_id), CreateModelResponse)
         info = await self._conn.call("GetInfo", pb.GetInfoRequest(model_id=created.model_id))
-        return TrainingClient(self._conn, wire.get_info_from_proto(info))
+        return TrainingClient(self._conn, wire.get_info_from_proto(info), self._sampling_client)
 
     def _lora(self, base_model: str, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
               train_unembed: bool, user_metadata: dict[str, str] | None) -> Coroutine[Any, Any, TrainingClient]:
@@ -142,6 +143,25 @@ class ServiceClient:
     async def create_training_client_from_state_with_optimizer_async(
             self, path: str, user_metadata: dict[str, str] | None = None) -> TrainingClient:
         return await self._run(self._from_state(path, True, user_metadata))
+
+    # ---- sampling clients ----
+
+    async def _sampling_client(self, model_path: str | None = None, base_model: str | None = None
+                               ) -> SamplingClient:
+        if not (model_path or base_model):
+            raise ValueError("create_sampling_client needs model_path (tinker://...) or base_model")
+        session = await self._conn.call("CreateSamplingSession", pb.CreateSamplingSessionRequest(
+            session_id=await self._session_id(), model_path=model_path or "", base_model=base_model or ""))
+        return SamplingClient(self._conn, session)
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None
+                               ) -> SamplingClient:
+        """A client bound to the sampler checkpoint at ``model_path`` as it is now, or to ``base_model``."""
+        return self._run(self._sampling_client(model_path, base_model)).result()
+
+    async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None
+                                           ) -> SamplingClient:
+        return await self._run(self._sampling_client(model_path, base_model))
 
     # ---- registry ----
 

@@ -18,7 +18,8 @@ import concurrent.futures as cf
 import functools
 import numbers
 import threading
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -26,6 +27,7 @@ from google.protobuf.message import Message
 from lathe import wire
 from lathe.errors import FailedPrecondition, LatheError
 from lathe.futures import APIFuture, Connection, server_future
+from lathe.sampling_client import SamplingClient
 from lathe.types import (
     AdamParams,
     Datum,
@@ -53,9 +55,11 @@ def _loss_fn_config(config: Mapping[str, float] | None) -> dict[str, float]:
 class TrainingClient:
     """Created by ``ServiceClient.create_lora_training_client`` / ``create_training_client_from_state*``."""
 
-    def __init__(self, conn: Connection, info: GetInfoResponse) -> None:
+    def __init__(self, conn: Connection, info: GetInfoResponse,
+                 sampling_client: Callable[[str], Awaitable[SamplingClient]]) -> None:
         self.model_id = info.model_id
         self._conn = conn
+        self._sampling_client = sampling_client
         self._info = info
         self._lock = threading.Lock()
         self._next_seq = 1
@@ -132,6 +136,15 @@ class TrainingClient:
         """Save the adapter for sampling as ``tinker://<model_id>/sampler_weights/<name>``."""
         return self._submit("Save", self._save_request(name, "sampler_weights", ttl_seconds, False),
                             SaveWeightsForSamplerResponse)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """Save the adapter for sampling (under ``name``, or an ephemeral name) and bind a client to it."""
+        path = self.save_weights_for_sampler(name or f"ephemeral-{uuid.uuid4().hex[:12]}").result().path
+        return self._conn.spawn(self._sampling_client(path)).result()
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
+        path = (await self.save_weights_for_sampler(name or f"ephemeral-{uuid.uuid4().hex[:12]}")).path
+        return await asyncio.wrap_future(self._conn.spawn(self._sampling_client(path)))
 
     def _save_request(self, name: str, kind: str, ttl_seconds: int | None, overwrite: bool) -> pb.SaveRequest:
         return pb.SaveRequest(model_id=self.model_id, name=name, kind=kind, ttl_seconds=ttl_seconds or 0,

@@ -298,6 +298,46 @@ class CreateModelResponse:
     model_id: str
 
 
+# ---------- sampling ----------
+
+StopReason = Literal["stop", "length"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Tinker's sampling parameters. ``stop``: None = stop at EOS; ``[]`` = never stop early (not even at
+    EOS); a string or list of strings; or a list of token ids. ``max_tokens`` None = up to the context."""
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+@dataclass(slots=True)
+class SampledSequence:
+    """One completion: its tokens, the policy's logprob of each (temperature 1), why it ended, and which
+    policy version (sampler weights path or base model) produced it."""
+
+    stop_reason: StopReason
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    policy_version: str = ""
+
+
+@dataclass(slots=True)
+class SampleResponse:
+    """``prompt_logprobs[0]`` is None (nothing predicts the first token); ``topk_prompt_logprobs[i]`` is
+    a list of (token id, logprob), best first."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    receipt: Receipt | None = None
+
+
 # ---------- registry views ----------
 
 

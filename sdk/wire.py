@@ -11,6 +11,7 @@ A finished ``FutureResult`` becomes the result type the caller expects (``result
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -36,6 +37,9 @@ from lathe.types import (
     ModelInput,
     OptimStepResponse,
     Receipt,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     SupportedModel,
@@ -165,6 +169,39 @@ def forward_backward_output_from_proto(msg: pb.ForwardBackwardOutput, receipt: R
         loss_fn_outputs=[_tensors_from_proto(o.tensors) for o in msg.loss_fn_outputs])
 
 
+def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    """Tinker's ``stop`` forms onto the proto: None -> use_eos; [] -> nothing; strings; token ids."""
+    stops: list = [] if p.stop is None else [p.stop] if isinstance(p.stop, str) else list(p.stop)
+    if not all(isinstance(x, str) for x in stops) and not all(isinstance(x, int) for x in stops):
+        raise ValueError(f"stop must be strings or token ids, not a mix: {p.stop!r}")
+    msg = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, use_eos=p.stop is None,
+                            stop_strings=[x for x in stops if isinstance(x, str)],
+                            stop_token_ids=[x for x in stops if isinstance(x, int)])
+    if p.max_tokens is not None:
+        msg.max_tokens = p.max_tokens
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def sample_response_from_proto(msg: pb.SampleOutput, receipt: Receipt | None = None) -> SampleResponse:
+    seqs = [SampledSequence(stop_reason=s.stop_reason, tokens=list(s.tokens), logprobs=list(s.logprobs),
+                            policy_version=s.policy_version) for s in msg.sequences]
+    prompt = [None if math.isnan(x) else x for x in msg.prompt_logprobs] if msg.prompt_logprobs else None
+    topk = ([list(zip(t.token_ids, t.logprobs, strict=True)) or None for t in msg.topk_prompt_logprobs]
+            if msg.topk_prompt_logprobs else None)
+    return SampleResponse(sequences=seqs, prompt_logprobs=prompt, topk_prompt_logprobs=topk, receipt=receipt)
+
+
+def sample_response_to_proto(r: SampleResponse) -> pb.SampleOutput:
+    return pb.SampleOutput(
+        sequences=[pb.SampledSequence(stop_reason=s.stop_reason, tokens=s.tokens, logprobs=s.logprobs or [],
+                                      policy_version=s.policy_version) for s in r.sequences],
+        prompt_logprobs=[math.nan if x is None else x for x in r.prompt_logprobs or []],
+        topk_prompt_logprobs=[pb.TopkLogprobs(token_ids=[t for t, _ in e or []], logprobs=[lp for _, lp in e or []])
+                              for e in r.topk_prompt_logprobs or []])
+
+
 # Result type -> (FutureResult oneof field, payload decoder, payload encoder). Sampling adds its row here.
 _RESULTS: dict[type, tuple[str, Callable[[Any, Receipt | None], Any], Callable[[Any], Any]]] = {
     ForwardBackwardOutput: ("forward_backward", forward_backward_output_from_proto,
@@ -179,6 +216,7 @@ _RESULTS: dict[type, tuple[str, Callable[[Any, Receipt | None], Any], Callable[[
                           lambda v: pb.LoadOutput(path=v.path or "", model_id=v.model_id or "")),
     CreateModelResponse: ("create_model", lambda m, r: CreateModelResponse(m.model_id),
                           lambda v: pb.CreateModelOutput(model_id=v.model_id)),
+    SampleResponse: ("sample", sample_response_from_proto, sample_response_to_proto),
 }
 
 

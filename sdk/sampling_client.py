@@ -1,0 +1,67 @@
+"""``SamplingClient``: sampling from one policy version, shaped like Tinker's.
+
+A sampling client is bound, when it is created, to one sampling session on the gateway: a saved sampler
+checkpoint (``tinker://<run>/sampler_weights/<name>``, pinned to the version that existed then, so it never
+silently serves a newer adapter) or a base model. Each ``sample`` is a server-side future; every returned
+sequence names the policy version that produced it. Requests carry a per-client ``seq_id`` so a retried
+submit is answered once; sampling requests need no ordering among themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+
+from lathe import wire
+from lathe.futures import APIFuture, Connection, server_future
+from lathe.types import ModelInput, SampleResponse, SamplingParams
+from lathe.v1 import lathe_pb2 as pb
+
+
+class SamplingClient:
+    """Made by ``ServiceClient.create_sampling_client`` or ``TrainingClient.save_weights_and_get_sampling_client``."""
+
+    def __init__(self, conn: Connection, session: pb.SamplingSession) -> None:
+        self._conn = conn
+        self.sampling_session_id = session.sampling_session_id
+        self.base_model = session.base_model
+        self.model_path = session.model_path or None
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<SamplingClient {self.model_path or self.base_model}>"
+
+    def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
+        """``num_samples`` completions of ``prompt``, each with per-token logprobs and its stop reason."""
+        with self._lock:
+            seq = next(self._seq)
+        request = pb.SampleRequest(
+            sampling_session_id=self.sampling_session_id, seq_id=seq, prompt=prompt.to_ints(),
+            params=wire.sampling_params_to_proto(sampling_params), num_samples=num_samples,
+            prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs)
+        return server_future(self._conn, self._submit(request),
+                             functools.partial(wire.result_from_proto, kind=SampleResponse))
+
+    async def sample_async(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
+                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0
+                           ) -> APIFuture[SampleResponse]:
+        return self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
+
+    async def _submit(self, request: pb.SampleRequest) -> str:
+        return (await self._conn.call("Sample", request)).request_id
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        """The policy's logprob of every prompt token given the ones before it (None for the first)."""
+        fut = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+        return APIFuture(self._conn.spawn(_prompt_logprobs(fut)))
+
+    async def compute_logprobs_async(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        return self.compute_logprobs(prompt)
+
+
+async def _prompt_logprobs(fut: APIFuture[SampleResponse]) -> list[float | None]:
+    res = await fut
+    return list(res.prompt_logprobs or [])
