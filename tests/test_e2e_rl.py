@@ -104,3 +104,31 @@ def test_sampling_bad_input_and_other_tenants_paths(stack: Stack) -> None:
             sc.create_sampling_client(model_path=f"tinker://{tc.model_id}/sampler_weights/nope")
         ok = sampler.sample(prompt, 2, lathe.SamplingParams(max_tokens=3, seed=1)).result()
         assert len(ok.sequences) == 2
+
+
+def test_forward_backward_custom_equals_cross_entropy(stack: Stack) -> None:
+    import torch
+
+    rng = np.random.default_rng(0)
+    toks = [int(t) for t in rng.integers(3, 250, 20)]
+    w = rng.uniform(0, 1, 19).astype(np.float32)
+    data = [lathe.Datum(model_input=lathe.ModelInput.from_ints(toks[:-1]),
+                        loss_fn_inputs={"target_tokens": toks[1:], "weights": w})]
+
+    def custom(batch: list[lathe.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        weights = torch.tensor(batch[0].loss_fn_inputs["weights"].to_numpy())
+        return -(weights * logprobs[0]).sum(), {"custom:sum": 1.0}
+
+    with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-custom") as sc:
+        a = sc.create_lora_training_client(BASE, rank=4, seed=9)
+        b = sc.create_lora_training_client(BASE, rank=4, seed=9)
+        for _ in range(2):  # the second round sees a trained adapter (non-zero B)
+            ra = a.forward_backward(data, "cross_entropy")
+            rb = b.forward_backward_custom(data, custom)
+            a.optim_step(lathe.AdamParams(learning_rate=0.02))
+            b.optim_step(lathe.AdamParams(learning_rate=0.02)).result()
+            assert rb.result().metrics["loss:sum"] == pytest.approx(ra.result().metrics["loss:sum"], rel=1e-5)
+            assert rb.result().metrics["custom:sum"] == 1.0
+        la = a.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        lb = b.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        assert np.array_equal(la, lb)  # the same gradients, so the same weights after the same steps
