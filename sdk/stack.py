@@ -33,6 +33,7 @@ class StackConfig:
     trainer_dtype: str = "float32"
     invariant: bool = True
     api_keys: str = ""
+    trainer_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.trainer`
     log_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -67,6 +68,7 @@ class Stack:
                 trainer_args += ["--threads", str(c.trainer_threads)]
             if not c.invariant:
                 trainer_args.append("--no-invariant")
+            trainer_args += list(c.trainer_args)
             trainer = self._spawn("trainer", trainer_args)
             sampler_args = ["--models", c.models, "--cache-root", str(c.cache_root), "--dtype", c.trainer_dtype,
                             "--checkpoints", ckpt.address]
@@ -94,7 +96,7 @@ class Stack:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"})
         service = Service(name, proc, "")
         self.services.append(service)
         ready = threading.Event()

@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens)
     ap.add_argument("--cycle-tokens", type=int, default=d.cycle_tokens)
     ap.add_argument("--max-resident-adapters", type=int, default=d.max_resident_adapters)
+    ap.add_argument("--max-runs-per-cycle", type=int, default=d.max_runs_per_cycle,
+                    help="0: pack every ready run into a cycle; 1: one run at a time")
     ap.add_argument("--page-store", default="", help="directory or URL for paged-out adapters")
     ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
     args = ap.parse_args()
@@ -37,7 +39,7 @@ def main() -> None:
     cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype,
                         invariant=not args.no_invariant, max_request_tokens=args.max_request_tokens,
                         cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
-                        page_store=args.page_store)
+                        page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle)
     store = None
     if args.checkpoints:
         from lathe.checkpoints.client import CheckpointsClient

@@ -74,16 +74,20 @@ def plan_cycle(
     runs: list[tuple[object, Sequencer, Partial | None]],
     capacity: int,
     begin: Callable[[object, Pending], Partial | None],
+    max_runs: int = 0,
 ) -> list[Work]:
     """Plan one cycle. ``runs`` are (run, its sequencer, its request in progress), in visiting order.
 
     ``begin(run, item)`` checks a forward / forward_backward request that reaches the head of its
     queue, records its ``Partial`` as the run's request in progress and returns it (or returns None if
-    the request failed its checks and has been answered already).
+    the request failed its checks and has been answered already). ``max_runs`` > 0 caps how many runs
+    share a cycle (1 = one tenant at a time, the unpacked baseline of the benchmarks).
     """
     works: list[Work] = []
     budget = capacity
     for run, seq, partial in runs:
+        if max_runs and len(works) >= max_runs:
+            break
         if partial is None:
             head = seq.peek()
             if head is None:

@@ -62,6 +62,8 @@ class TrainerConfig:
     cycle_tokens: int = 16384  # token capacity of one clock cycle
     max_queue: int = 4096
     max_resident_adapters: int = 256
+    cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
+    max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
     page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
 
     def __post_init__(self) -> None:
@@ -202,9 +204,25 @@ class TrainerEngine:
             with self._lock:
                 while not self._stopping and not self._ready():
                     self._lock.wait()
+                deadline = time.monotonic() + self.cfg.cycle_gather_s
+                while not self._stopping and self._awaiting_step() and time.monotonic() < deadline:
+                    self._lock.wait(timeout=deadline - time.monotonic())
                 if self._stopping:
                     return
             self.run_cycle()
+
+    def _awaiting_step(self) -> bool:
+        """Is a forward_backward at the head of a queue whose next operation has not arrived yet?
+
+        A client sends a forward_backward and its optim_step back to back; waiting a few milliseconds
+        for the step lets both land in the same cycle instead of two.
+        """
+        for m in self._models.values():
+            head = m.seq.peek()
+            if (head is not None and head.op.WhichOneof("op") == "forward_backward"
+                    and not head.op.forward_backward.forward_only and m.seq.next_seq + 1 not in m.seq.waiting):
+                return True
+        return False
 
     def _ready(self) -> bool:
         return any(m.partial is not None or m.seq.peek() is not None for m in self._models.values())
@@ -233,7 +251,8 @@ class TrainerEngine:
             if runs:
                 k = self.cycle % len(runs)
                 runs = runs[k:] + runs[:k]
-            works = plan_cycle([(m, m.seq, m.partial) for m in runs], self.cfg.cycle_tokens, self._begin)
+            works = plan_cycle([(m, m.seq, m.partial) for m in runs], self.cfg.cycle_tokens, self._begin,
+                               self.cfg.max_runs_per_cycle)
             if not works:
                 return 0
             self.cycle += 1
