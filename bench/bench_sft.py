@@ -31,7 +31,8 @@ def model_dir(name: str) -> tuple[str, Path]:
         from lathe.models.tiny import ensure_tiny_model
 
         return "lathe/tiny-llama", ensure_tiny_model(CACHE)
-    from lathe.models.smollm2 import SMOLLM2, import_smollm2
+    from lathe.models.catalog import SMOLLM2
+    from lathe.models.smollm2 import import_smollm2
 
     return SMOLLM2, import_smollm2(CACHE)
 
@@ -79,7 +80,8 @@ def run_engine(args: argparse.Namespace) -> list[float]:
     from lathe.wire import datum_to_proto
 
     name, _ = model_dir(args.model)
-    eng = TrainerEngine(TrainerConfig(models=name, cache_root=CACHE), ModelCatalog.from_spec(name, CACHE))
+    eng = TrainerEngine(TrainerConfig(models=name, cache_root=CACHE, activation_checkpointing=args.ckpt),
+                        ModelCatalog.from_spec(name, CACHE))
     eng.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=name, lora_config=pb.LoraConfig(
         rank=args.rank, train_attn=True, train_mlp=True, train_unembed=False)))
     data = [datum_to_proto(d) for d in _data(args, eng.base(name).cfg.vocab_size)]
@@ -107,7 +109,7 @@ def run_service(args: argparse.Namespace) -> tuple[list[float], int]:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     data = _data(args, vocab)
     cfg = StackConfig(models=name, store_root=CACHE / "bench-store", cache_root=CACHE, trainer_threads=args.threads,
-                      sampler_threads=1)
+                      sampler_threads=1, trainer_args=("--activation-checkpointing",) if args.ckpt else ())
     with Stack(cfg) as stack, lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") as sc:
         tc = sc.create_lora_training_client(name, rank=args.rank, train_unembed=False)
         times = []
@@ -144,29 +146,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mode", choices=["hf", "engine", "service"], help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
         child(args)
         return
     model_dir(args.model)  # import once, outside the timed children
     res = {}
-    for mode in ("service", "engine", "hf"):
-        cmd = [sys.executable, __file__, "--mode", mode, *sys.argv[1:]]
+    for key, mode, extra in (("service", "service", []), ("engine", "engine", []),
+                             ("service+ckpt", "service", ["--ckpt"]), ("hf", "hf", [])):
+        cmd = [sys.executable, __file__, "--mode", mode, *extra, *sys.argv[1:]]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        res[mode] = json.loads(out)
+        res[key] = json.loads(out)
     tokens = args.batch * args.seq
     print(f"SFT step, {args.model}, {args.batch}x{args.seq} tokens, LoRA rank {args.rank} on 7 targets, "
           f"{args.threads} threads, median of {args.steps} steps")
     print(f"{'contender':<34}{'step s':>9}{'tokens/s':>10}{'peak RSS GB':>13}")
     labels = {"service": "Lathe SDK -> gateway -> trainer", "engine": "Lathe trainer engine in-process",
-              "hf": "transformers + peft"}
+              "service+ckpt": "  same, activation checkpointing", "hf": "transformers + peft"}
     med = {m: statistics.median(r["times"]) for m, r in res.items()}
     for mode, r in res.items():
         print(f"{labels[mode]:<34}{med[mode]:>9.3f}{tokens / med[mode]:>10.0f}{r['peak'] / 1e9:>13.2f}")
     print(f"overhead service / in-process: {med['service'] / med['engine']:.3f}  (target <= 1.05)")
     print(f"speed transformers / Lathe:    {med['hf'] / med['service']:.2f}x  (target >= 1)")
-    print(f"peak memory Lathe trainer / transformers: {res['service']['peak'] / res['hf']['peak']:.2f}  "
-          "(target <= 0.5)")
+    for key in ("service", "service+ckpt"):
+        print(f"peak memory Lathe trainer ({key}) / transformers: {res[key]['peak'] / res['hf']['peak']:.2f}  "
+              "(target <= 0.5)")
+    print(f"speed transformers / Lathe with activation checkpointing: {med['hf'] / med['service+ckpt']:.2f}x")
 
 
 if __name__ == "__main__":

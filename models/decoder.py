@@ -73,10 +73,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Decoder(torch.nn.Module):
     """Frozen base model. ``weights`` holds HF-named tensors; nothing here requires grad."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, invariant: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, invariant: bool = True,
+                 checkpoint_layers: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.invariant = invariant
+        self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: memory for time
         self.w = weights
         self.dtype = weights["model.embed_tokens.weight"].dtype
         cos, sin = _rope_table(cfg)
@@ -84,7 +86,8 @@ class Decoder(torch.nn.Module):
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
 
     @classmethod
-    def from_dir(cls, model_dir: Path, *, dtype: torch.dtype = torch.float32, invariant: bool = True) -> Decoder:
+    def from_dir(cls, model_dir: Path, *, dtype: torch.dtype = torch.float32, invariant: bool = True,
+                 checkpoint_layers: bool = False) -> Decoder:
         """Load a Hugging Face directory (config.json + *.safetensors)."""
         model_dir = Path(model_dir)
         cfg = ModelConfig.from_dir(model_dir)
@@ -96,7 +99,7 @@ class Decoder(torch.nn.Module):
         weights = {k: v.to(dtype) for k, v in weights.items()}
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-        return cls(cfg, weights, invariant=invariant)
+        return cls(cfg, weights, invariant=invariant, checkpoint_layers=checkpoint_layers)
 
     # ---- building blocks ----
 
@@ -147,10 +150,18 @@ class Decoder(torch.nn.Module):
     def hidden(self, batch: Packed, lora: LoraBatch | None = None, kv: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of a packed batch."""
         x = self.w["model.embed_tokens.weight"][batch.tokens]
+        recompute = self.checkpoint_layers and kv is None and torch.is_grad_enabled()
         for i in range(self.cfg.num_layers):
-            x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, lora, kv)
-            x = x + self._mlp(i, self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight"), lora)
+            if recompute:
+                x = checkpoint(self._layer, i, x, batch, lora, kv, use_reentrant=False)
+            else:
+                x = self._layer(i, x, batch, lora, kv)
         return self._norm(x, "model.norm.weight")
+
+    def _layer(self, i: int, x: torch.Tensor, batch: Packed, lora: LoraBatch | None, kv: KVCache | None
+               ) -> torch.Tensor:
+        x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, lora, kv)
+        return x + self._mlp(i, self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight"), lora)
 
     def logits(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""

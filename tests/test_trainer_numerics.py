@@ -174,3 +174,16 @@ def test_adamw_grad_clip_matches_torch_clip() -> None:
     torch.optim.AdamW([theirs], lr=0.01, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0).step()
     torch.testing.assert_close(ours["a"], theirs.detach(), rtol=1e-6, atol=1e-7)
     assert metrics["grad_norm:mean"] == pytest.approx(float(g.norm()), rel=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(model: Decoder) -> None:
+    exs = [_example(model.cfg.vocab_size, n, 40 + n) for n in (11, 30)]
+    grads = []
+    for recompute in (False, True):
+        model.checkpoint_layers = recompute
+        lora = _adapter(model, 4, 77)
+        (res,) = run_jobs(model, [Job(lora, exs, "cross_entropy", {}, backward=True)])
+        grads.append((res.loss, [p.grad.clone() for p in lora.parameters()]))
+    model.checkpoint_layers = False
+    assert grads[0][0] == grads[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1], strict=True))

@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--cache-root", type=Path, default=d.cache_root)
     ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     ap.add_argument("--no-invariant", action="store_true", help="use plain (not batch-invariant) ops")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute each layer in backward (about half the peak memory, about 20%% slower)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--checkpoints", default="", help="address of the checkpoints service")
     ap.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens)
@@ -37,7 +39,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype,
-                        invariant=not args.no_invariant, max_request_tokens=args.max_request_tokens,
+                        invariant=not args.no_invariant, activation_checkpointing=args.activation_checkpointing,
+                        max_request_tokens=args.max_request_tokens,
                         cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
                         page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle)
     store = None
