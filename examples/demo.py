@@ -40,9 +40,10 @@ def main() -> None:
     with Stack(cfg) as stack:
         print(f"Lathe gateway listening on {stack.gateway}", flush=True)
         with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-demo") as sc:
-            sft_clamp.run(sc, sft_clamp.SftConfig(
-                base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "sft", steps=args.sft_steps,
-                batch_size=args.batch_size, rank=args.rank))
+            if args.sft_steps:
+                sft_clamp.run(sc, sft_clamp.SftConfig(
+                    base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "sft", steps=args.sft_steps,
+                    batch_size=args.batch_size, rank=args.rank))
             if args.rl_steps:
                 rl_clamp.run(sc, rl_clamp.RlConfig(base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "rl",
                                                    steps=args.rl_steps, rank=args.rank))

@@ -269,3 +269,18 @@ def test_paging_adapters_out_and_back_in_changes_nothing(model_cache: Path, tiny
             assert all(np.array_equal(a, b) for a, b in zip(_lp(r_t), _lp(r_r), strict=True))
     for mid in ("a", "b", "c"):
         assert all(torch.equal(weights(tight, mid)[k], v) for k, v in weights(roomy, mid).items())
+
+
+def test_floods_and_over_long_requests_get_clear_errors(model_cache: Path, tiny_dir: Path) -> None:
+    from lathe.errors import ResourceExhausted
+
+    eng = _engine(model_cache, max_queue=2, max_request_tokens=50)
+    create(eng, "m")
+    eng.submit(fb("m", 2, batch(0)))  # seq 1 has not arrived: these wait in the queue
+    eng.submit(opt("m", 3))
+    with pytest.raises(ResourceExhausted, match="trainer queue is full"):
+        eng.submit(fb("m", 4, batch(1)))
+    big = eng.submit(fb("m", 1, [datum(list(range(1, 40))), datum(list(range(1, 30)))]))
+    eng.run_cycle()
+    err = big.result(timeout=10).error
+    assert err.code == "InvalidArgument" and "request has 68 tokens in 2 datums, over the limit of 50" in err.message

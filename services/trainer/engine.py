@@ -180,7 +180,8 @@ class TrainerEngine:
             if m is None or self.bank.tenant(op.model_id) != op.tenant:
                 raise NotFound(f"unknown model_id {op.model_id!r}")
             queued = sum(len(x.seq) for x in self._models.values())
-            if queued >= self.cfg.max_queue and op.seq_id not in m.seq.waiting:
+            # the operation a run is waiting for is always let in: refusing it could block the queue for good
+            if queued >= self.cfg.max_queue and op.seq_id not in m.seq.waiting and op.seq_id != m.seq.next_seq:
                 raise ResourceExhausted(f"trainer queue is full ({queued} operations waiting); retry later",
                                         retry_after_s=1.0)
             fut, new = m.seq.offer(op.seq_id, op, time.monotonic())
