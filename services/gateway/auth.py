@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from lathe.errors import Unauthenticated
 
+TINKER_KEY_PREFIX = "tml-"  # the only key form the official tinker SDK sends (it refuses others itself)
+
 
 @dataclass(slots=True)
 class ApiKeys:
@@ -34,3 +36,9 @@ class ApiKeys:
                 raise Unauthenticated("unknown API key")
             return self.keys[api_key]
         return "t-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+    def tinker_tenant(self, api_key: str | None) -> str:
+        """``tenant`` for the Tinker HTTP door, whose keys also carry Tinker's ``tml-`` prefix."""
+        if api_key and not api_key.startswith(TINKER_KEY_PREFIX):
+            raise Unauthenticated(f"the X-API-Key header must start with {TINKER_KEY_PREFIX!r}")
+        return self.tenant(api_key)

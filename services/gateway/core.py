@@ -1,11 +1,15 @@
 """The gateway core, shared by both front doors (gRPC ``lathe.v1.Gateway`` and the Tinker HTTP API).
 
 Owns: sessions, the training-run registry (model id -> tenant, base model, LoRA config, metadata,
-last checkpoints), futures (request id -> result) and the idempotency map ``(model_id, seq_id) ->
-request id``. Routes model operations to the trainer and checkpoint queries to the checkpoints
-service. It holds no model state and imports no torch; per-model ``seq_id`` ordering is enforced
-where operations are applied, in the trainer's sequencer, so a repeat or an early arrival is safe on
-every path.
+last checkpoints), sampling sessions (id -> pinned policy version), futures (request id -> result) and
+the idempotency map ``(model_id, seq_id) -> request id``. Routes model operations to the trainer,
+samples to the sampler and checkpoint queries to the checkpoints service. It holds no model state and
+imports no torch; per-model ``seq_id`` ordering is enforced where operations are applied, in the
+trainer's sequencer, so a repeat or an early arrival is safe on every path.
+
+Ids are Tinker's: runs are ``"{session}:train:{n}"`` and sampling sessions ``"{session}:sample:{n}"``,
+where ``n`` is the client's own counter when it sends one (Tinker's SDK computes ids from it) and the
+session's next number otherwise; a repeated creation answers the first one.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
 
-from lathe.errors import InvalidArgument, LatheError, NotFound, from_rpc_error
+from lathe.errors import FailedPrecondition, InvalidArgument, LatheError, NotFound, from_rpc_error
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
@@ -39,19 +44,24 @@ class Session:
     next_model: int = 0
     next_sampler: int = 0
     last_seen: float = field(default_factory=time.time)
+    finished: str = ""  # why the client closed it ("success", "errored", ...); "" while open
 
 
 @dataclass(slots=True)
 class Run:
     model_id: str
     tenant: str
+    session_id: str
     base_model: str
     lora: pb.LoraConfig
     user_metadata: dict[str, str]
+    create_request_id: str = ""
     created_at: float = field(default_factory=time.time)
     last_request_time: float = field(default_factory=time.time)
     last_checkpoint: str = ""
+    last_checkpoint_time: float = 0.0
     last_sampler_checkpoint: str = ""
+    last_sampler_checkpoint_time: float = 0.0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def proto(self) -> pb.TrainingRun:
@@ -131,6 +141,13 @@ class GatewayCore:
         s.last_seen = time.time()
         return s
 
+    def _open_session(self, tenant: str, session_id: str) -> Session:
+        """The session, which must still be open to create models or sampling clients in it."""
+        s = self.session(tenant, session_id)
+        if s.finished:
+            raise FailedPrecondition(f"session {session_id!r} has finished ({s.finished}); start a new one")
+        return s
+
     def run(self, tenant: str, model_id: str) -> Run:
         r = self.runs.get(model_id)
         if r is None or r.tenant != tenant:
@@ -143,6 +160,11 @@ class GatewayCore:
         sid = "sess-" + uuid.uuid4().hex[:16]
         self.sessions[sid] = Session(sid, tenant, dict(user_metadata))
         return sid
+
+    def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
+        """Close a session (the first reason wins); its runs, futures and checkpoints stay."""
+        s = self.session(tenant, session_id)
+        s.finished = s.finished or reason or "finished"
 
     async def capabilities(self) -> pb.ServerCapabilities:
         now = time.monotonic()
@@ -158,40 +180,56 @@ class GatewayCore:
         names = [m.model_name for m in caps.supported_models]
         raise InvalidArgument(f"unknown base_model {base_model!r}; this server serves {names}")
 
+    async def checkpoint(self, tenant: str, path: str) -> cpb.CheckpointInfo:
+        """The caller's checkpoint at ``path`` (the checkpoints service refuses anyone else's)."""
+        return await self._call(self.checkpoints.Stat, cpb.CheckpointRef(tenant=tenant, path=path))
+
     # ---- training runs ----
 
-    def _new_run(self, tenant: str, session_id: str, base_model: str, lora: pb.LoraConfig,
-                 user_metadata: dict[str, str]) -> Run:
-        s = self.session(tenant, session_id)
-        model_id = f"{session_id}:train:{s.next_model}"
-        s.next_model += 1
-        run = Run(model_id, tenant, base_model, lora, dict(user_metadata))
-        self.runs[model_id] = run
-        return run
+    def _start_run(self, tenant: str, session_id: str, model_seq_id: int | None, adapter: pb.CreateAdapterRequest,
+                   user_metadata: dict[str, str]) -> pb.SubmitResponse:
+        """Register run ``"{session_id}:train:{n}"`` and create its adapter in the background.
 
-    async def create_model(self, tenant: str, req: pb.CreateModelRequest) -> pb.SubmitResponse:
+        ``n`` is the client's ``model_seq_id`` (Tinker's SDK computes model ids from it), else the session's
+        next number. A repeat of a ``model_seq_id`` answers the first request again; nothing is created twice.
+        Synchronous, so that concurrent repeats cannot both get past the check."""
+        s = self._open_session(tenant, session_id)
+        n = s.next_model if model_seq_id is None else model_seq_id
+        if n < 0:
+            raise InvalidArgument(f"model_seq_id must be >= 0, got {n}")
+        model_id = f"{session_id}:train:{n}"
+        known = self.runs.get(model_id)
+        if known is not None:
+            return pb.SubmitResponse(request_id=known.create_request_id, model_id=model_id)
+        s.next_model = max(s.next_model, n + 1)
+        entry = self.futures.create(tenant)
+        run = Run(model_id, tenant, session_id, adapter.base_model, adapter.lora_config, dict(user_metadata),
+                  create_request_id=entry.request_id)
+        self.runs[model_id] = run
+        adapter.model_id, adapter.tenant = model_id, tenant
+        self._spawn(entry, self._create_adapter(run, adapter))
+        return pb.SubmitResponse(request_id=entry.request_id, model_id=model_id)
+
+    async def create_model(self, tenant: str, req: pb.CreateModelRequest, model_seq_id: int | None = None
+                           ) -> pb.SubmitResponse:
         await self._check_base_model(req.base_model)
         if not 1 <= req.lora_config.rank <= 256:
             raise InvalidArgument(f"lora_config.rank = {req.lora_config.rank} is outside [1, 256]")
-        run = self._new_run(tenant, req.session_id, req.base_model, req.lora_config, dict(req.user_metadata))
-        entry = self.futures.create(tenant)
-        self._spawn(entry, self._create_adapter(run, pb.CreateAdapterRequest(
-            model_id=run.model_id, tenant=tenant, base_model=req.base_model, lora_config=req.lora_config)))
-        return pb.SubmitResponse(request_id=entry.request_id, model_id=run.model_id)
+        return self._start_run(tenant, req.session_id, model_seq_id, pb.CreateAdapterRequest(
+            base_model=req.base_model, lora_config=req.lora_config), dict(req.user_metadata))
 
-    async def create_model_from_state(self, tenant: str, req: pb.CreateModelFromStateRequest
-                                      ) -> pb.SubmitResponse:
-        info = await self._call(self.checkpoints.Stat, cpb.CheckpointRef(tenant=tenant, path=req.path))
+    async def create_model_from_state(self, tenant: str, req: pb.CreateModelFromStateRequest,
+                                      model_seq_id: int | None = None, base_model: str = "") -> pb.SubmitResponse:
+        """A run starting from a saved training state. ``base_model``, when given, must be the state's."""
+        info = await self.checkpoint(tenant, req.path)
         if info.kind != "weights":
             raise InvalidArgument(f"path {req.path!r} is a {info.kind} checkpoint; a training client starts "
                                   "from a training state (tinker://<run>/weights/<name>)")
-        meta = json.loads(info.metadata_json or "{}")
-        run = self._new_run(tenant, req.session_id, meta.get("base_model", ""), pb.LoraConfig(),
-                            dict(req.user_metadata))
-        entry = self.futures.create(tenant)
-        self._spawn(entry, self._create_adapter(run, pb.CreateAdapterRequest(
-            model_id=run.model_id, tenant=tenant, from_path=req.path, with_optimizer=req.with_optimizer)))
-        return pb.SubmitResponse(request_id=entry.request_id, model_id=run.model_id)
+        saved_base = json.loads(info.metadata_json or "{}").get("base_model", "")
+        if base_model and base_model != saved_base:
+            raise InvalidArgument(f"base_model {base_model!r} is not the base model {saved_base!r} of {req.path!r}")
+        return self._start_run(tenant, req.session_id, model_seq_id, pb.CreateAdapterRequest(
+            base_model=saved_base, from_path=req.path, with_optimizer=req.with_optimizer), dict(req.user_metadata))
 
     async def _create_adapter(self, run: Run, req: pb.CreateAdapterRequest) -> pb.FutureResult:
         try:
@@ -214,6 +252,11 @@ class GatewayCore:
 
     async def submit(self, tenant: str, model_id: str, seq_id: int, **op: object) -> pb.SubmitResponse:
         """Submit one ordered operation (exactly one of forward_backward / optim_step / save / load)."""
+        return self._submit(tenant, model_id, seq_id, op, self._run_op)
+
+    def _submit(self, tenant: str, model_id: str, seq_id: int, op: dict[str, object],
+                work: Callable[[Run, pb.TrainerOp], Awaitable[pb.FutureResult]]) -> pb.SubmitResponse:
+        """Register ``(model_id, seq_id)`` once and run ``work`` for it; a repeat gets the first request id."""
         run = self.run(tenant, model_id)
         if seq_id < 1:
             raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
@@ -225,7 +268,7 @@ class GatewayCore:
         run.last_request_time = time.time()
         trainer_op = pb.TrainerOp(model_id=model_id, seq_id=seq_id, request_id=entry.request_id, tenant=tenant,
                                   **op)
-        self._spawn(entry, self._run_op(run, trainer_op))
+        self._spawn(entry, work(run, trainer_op))
         return pb.SubmitResponse(request_id=entry.request_id, model_id=model_id)
 
     async def _run_op(self, run: Run, op: pb.TrainerOp) -> pb.FutureResult:
@@ -236,10 +279,28 @@ class GatewayCore:
         getattr(out, kind).CopyFrom(getattr(res, kind))
         if kind == "save":
             if op.save.kind == "weights":
-                run.last_checkpoint = res.save.path
+                run.last_checkpoint, run.last_checkpoint_time = res.save.path, time.time()
             else:
-                run.last_sampler_checkpoint = res.save.path
+                run.last_sampler_checkpoint, run.last_sampler_checkpoint_time = res.save.path, time.time()
         return out
+
+    def save_for_sampling(self, tenant: str, model_id: str, seq_id: int, sampling_seq_id: int
+                          ) -> tuple[pb.SubmitResponse, str]:
+        """Save the adapter as ephemeral sampler weights and bind sampling session
+        ``"{session}:sample:{sampling_seq_id}"`` to them once saved. Returns the submit and that session's id,
+        which is known at once (a repeat gets both again)."""
+        run = self.run(tenant, model_id)
+        sampling_id = f"{run.session_id}:sample:{sampling_seq_id}"
+        save = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=f"ephemeral-s{seq_id}", kind="sampler_weights")
+
+        async def save_then_bind(run: Run, op: pb.TrainerOp) -> pb.FutureResult:
+            out = await self._run_op(run, op)
+            if out.HasField("save"):
+                await self.create_sampling_session(tenant, pb.CreateSamplingSessionRequest(
+                    session_id=run.session_id, model_path=out.save.path), seq_id=sampling_seq_id)
+            return out
+
+        return self._submit(tenant, model_id, seq_id, {"save": save}, save_then_bind), sampling_id
 
     async def retrieve(self, tenant: str, request_id: str, timeout_s: float) -> pb.FutureResult:
         entry = self.futures.get(request_id, tenant)
@@ -247,11 +308,10 @@ class GatewayCore:
 
     # ---- listings ----
 
-    def list_runs(self, tenant: str, limit: int, offset: int) -> pb.ListTrainingRunsResponse:
+    def list_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[Run], int]:
+        """A page of the tenant's training runs, oldest first (``limit`` 0: 20), and how many there are."""
         mine = sorted((r for r in self.runs.values() if r.tenant == tenant), key=lambda r: r.created_at)
-        limit = limit or 20
-        return pb.ListTrainingRunsResponse(training_runs=[r.proto() for r in mine[offset:offset + limit]],
-                                           total_count=len(mine))
+        return mine[offset:offset + (limit or 20)], len(mine)
 
     async def list_checkpoints(self, tenant: str, run_id: str, limit: int, offset: int
                                ) -> pb.ListRunCheckpointsResponse:
@@ -272,12 +332,14 @@ class GatewayCore:
 
     # ---- sampling ----
 
-    async def create_sampling_session(self, tenant: str, req: pb.CreateSamplingSessionRequest) -> pb.SamplingSession:
+    async def create_sampling_session(self, tenant: str, req: pb.CreateSamplingSessionRequest,
+                                      seq_id: int | None = None) -> pb.SamplingSession:
         """Bind a sampling client to one policy version: the checkpoint at ``model_path`` as it is now
-        (its creation time pins it), or the base model."""
-        s = self.session(tenant, req.session_id)
+        (its creation time pins it), or the base model. The id is ``"{session}:sample:{n}"``, ``n`` being the
+        client's ``seq_id`` (a repeat returns the session already made) or else the session's next number."""
+        self._open_session(tenant, req.session_id)
         if req.model_path:
-            info = await self._call(self.checkpoints.Stat, cpb.CheckpointRef(tenant=tenant, path=req.model_path))
+            info = await self.checkpoint(tenant, req.model_path)
             base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
             version = info.created_at
         elif req.base_model:
@@ -285,9 +347,14 @@ class GatewayCore:
             base_model, version = req.base_model, 0.0
         else:
             raise InvalidArgument("a sampling client needs model_path or base_model")
-        sid = f"{req.session_id}:sample:{s.next_sampler}"
-        s.next_sampler += 1
-        self.sampling[sid] = SamplingSession(sid, tenant, base_model, req.model_path, version)
+        s = self._open_session(tenant, req.session_id)  # after the awaits: numbering is synchronous
+        n = s.next_sampler if seq_id is None else seq_id
+        if n < 0:
+            raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {n}")
+        sid = f"{req.session_id}:sample:{n}"
+        if sid not in self.sampling:
+            s.next_sampler = max(s.next_sampler, n + 1)
+            self.sampling[sid] = SamplingSession(sid, tenant, base_model, req.model_path, version)
         return self.sampling[sid].proto()
 
     def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:

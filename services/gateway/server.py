@@ -97,7 +97,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     @authed
     async def ListTrainingRuns(self, request: pb.ListTrainingRunsRequest, tenant: str
                                ) -> pb.ListTrainingRunsResponse:
-        return self.core.list_runs(tenant, request.limit, request.offset)
+        runs, total = self.core.list_runs(tenant, request.limit, request.offset)
+        return pb.ListTrainingRunsResponse(training_runs=[r.proto() for r in runs], total_count=total)
 
     @authed
     async def GetTrainingRun(self, request: pb.GetTrainingRunRequest, tenant: str) -> pb.TrainingRun:

@@ -1,0 +1,335 @@
+"""The Tinker HTTP front door: the official ``tinker`` SDK's protocol under ``/api/v1``, over ``GatewayCore``.
+
+Every handler authenticates the ``X-API-Key`` header through ``ApiKeys`` (Tinker's ``tml-`` keys), reads
+its body (JSON through ``json_fields``, the ``forward_backward`` protobuf through ``tinker_proto``), makes
+one core call and answers in Tinker's shapes. Model operations answer a future ``{"request_id", ...}`` at
+once; ``/retrieve_future`` long-polls the core and answers the result (protobuf for forward/backward and
+sampling outputs, JSON otherwise), ``{"type": "try_again"}`` when nothing came within the wait, or
+``{"error", "category"}`` when the operation failed. A rejected call answers the core error's HTTP status
+with the same ``{"error", "category"}`` body, never an empty one.
+
+State of its own: only what an HTTP request said that its result does not carry (the sampling session an
+ephemeral save binds, the prompt-logprob window of a sample), kept by request id for the latest requests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from lathe.errors import Internal, InvalidArgument, LatheError, NotFound
+from lathe.v1 import lathe_pb2 as pb
+
+from . import tinker_json as tj
+from .auth import ApiKeys
+from .core import MAX_WAIT_S, GatewayCore
+from .futures import KEEP_DONE
+from .json_fields import Fields
+from .tinker_proto import (
+    PROTO_CONTENT_TYPE,
+    forward_backward_from_proto,
+    forward_backward_output_to_proto,
+    sample_response_to_proto,
+)
+
+PREFIX = "/api/v1"
+CLIENT_CONFIG = {"use_pyqwest_transport": False, "pjwt_auth_enabled": False}
+POLL_MARGIN_S = 15.0  # a long-poll ends this long before the client's read timeout (its x-stainless header)
+
+Handler = Callable[[Request, str], Awaitable[Response | dict[str, Any]]]
+
+
+def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body), status, headers, media_type="application/json")
+
+
+def error_response(err: LatheError) -> Response:
+    """A core error as Tinker's SDK reads it. Client errors say ``x-should-retry: false`` so the SDK's HTTP
+    layer does not resend them; a quota error says when to come back."""
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["retry-after"] = str(max(1, round(err.retry_after_s)))
+    if 400 <= err.http_status < 500 and err.http_status not in (408, 429):
+        headers["x-should-retry"] = "false"
+    return _json({"error": err.message, "category": err.category}, err.http_status, headers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Note:
+    """What the HTTP request said that its result does not carry."""
+
+    sampling_session_id: str = ""  # an ephemeral save_weights_for_sampler: the session it binds
+    last_n: int | None = None  # a sample: keep only the last n prompt logprobs
+
+
+def _query_int(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise InvalidArgument(f"query parameter {name} = {raw!r} must be a non-negative integer")
+    return int(raw)
+
+
+class TinkerHttpDoor:
+    """The ``/api/v1`` routes over one core; ``app()`` is the ASGI application to serve."""
+
+    def __init__(self, core: GatewayCore, keys: ApiKeys) -> None:
+        self.core = core
+        self.keys = keys
+        self._notes: OrderedDict[str, _Note] = OrderedDict()
+
+    def app(self) -> Starlette:
+        routes = [
+            ("POST", "/client/config", self.client_config),
+            ("POST", "/client/dynamic_config", self.dynamic_config),
+            ("POST", "/create_session", self.create_session),
+            ("POST", "/session_heartbeat", self.session_heartbeat),
+            ("POST", "/telemetry", self.telemetry),
+            ("POST", "/sessions/{session_id}/finish", self.finish_session),
+            ("GET", "/get_server_capabilities", self.get_server_capabilities),
+            ("POST", "/create_model", self.create_model),
+            ("POST", "/get_info", self.get_info),
+            ("POST", "/forward_backward", self.forward_backward),
+            ("POST", "/optim_step", self.optim_step),
+            ("POST", "/save_weights", self.save_weights),
+            ("POST", "/save_weights_for_sampler", self.save_weights_for_sampler),
+            ("POST", "/load_weights", self.load_weights),
+            ("POST", "/create_sampling_session", self.create_sampling_session),
+            ("GET", "/samplers/{sampling_session_id}", self.get_sampler),
+            ("POST", "/asample", self.asample),
+            ("POST", "/retrieve_future", self.retrieve_future),
+            ("GET", "/training_runs", self.list_training_runs),
+            ("GET", "/training_runs/{run_id}", self.get_training_run),
+            ("GET", "/training_runs/{run_id}/checkpoints", self.list_run_checkpoints),
+            ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint),
+            ("GET", "/checkpoints", self.list_user_checkpoints),
+            ("POST", "/weights_info", self.weights_info),
+        ]
+        return Starlette(routes=[Route(PREFIX + path, self._endpoint(fn), methods=[method])
+                                 for method, path, fn in routes],
+                         exception_handlers={HTTPException: self._no_route})
+
+    async def _no_route(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(NotFound(f"{request.method} {request.url.path}: {exc.detail}"))
+
+    def _endpoint(self, fn: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                result = await fn(request, self.keys.tinker_tenant(request.headers.get("x-api-key")))
+            except LatheError as e:
+                return error_response(e)
+            except Exception as e:  # noqa: BLE001 - a bug answers 500 (retried by the SDK), never a hang
+                return error_response(Internal(f"internal error in {fn.__name__}: {type(e).__name__}: {e}"))
+            return result if isinstance(result, Response) else _json(result)
+
+        return endpoint
+
+    @staticmethod
+    async def _fields(request: Request) -> Fields:
+        return Fields.parse(await request.body())
+
+    def _note(self, request_id: str, note: _Note) -> None:
+        self._notes[request_id] = note
+        while len(self._notes) > KEEP_DONE:
+            self._notes.popitem(last=False)
+
+    @staticmethod
+    def _future(sub: pb.SubmitResponse) -> dict[str, Any]:
+        return {"request_id": sub.request_id, "model_id": sub.model_id or None}
+
+    # ---- client and session ----
+
+    async def client_config(self, request: Request, tenant: str) -> dict[str, Any]:
+        return CLIENT_CONFIG
+
+    async def dynamic_config(self, request: Request, tenant: str) -> dict[str, Any]:
+        return {}
+
+    async def create_session(self, request: Request, tenant: str) -> dict[str, Any]:
+        f = await self._fields(request)
+        return {"type": "create_session", "session_id": self.core.create_session(tenant, f.strings("user_metadata"))}
+
+    async def session_heartbeat(self, request: Request, tenant: str) -> dict[str, Any]:
+        self.core.session(tenant, (await self._fields(request)).get("session_id", str))
+        return {"type": "session_heartbeat"}
+
+    async def telemetry(self, request: Request, tenant: str) -> dict[str, Any]:
+        return {"status": "accepted"}  # accepted and dropped: Lathe exports its own metrics
+
+    async def finish_session(self, request: Request, tenant: str) -> dict[str, Any]:
+        reason = (await self._fields(request)).sub("reason", required=False).get("type", str, "")
+        self.core.finish_session(tenant, request.path_params["session_id"], reason)
+        return {}
+
+    async def get_server_capabilities(self, request: Request, tenant: str) -> dict[str, Any]:
+        return tj.capabilities(await self.core.capabilities())
+
+    # ---- training ----
+
+    async def create_model(self, request: Request, tenant: str) -> dict[str, Any]:
+        f = await self._fields(request)
+        tj.check_adamw(f, "optimizer_config")
+        return self._future(await self.core.create_model(tenant, pb.CreateModelRequest(
+            session_id=f.get("session_id", str), base_model=f.get("base_model", str),
+            lora_config=tj.lora_config(f.sub("lora_config", required=False)),
+            user_metadata=f.strings("user_metadata")), model_seq_id=f.get("model_seq_id", int)))
+
+    async def get_info(self, request: Request, tenant: str) -> dict[str, Any]:
+        return tj.model_info(await self.core.get_info(tenant, (await self._fields(request)).get("model_id", str)))
+
+    async def forward_backward(self, request: Request, tenant: str) -> dict[str, Any]:
+        content_type = request.headers.get("content-type", "")
+        if not content_type.startswith(PROTO_CONTENT_TYPE):
+            raise InvalidArgument(f"forward_backward takes a {PROTO_CONTENT_TYPE} body (tinker_public."
+                                  f"ForwardBackwardRequest), not {content_type or 'no Content-Type'!r}")
+        encoding = request.headers.get("content-encoding", "identity")
+        if encoding != "identity":
+            raise InvalidArgument(f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed")
+        req = forward_backward_from_proto(await request.body())
+        return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
+
+    async def optim_step(self, request: Request, tenant: str) -> dict[str, Any]:
+        f = await self._fields(request)
+        tj.check_adamw(f, "optimizer_params")
+        req = pb.OptimStepRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int),
+                                  adam_params=tj.adam_params(f.sub("adam_params", required=False)))
+        return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, optim_step=req))
+
+    async def save_weights(self, request: Request, tenant: str) -> dict[str, Any]:
+        f = await self._fields(request)
+        req = pb.SaveRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), name=f.get("path", str),
+                             kind="weights", ttl_seconds=f.get("ttl_seconds", int, 0),
+                             overwrite=f.get("overwrite", bool, False))
+        return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, save=req))
+
+    async def save_weights_for_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
+        """Named: a sampler checkpoint. Unnamed (``save_weights_and_get_sampling_client``): an ephemeral
+        one, answered with the sampling session bound to it."""
+        f = await self._fields(request)
+        model_id, seq_id, name = f.get("model_id", str), f.get("seq_id", int), f.get("path", str, "")
+        if name:
+            req = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=name, kind="sampler_weights",
+                                 ttl_seconds=f.get("ttl_seconds", int, 0))
+            return self._future(await self.core.submit(tenant, model_id, seq_id, save=req))
+        sub, sampling_id = self.core.save_for_sampling(tenant, model_id, seq_id,
+                                                       f.get("sampling_session_seq_id", int))
+        self._note(sub.request_id, _Note(sampling_session_id=sampling_id))
+        return self._future(sub)
+
+    async def load_weights(self, request: Request, tenant: str) -> dict[str, Any]:
+        """With ``session_id``: a new training run loaded from ``path`` (create_training_client_from_state*).
+        Otherwise the legacy form: a load into ``model_id`` at ``seq_id`` (load_state*)."""
+        f = await self._fields(request)
+        if f.get("weights_access_token", str, None) is not None:
+            raise InvalidArgument("weights_access_token is not supported: load checkpoints of your own account")
+        path, with_optimizer = f.get("path", str), f.get("optimizer", bool)
+        if f.get("session_id", str, None) is None:
+            req = pb.LoadRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), path=path,
+                                 with_optimizer=with_optimizer)
+            return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, load=req))
+        tj.check_adamw(f, "optimizer_config")
+        return self._future(await self.core.create_model_from_state(
+            tenant, pb.CreateModelFromStateRequest(session_id=f.get("session_id", str), path=path,
+                                                   with_optimizer=with_optimizer,
+                                                   user_metadata=f.strings("user_metadata")),
+            model_seq_id=f.get("model_seq_id", int), base_model=f.get("base_model", str, "")))
+
+    # ---- sampling ----
+
+    async def create_sampling_session(self, request: Request, tenant: str) -> dict[str, Any]:
+        f = await self._fields(request)
+        session = await self.core.create_sampling_session(tenant, pb.CreateSamplingSessionRequest(
+            session_id=f.get("session_id", str), model_path=f.get("model_path", str, ""),
+            base_model=f.get("base_model", str, "")), seq_id=f.get("sampling_session_seq_id", int))
+        return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
+
+    async def get_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
+        s = self.core.sampling_session(tenant, request.path_params["sampling_session_id"])
+        return {"sampler_id": s.sampling_session_id, "base_model": s.base_model, "model_path": s.model_path or None}
+
+    async def asample(self, request: Request, tenant: str) -> dict[str, Any]:
+        req, last_n = tj.sample_request(await self._fields(request))
+        sub = await self.core.sample(tenant, req)
+        if last_n is not None:
+            self._note(sub.request_id, _Note(last_n=last_n))
+        return {"request_id": sub.request_id,
+                "sample_sequence_ids": [f"{sub.request_id}:{i}" for i in range(req.num_samples)]}
+
+    # ---- futures ----
+
+    async def retrieve_future(self, request: Request, tenant: str) -> Response | dict[str, Any]:
+        request_id = (await self._fields(request)).get("request_id", str)
+        try:
+            wait_s = float(request.headers.get("x-stainless-read-timeout", "")) - POLL_MARGIN_S
+        except ValueError:
+            wait_s = MAX_WAIT_S
+        res = await self.core.retrieve(tenant, request_id, max(1.0, wait_s))
+        if not res.done:
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        return self._result(res, self._notes.get(request_id, _Note()))
+
+    @staticmethod
+    def _result(res: pb.FutureResult, note: _Note) -> Response | dict[str, Any]:
+        kind = res.WhichOneof("result")
+        if kind == "error":
+            return {"error": res.error.message, "category": res.error.category or "unknown"}
+        if kind == "forward_backward":
+            return Response(forward_backward_output_to_proto(res.forward_backward), media_type=PROTO_CONTENT_TYPE)
+        if kind == "sample":
+            topk = max((len(e.token_ids) for e in res.sample.topk_prompt_logprobs), default=0)
+            return Response(sample_response_to_proto(res.sample, topk, note.last_n), media_type=PROTO_CONTENT_TYPE)
+        if kind == "create_model":
+            return {"model_id": res.create_model.model_id}
+        if kind == "optim_step":
+            return {"metrics": dict(res.optim_step.metrics)}
+        if kind == "save":
+            return {"path": res.save.path, "sampling_session_id": note.sampling_session_id or None}
+        return {"path": res.load.path, "model_id": res.load.model_id}
+
+    # ---- registry ----
+
+    async def list_training_runs(self, request: Request, tenant: str) -> dict[str, Any]:
+        limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
+        runs, total = self.core.list_runs(tenant, limit, offset)
+        return {"training_runs": [tj.training_run(r) for r in runs], "cursor": tj.cursor(offset, limit, total)}
+
+    async def get_training_run(self, request: Request, tenant: str) -> dict[str, Any]:
+        return tj.training_run(self.core.run(tenant, request.path_params["run_id"]))
+
+    async def list_run_checkpoints(self, request: Request, tenant: str) -> dict[str, Any]:
+        res = await self.core.list_checkpoints(tenant, request.path_params["run_id"], 0, 0)
+        return {"checkpoints": [tj.checkpoint(c) for c in res.checkpoints]}
+
+    async def list_user_checkpoints(self, request: Request, tenant: str) -> dict[str, Any]:
+        limit, offset = _query_int(request, "limit", 100), _query_int(request, "offset", 0)
+        res = await self.core.list_checkpoints(tenant, "", limit, offset)
+        return {"checkpoints": [tj.checkpoint(c) for c in res.checkpoints],
+                "cursor": tj.cursor(offset, limit, res.total_count)}
+
+    async def delete_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
+        p = request.path_params
+        await self.core.delete_checkpoint(tenant, f"tinker://{p['run_id']}/{p['checkpoint_id']}")
+        return {}
+
+    async def weights_info(self, request: Request, tenant: str) -> dict[str, Any]:
+        """From the checkpoint's metadata, plus the LoRA module flags while its run is in the registry."""
+        info = await self.core.checkpoint(tenant, (await self._fields(request)).get("tinker_path", str))
+        meta = json.loads(info.metadata_json or "{}")
+        out = {"base_model": meta.get("base_model", ""), "is_lora": True, "lora_rank": meta.get("r"),
+               "optimizer_config": {"type": "adamw"}}
+        run = self.core.runs.get(info.run_id)
+        if run is not None and run.tenant == tenant:
+            out |= {"train_mlp": run.lora.train_mlp, "train_attn": run.lora.train_attn,
+                    "train_unembed": run.lora.train_unembed}
+        return out

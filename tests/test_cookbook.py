@@ -1,0 +1,118 @@
+"""tinker-cookbook 0.6.1's offline recipes, unchanged, against Lathe's HTTP door with a local tiny model directory
+and the role_colon renderer: supervised learning on the bundled conversations, then RL on the arithmetic env
+(the math_rl command line, and the RL trainer with a KL penalty) starting from the supervised checkpoint.
+
+Each recipe runs in its own process, as a user would run it, and is judged by the metrics it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lathe.stack import Stack, StackConfig
+
+RECIPE_TIMEOUT_S = 240
+
+SUPERVISED = """
+import asyncio, sys
+from importlib import resources
+from tinker_cookbook.renderers import TrainOnWhat
+from tinker_cookbook.supervised import train
+from tinker_cookbook.supervised.data import FromConversationFileBuilder
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+url, model, log = sys.argv[1:]
+data = str(resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl")
+common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=model, renderer_name="role_colon", max_length=256,
+                                        batch_size=8, train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
+asyncio.run(train.main(train.Config(
+    log_path=log, model_name=model, recipe_name="lathe_sl", renderer_name="role_colon", base_url=url,
+    dataset_builder=FromConversationFileBuilder(common_config=common, file_path=data), learning_rate=5e-3,
+    lr_schedule="constant", lora_rank=8, save_every=0, eval_every=0, max_steps=6)))
+"""
+
+RL_WITH_KL = """
+import asyncio, sys
+from tinker_cookbook.recipes.math_rl.train import get_dataset_builder
+from tinker_cookbook.rl import train
+
+url, model, log, start = sys.argv[1:]
+asyncio.run(train.main(train.Config(
+    log_path=log, model_name=model, recipe_name="lathe_rl_kl", renderer_name="role_colon", base_url=url,
+    dataset_builder=get_dataset_builder(env="arithmetic", batch_size=8, model_name=model, renderer_name="role_colon",
+                                        group_size=2),
+    learning_rate=5e-3, lora_rank=8, max_tokens=5, loss_fn="importance_sampling", load_checkpoint_path=start,
+    kl_penalty_coef=1.0, kl_reference_config=train.KLReferenceConfig(base_model=model),
+    eval_every=0, save_every=0, max_steps=4)))
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
+    cfg = StackConfig(models=f"lathe/tiny-llama,{tiny_dir}", store_root=tmp_path_factory.mktemp("store"),
+                      cache_root=model_cache, trainer_threads=1, sampler_threads=1)
+    with Stack(cfg) as s:
+        yield s
+
+
+def run(args: list[str], log: Path) -> list[dict]:
+    """Run a recipe process (offline, bounded) and return the metrics it logged, one dict per step."""
+    env = {**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=RECIPE_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_state(log: Path) -> str:
+    """The training-state path of the recipe's final checkpoint."""
+    rows = [json.loads(line) for line in (log / "checkpoints.jsonl").read_text().splitlines()]
+    return next(r["state_path"] for r in rows if r["name"] == "final")
+
+
+@pytest.fixture(scope="module")
+def supervised(stack: Stack, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], str]:
+    log = tmp_path_factory.mktemp("sl")
+    return run(["-c", SUPERVISED, stack.http_url, str(tiny_dir), str(log)], log), final_state(log)
+
+
+def test_supervised_recipe_on_bundled_conversations_lowers_the_nll(supervised: tuple[list[dict], str]) -> None:
+    metrics, state = supervised
+    nll = [m["train_mean_nll"] for m in metrics]
+    assert len(nll) == 6
+    assert nll[-1] < nll[0] - 0.5, nll
+    assert state.startswith("tinker://") and state.endswith("/weights/final")
+
+
+def test_math_rl_arithmetic_recipe_trains_on_policy(stack: Stack, tiny_dir: Path, supervised: tuple[list[dict], str],
+                                                   tmp_path: Path) -> None:
+    metrics = run(["-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={tiny_dir}",
+                   "renderer_name=role_colon", "loss_fn=importance_sampling", f"base_url={stack.http_url}",
+                   "group_size=2", "groups_per_batch=4", "max_tokens=5", "max_steps=2", "eval_every=0", "save_every=0",
+                   "lora_rank=8", f"load_checkpoint_path={supervised[1]}", f"log_path={tmp_path}",
+                   "behavior_if_log_dir_exists=delete"], tmp_path)
+    steps = [m for m in metrics if "step:max" in m]
+    assert [m["step:max"] for m in steps] == [1.0, 2.0]  # the server applied one optimizer step per RL step
+    for m in steps:
+        assert m["tokens/trained"] > 0
+        assert m["optim/kl_sample_train_v1"] == 0.0  # the sampler's logprobs are the trainer's, bit for bit
+    assert final_state(tmp_path).endswith("/weights/final")
+
+
+def test_rl_with_a_kl_penalty_pulls_the_policy_back_toward_the_base(stack: Stack, tiny_dir: Path,
+                                                                    supervised: tuple[list[dict], str],
+                                                                    tmp_path: Path) -> None:
+    """From the supervised checkpoint the policy differs from the base model, so the KL penalty gives every
+    token an advantage: gradients flow, and the KL to the base shrinks (measured on fresh samples each step,
+    so the bound leaves room for their noise: seen 0.23-0.40 of the first step's by the fourth)."""
+    metrics = run(["-c", RL_WITH_KL, stack.http_url, str(tiny_dir), str(tmp_path), supervised[1]], tmp_path)
+    kl = [m["kl_policy_base"] for m in metrics if "kl_policy_base" in m]
+    assert len(kl) == 4 and 0 < kl[-1] < 0.7 * kl[0], kl
+    assert all(m["grad_norm:mean"] > 0 for m in metrics if "grad_norm:mean" in m)

@@ -1,0 +1,248 @@
+"""The official ``tinker`` SDK (0.38.0), unchanged, against Lathe's HTTP door, in lockstep with Lathe's own SDK
+(gRPC door) on the same data: both must see the same losses, logprobs and samples, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import tinker
+import torch
+
+import lathe
+from lathe.stack import Stack, StackConfig
+
+BASE = "lathe/tiny-llama"
+PROMPT = [5, 17, 42, 9, 33, 120, 7]
+SAMPLING = {"max_tokens": 8, "seed": 11, "stop": []}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
+    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
+                      trainer_threads=1, sampler_threads=1)
+    with Stack(cfg) as s:
+        yield s
+
+
+def sft_data(sdk: ModuleType, seed: int = 0, n: int = 4, length: tuple[int, int] = (12, 24)) -> list:
+    """``n`` random next-token datums built with ``sdk`` (``tinker`` or ``lathe``): the same values either way."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        toks = [rng.randrange(3, 500) for _ in range(rng.randrange(*length))]
+        weights = [0.0] * 2 + [rng.choice([0.5, 1.0]) for _ in toks[3:]]
+        out.append(sdk.Datum(model_input=sdk.ModelInput.from_ints(toks[:-1]),
+                             loss_fn_inputs={"target_tokens": toks[1:], "weights": weights}))
+    return out
+
+
+def rl_data(sdk: ModuleType, seed: int = 1) -> list:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(3):
+        toks = [rng.randrange(3, 500) for _ in range(10)]
+        out.append(sdk.Datum(model_input=sdk.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
+            "target_tokens": toks[1:], "logprobs": [-rng.uniform(3, 8) for _ in toks[1:]],
+            "advantages": [rng.uniform(-1, 1) for _ in toks[1:]]}))
+    return out
+
+
+def logprobs(out: object) -> list[list[float]]:
+    return [o["logprobs"].to_numpy().tolist() for o in out.loss_fn_outputs]
+
+
+def step(tc: object, sdk: ModuleType, data: list, loss_fn: str) -> object:
+    fb = tc.forward_backward(data, loss_fn)
+    tc.optim_step(sdk.AdamParams(learning_rate=0.02)).result()
+    return fb.result()
+
+
+def squared_logprob_loss(data: list, lps: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    loss = sum((lp ** 2).sum() for lp in lps)
+    return loss, {"custom:sum": float(loss.detach())}
+
+
+def same(a: object, b: object) -> None:
+    """Two ForwardBackwardOutputs with equal loss and per-datum logprobs."""
+    assert a.metrics["loss:sum"] == b.metrics["loss:sum"]
+    assert logprobs(a) == logprobs(b)
+
+
+def test_the_official_sdk_flow_matches_lathes_sdk(stack: Stack) -> None:
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-flow", user_metadata={"who": "test"})
+    lc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-flow")
+    t = sc.create_lora_training_client(BASE, rank=8, seed=1, user_metadata={"renderer_name": "role_colon"}).result()
+    lt = lc.create_lora_training_client(BASE, rank=8, seed=1)
+    session = t.model_id.split(":")[0]
+    assert t.model_id == f"{session}:train:0"
+    info = t.get_info()
+    assert (info.model_data.model_name, info.lora_rank) == (BASE, 8)
+
+    # training: every loss kind, a forward, a custom loss
+    same(step(t, tinker, sft_data(tinker), "cross_entropy"), step(lt, lathe, sft_data(lathe), "cross_entropy"))
+    same(step(t, tinker, rl_data(tinker), "importance_sampling"),
+         step(lt, lathe, rl_data(lathe), "importance_sampling"))
+    same(t.forward(sft_data(tinker, 2), "cross_entropy").result(), lt.forward(sft_data(lathe, 2)).result())
+    custom_t = t.forward_backward_custom(sft_data(tinker, 3), squared_logprob_loss)
+    custom_l = lt.forward_backward_custom(sft_data(lathe, 3), squared_logprob_loss)
+    assert custom_t.result().metrics["loss:sum"] == custom_l.result().metrics["loss:sum"]
+    assert custom_t.result().metrics["custom:sum"] == custom_t.result().metrics["loss:sum"]
+    t.optim_step(tinker.AdamParams(learning_rate=0.02)).result()
+    lt.optim_step(lathe.AdamParams(learning_rate=0.02)).result()
+    same(t.forward(sft_data(tinker, 4), "cross_entropy").result(), lt.forward(sft_data(lathe, 4)).result())
+
+    # sampling from the trained adapter: both SDKs, the same seeded tokens and logprobs
+    ts = t.save_weights_and_get_sampling_client().result()
+    ls = lt.save_weights_and_get_sampling_client()
+    res = ts.sample(tinker.ModelInput.from_ints(PROMPT), 3, tinker.SamplingParams(**SAMPLING)).result()
+    ref = ls.sample(lathe.ModelInput.from_ints(PROMPT), 3, lathe.SamplingParams(**SAMPLING)).result()
+    assert [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences] == \
+        [(s.tokens, s.logprobs, s.stop_reason) for s in ref.sequences]
+    assert len({s.sequence_id for s in res.sequences}) == 3 and len({tuple(s.tokens) for s in res.sequences}) > 1
+    with_prompt = {"include_prompt_logprobs": True, "topk_prompt_logprobs": 3}
+    scored = ts.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(**SAMPLING), **with_prompt)
+    ref_scored = ls.sample(lathe.ModelInput.from_ints(PROMPT), 1, lathe.SamplingParams(**SAMPLING), **with_prompt)
+    assert scored.result().prompt_logprobs == ref_scored.result().prompt_logprobs
+    assert scored.result().topk_prompt_logprobs == ref_scored.result().topk_prompt_logprobs
+    assert scored.result().topk_prompt_logprobs[0] is None and len(scored.result().topk_prompt_logprobs[1]) == 3
+    full = PROMPT + res.sequences[0].tokens
+    lps = ts.compute_logprobs(tinker.ModelInput.from_ints(full)).result()
+    assert lps == ls.compute_logprobs(lathe.ModelInput.from_ints(full)).result() and lps[0] is None
+    on_policy = t.forward([tinker.Datum(model_input=tinker.ModelInput.from_ints(full[:-1]),
+                                        loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()
+    assert np.array_equal(np.asarray(lps[1:], np.float32), on_policy.loss_fn_outputs[0]["logprobs"].to_numpy())
+
+    # a named sampler checkpoint serves the same policy
+    sampler_path = t.save_weights_for_sampler("named", ttl_seconds=7200).result().path
+    assert sampler_path == f"tinker://{t.model_id}/sampler_weights/named"
+    named = sc.create_sampling_client(model_path=sampler_path).result()
+    again = named.sample(tinker.ModelInput.from_ints(PROMPT), 3, tinker.SamplingParams(**SAMPLING)).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]
+
+    # save, move on, load back (legacy load_state), and start a new run from the same state
+    state = t.save_state("ckpt").result().path
+    at_state = t.forward(sft_data(tinker, 5), "cross_entropy").result()
+    step(t, tinker, sft_data(tinker, 6), "cross_entropy")
+    with pytest.warns(FutureWarning):
+        t.load_state_with_optimizer(state).result()
+    same(t.forward(sft_data(tinker, 5), "cross_entropy").result(), at_state)
+    t2 = sc.create_training_client_from_state_with_optimizer(state).result()
+    assert t2.model_id == f"{session}:train:1"
+    same(step(t2, tinker, sft_data(tinker, 6), "cross_entropy"), step(t, tinker, sft_data(tinker, 6), "cross_entropy"))
+
+    # the registry
+    rc = tinker.RestClient(base_url=stack.http_url, api_key="tml-flow")
+    assert {t.model_id, t2.model_id} <= {r.training_run_id for r in rc.list_training_runs().result().training_runs}
+    run = rc.get_training_run_by_tinker_path(state).result()
+    assert run.user_metadata == {"renderer_name": "role_colon"} and run.last_checkpoint.tinker_path == state
+    listed = {c.checkpoint_id: c for c in rc.list_checkpoints(t.model_id).result().checkpoints}
+    assert listed["weights/ckpt"].expires_at is None and listed["weights/ckpt"].checkpoint_type == "training"
+    assert listed["sampler_weights/named"].expires_at is not None
+    weights = rc.get_weights_info_by_tinker_path(state).result()
+    assert (weights.base_model, weights.is_lora, weights.lora_rank) == (BASE, True, 8)
+    assert rc.get_sampler(named._sampling_session_id).result().model_path == sampler_path
+    rc.delete_checkpoint_from_tinker_path(sampler_path).result()
+    assert sampler_path not in {c.tinker_path for c in rc.list_user_checkpoints().result().checkpoints}
+    assert state in {c.tinker_path for c in rc.list_user_checkpoints().result().checkpoints}
+    sc.close("success").result()
+    lc.close()
+
+
+@pytest.mark.parametrize(("loss_fn", "config", "other"), [
+    ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, {"clip_low_threshold": 0.5}),
+    ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, {"clip_high_threshold": 0.5}),
+    ("dro", {"beta": 0.1}, {"beta": 2.0}),
+])
+def test_every_trainer_loss_and_its_config_reach_the_trainer(stack: Stack, loss_fn: str, config: dict,
+                                                             other: dict) -> None:
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-losses")
+    lc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-losses")
+    t = sc.create_lora_training_client(BASE, rank=4, seed=4).result()
+    lt = lc.create_lora_training_client(BASE, rank=4, seed=4)
+    out = t.forward(rl_data(tinker), loss_fn, config).result()
+    same(out, lt.forward(rl_data(lathe), loss_fn, config).result())
+    assert t.forward(rl_data(tinker), loss_fn, other).result().metrics["loss:sum"] != out.metrics["loss:sum"]
+    sc.close("success").result()
+    lc.close()
+
+
+def test_lora_config_reaches_the_trainer(stack: Stack) -> None:
+    """Adapters on fewer modules train differently; the flags come back from weights_info."""
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-lora")
+    lc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-lora")
+    flags = {"train_mlp": True, "train_attn": False, "train_unembed": False}
+    t = sc.create_lora_training_client(BASE, rank=4, seed=6, **flags).result()
+    narrow = lc.create_lora_training_client(BASE, rank=4, seed=6, **flags)
+    full = lc.create_lora_training_client(BASE, rank=4, seed=6)
+
+    def after_a_step(client: object, sdk: ModuleType) -> object:
+        step(client, sdk, sft_data(sdk), "cross_entropy")
+        return client.forward(sft_data(sdk, 1), "cross_entropy").result()
+
+    outs = [after_a_step(c, sdk) for c, sdk in ((t, tinker), (narrow, lathe), (full, lathe))]
+    same(outs[0], outs[1])
+    assert logprobs(outs[0]) != logprobs(outs[2])
+    info = tinker.RestClient(base_url=stack.http_url, api_key="tml-lora").get_weights_info_by_tinker_path(
+        t.save_state("flags").result().path).result()
+    assert (info.lora_rank, info.train_mlp, info.train_attn, info.train_unembed) == (4, True, False, False)
+    sc.close("success").result()
+    lc.close()
+
+
+def test_a_batch_the_sdk_splits_equals_it_unsplit(stack: Stack) -> None:
+    """Over 1024 datums the SDK sends chunks 2..n first and chunk 1 last; the trainer runs them in order."""
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-chunks")
+    lc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-chunks")
+    t = sc.create_lora_training_client(BASE, rank=4, seed=2).result()
+    lt = lc.create_lora_training_client(BASE, rank=4, seed=2)
+    data_t, data_l = sft_data(tinker, 7, n=1100, length=(4, 8)), sft_data(lathe, 7, n=1100, length=(4, 8))
+    assert len(data_t) > t.holder.get_client_config().fwdbwd_max_chunk_len
+    split, whole = step(t, tinker, data_t, "cross_entropy"), step(lt, lathe, data_l, "cross_entropy")
+    assert logprobs(split) == logprobs(whole)  # each datum's logprobs do not depend on the batch
+    assert split.metrics["loss:sum"] == pytest.approx(whole.metrics["loss:sum"], rel=1e-6)
+    after_t, after_l = t.forward(sft_data(tinker, 8), "cross_entropy").result(), lt.forward(sft_data(lathe, 8)).result()
+    np.testing.assert_allclose(np.concatenate(logprobs(after_t)), np.concatenate(logprobs(after_l)), rtol=1e-5)
+    sc.close("success").result()
+    lc.close()
+
+
+def test_sdk_errors_are_the_ones_its_users_catch(stack: Stack) -> None:
+    alice = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-err-alice")
+    bob = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-err-bob")
+    with pytest.raises(tinker.BadRequestError, match="unknown base_model 'no/such-model'"):
+        alice.create_lora_training_client("no/such-model", rank=4).result()
+    path = alice.create_lora_training_client(BASE, rank=4).result().save_weights_for_sampler("mine").result().path
+    with pytest.raises(tinker.PermissionDeniedError, match="another tenant"):
+        bob.create_sampling_client(model_path=path).result()
+    with pytest.raises(tinker.TinkerError, match="tml-"):
+        tinker.ServiceClient(base_url=stack.http_url, api_key="dummy").create_lora_training_client(BASE).result()
+    alice.close("success").result()
+    bob.close("success").result()
+
+
+def test_the_tinker_cli_lists_runs_and_checkpoints(stack: Stack) -> None:
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-cli")
+    tc = sc.create_lora_training_client(BASE, rank=4).result()
+    path = tc.save_state("cli-ckpt").result().path
+    sc.close("success").result()
+    env = {**os.environ, "TINKER_BASE_URL": stack.http_url, "TINKER_API_KEY": "tml-cli", "TINKER_TELEMETRY": "0"}
+
+    def cli(*args: str) -> object:
+        out = subprocess.run([sys.executable, "-m", "tinker.cli", "--format", "json", *args], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    assert tc.model_id in json.dumps(cli("run", "list"))
+    assert path in json.dumps(cli("checkpoint", "list"))
+    assert re.search(r"weights/cli-ckpt", json.dumps(cli("checkpoint", "list", "--run-id", tc.model_id)))
