@@ -17,7 +17,7 @@ from lathe.stack import Stack, StackConfig
 
 
 def _serve(args: argparse.Namespace) -> None:
-    cfg = StackConfig(gateway_port=args.port, models=args.models, store_root=args.store,
+    cfg = StackConfig(gateway_port=args.port, http_port=args.http_port, models=args.models, store_root=args.store,
                       cache_root=args.cache, trainer_threads=args.threads, trainer_dtype=args.dtype,
                       invariant=not args.no_invariant, api_keys=args.api_keys, log_dir=args.log_dir)
     stop = threading.Event()
@@ -26,7 +26,8 @@ def _serve(args: argparse.Namespace) -> None:
     with Stack(cfg) as stack:
         for s in stack.services:
             print(f"  {s.name:<12} pid {s.proc.pid:<8} {s.address}", flush=True)
-        print(f"Lathe gateway listening on {stack.gateway}  (Ctrl-C to stop)", flush=True)
+        http = f" and {stack.http_url} (Tinker HTTP, official SDK)" if args.http_port >= 0 else ""
+        print(f"Lathe gateway listening on {stack.gateway} (gRPC, Lathe SDK){http}  (Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
             dead = [s.name for s in stack.services if s.proc.poll() is not None]
             if dead:
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="run the embedded stack until Ctrl-C")
     serve.add_argument("--port", type=int, default=8500, help="gateway port on 127.0.0.1 (0: any free port)")
+    serve.add_argument("--http-port", type=int, default=8501, help="Tinker HTTP port (0: any free, -1: off)")
     serve.add_argument("--models", default="lathe/tiny-llama,HuggingFaceTB/SmolLM2-135M-Instruct")
     serve.add_argument("--store", type=Path, default=Path(".cache/lathe/store"), help="checkpoint directory")
     serve.add_argument("--cache", type=Path, default=Path(".cache/lathe"), help="model cache directory")

@@ -30,6 +30,7 @@ from lathe.errors import FailedPrecondition, LatheError
 from lathe.futures import APIFuture, Connection, server_future
 from lathe.sampling_client import SamplingClient
 from lathe.types import (
+    EPHEMERAL_TTL_S,
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -78,6 +79,11 @@ def _custom_loss_weights(data: Sequence[Datum], out: ForwardBackwardOutput, loss
     loss.backward()
     weights = [(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).numpy() for lp in logprobs]
     return weights, float(loss.detach()), dict(metrics)
+
+
+def _sampler_name(name: str | None) -> tuple[str, int | None]:
+    """(name, ttl): an unnamed sampler snapshot gets a fresh name and expires after a day."""
+    return (name, None) if name else (f"ephemeral-{uuid.uuid4().hex[:12]}", EPHEMERAL_TTL_S)
 
 
 class TrainingClient:
@@ -206,11 +212,11 @@ class TrainingClient:
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Save the adapter for sampling (under ``name``, or an ephemeral name) and bind a client to it."""
-        path = self.save_weights_for_sampler(name or f"ephemeral-{uuid.uuid4().hex[:12]}").result().path
+        path = self.save_weights_for_sampler(*_sampler_name(name)).result().path
         return self._conn.spawn(self._sampling_client(path)).result()
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
-        path = (await self.save_weights_for_sampler(name or f"ephemeral-{uuid.uuid4().hex[:12]}")).path
+        path = (await self.save_weights_for_sampler(*_sampler_name(name))).path
         return await asyncio.wrap_future(self._conn.spawn(self._sampling_client(path)))
 
     def _save_request(self, name: str, kind: str, ttl_seconds: int | None, overwrite: bool) -> pb.SaveRequest:

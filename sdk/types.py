@@ -300,6 +300,9 @@ class CreateModelResponse:
 
 # ---------- sampling ----------
 
+EPHEMERAL_TTL_S = 24 * 3600
+"""Unnamed sampler snapshots (``save_weights_and_get_sampling_client()``, one per RL step) expire after a day."""
+
 StopReason = Literal["stop", "length"]
 
 

@@ -25,6 +25,7 @@ import grpc
 
 from lathe.errors import FailedPrecondition, InvalidArgument, LatheError, NotFound, from_rpc_error
 from lathe.serving import CHANNEL_OPTIONS
+from lathe.types import EPHEMERAL_TTL_S
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
@@ -291,7 +292,8 @@ class GatewayCore:
         which is known at once (a repeat gets both again)."""
         run = self.run(tenant, model_id)
         sampling_id = f"{run.session_id}:sample:{sampling_seq_id}"
-        save = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=f"ephemeral-s{seq_id}", kind="sampler_weights")
+        save = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=f"ephemeral-s{seq_id}", kind="sampler_weights",
+                              ttl_seconds=EPHEMERAL_TTL_S)
 
         async def save_then_bind(run: Run, op: pb.TrainerOp) -> pb.FutureResult:
             out = await self._run_op(run, op)
