@@ -226,3 +226,44 @@ def _attention_rows(
     for chunk in later:
         acc = acc + chunk
     return acc[..., :-1] / acc[..., -1:]
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], *, scale: float, invariant: bool
+) -> torch.Tensor:
+    """One decode token for each of S sequences at once; q [S, Hq, D], k/v [S, N, Hkv, D] -> [S, Hq, D].
+
+    o[s] = attention(q[s][None], k[s], v[s], q_offset=positions[s])[0]: sequence s's token sits at
+    ``positions[s]`` and sees its keys 0..positions[s]; rows past that (padding, N >= every
+    positions[s] + 1) must be finite. In invariant mode every bit equals ``attention`` called per
+    sequence: the same padded GQA row groups, the same per-column score products on the same key grid
+    (a column's bits do not depend on how many columns or batches share the matmul), the same exact
+    max, and the same chunk-ordered sums (chunks past a sequence's end add exactly zero).
+    """
+    s, hq, d = q.shape
+    _, n, hkv, _ = k.shape
+    g = hq // hkv
+    if not invariant:
+        keys = torch.arange(n, device=q.device)
+        visible = keys <= torch.tensor(positions, device=q.device)[:, None]  # [S, N]
+        o = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=visible[:, None, None], scale=scale, enable_gqa=True)
+        return o[:, :, 0]
+    if n % KEY_CHUNK:
+        raise ValueError(f"decode_attention: N={n} keys must be whole chunks of {KEY_CHUNK}")
+    wide = _wide(q.dtype)
+    rows = _pad_rows((q.to(wide) * scale).reshape(s * hkv, g, d), ROW_MULTIPLE)  # [S*Hkv, >=4, D]
+    keys = k.to(wide).permute(0, 2, 3, 1).reshape(s * hkv, d, n)
+    values = F.pad(v.to(wide).transpose(1, 2), (0, 1), value=1.0).reshape(s * hkv, n, d + 1)
+    scores = torch.bmm(rows, keys)
+    pos = torch.tensor(positions, device=q.device).repeat_interleave(hkv)
+    scores = scores.masked_fill((torch.arange(n, device=q.device) > pos[:, None])[:, None], float("-inf"))
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    b = rows.shape[1]
+    chunked = probs.view(s * hkv, b, n // KEY_CHUNK, KEY_CHUNK).transpose(1, 2)
+    partial = torch.matmul(chunked, values.unflatten(1, (n // KEY_CHUNK, KEY_CHUNK)))
+    acc, *later = partial.unbind(1)
+    for chunk in later:
+        acc = acc + chunk
+    out = (acc[..., :-1] / acc[..., -1:])[:, :g]
+    return out.reshape(s, hq, d).to(q.dtype)

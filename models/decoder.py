@@ -29,7 +29,8 @@ LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logp
 
 
 class KVCache(Protocol):
-    """What the decoder needs from a KV cache (the sampler owns the storage)."""
+    """What the decoder needs from a KV cache (the sampler owns the storage). A cache that also has
+    ``stacked(layer) -> (k, v [S, N, Hkv, D])`` gets pure decode steps as one batched attention."""
 
     def extend(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Append ``k, v [L, Hkv, D]`` of sequence ``seq``; return all its keys, values and the
@@ -88,6 +89,7 @@ class Decoder(torch.nn.Module):
         self.cfg = cfg
         self.invariant = invariant
         self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: memory for time
+        self.sgmv = False  # LoRA through the Triton SGMV kernels (GPU pools) instead of the per-segment path
         self.w = weights
         self.dtype = weights["model.embed_tokens.weight"].dtype
         cos, sin = _rope_table(cfg)
@@ -137,8 +139,14 @@ class Decoder(torch.nn.Module):
             k = self._norm(k, p + "k_norm.weight")
         cos, sin = self.cos[batch.positions].to(x.dtype), self.sin[batch.positions].to(x.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        outs = []
         cu = batch.cu_seqlens
+        stacked = getattr(kv, "stacked", None)
+        if stacked is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence
+            positions = [kv.extend(i, s, k[s:s + 1], v[s:s + 1])[2] for s in range(t)]
+            ks, vs = stacked(i)
+            o = ops.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant)
+            return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
+        outs = []
         for s in range(len(cu) - 1):
             qs, ks, vs = q[cu[s]:cu[s + 1]], k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]]
             offset = 0

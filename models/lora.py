@@ -148,6 +148,7 @@ class LoraBatch:
     ids: list[int]
     adapters: list[LoraWeights]
     invariant: bool = True
+    triton: bool = False  # SGMV kernels on stacked, rank-padded weights (GPU); else the per-segment path
     _segments: list[tuple[int, int, LoraWeights]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -162,7 +163,7 @@ class LoraBatch:
     def rows(self, r0: int, r1: int) -> LoraBatch:
         """The same layout restricted to rows [r0, r1) (for chunked LM-head work)."""
         seg = [min(max(s - r0, 0), r1 - r0) for s in self.seg]
-        return LoraBatch(seg, list(self.ids), self.adapters, self.invariant)
+        return LoraBatch(seg, list(self.ids), self.adapters, self.invariant, self.triton)
 
     def delta(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA correction of target ``key`` for activations ``x [T, I]`` -> ``[T, O]`` or None."""
@@ -170,6 +171,8 @@ class LoraBatch:
         if not holders:
             return None
         out_features = holders[0].b[key].shape[0]
+        if self.triton:
+            return self._delta_sgmv(key, x, out_features)
         parts = []
         for s0, s1, w in self._segments:
             xs = x[s0:s1]
@@ -179,3 +182,29 @@ class LoraBatch:
             else:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
         return torch.cat(parts, dim=0)
+
+    def _delta_sgmv(self, key: Key, x: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The same correction through one SGMV shrink and one expand over all segments.
+
+        Adapters are stacked with ranks zero-padded to the largest; an adapter without ``key`` gets zero
+        matrices. Padding changes the reduction length, so these bits are not the per-segment path's:
+        a pool runs one path for trainer and sampler alike.
+        """
+        from lathe.kernels.sgmv_triton import lora_delta_triton
+
+        rank = max(w.a[key].shape[0] for w in self.adapters if key in w.a)
+        in_features = x.shape[1]
+
+        def pad(t: torch.Tensor | None, shape: tuple[int, int], rows: bool) -> torch.Tensor:
+            if t is None:
+                return x.new_zeros(shape)
+            t = t.to(device=x.device, dtype=x.dtype)
+            extra = rank - (t.shape[0] if rows else t.shape[1])
+            return torch.nn.functional.pad(t, (0, 0, 0, extra) if rows else (0, extra))
+
+        a = torch.stack([pad(w.a.get(key), (rank, in_features), rows=True) for w in self.adapters])
+        b = torch.stack([pad(w.b.get(key), (out_features, rank), rows=False) for w in self.adapters])
+        scale = torch.tensor([w.spec.scale for w in self.adapters], device=x.device, dtype=torch.float32)
+        seg = torch.tensor(self.seg, device=x.device)
+        ids = torch.tensor(self.ids, device=x.device)
+        return lora_delta_triton(x, a, b, scale, seg, ids)

@@ -201,3 +201,41 @@ class TestInterpreted:
         added = st.bgmv_expand(v, p["B"], idx, p["scale"], base.clone(), add=True)
         assert torch.equal(added[none], base[none])
         torch.testing.assert_close(added.double(), base.double() + y64, **tol)
+
+
+class TestLoraBatchOnKernels:
+    """``LoraBatch(triton=True)`` (what a GPU pool runs) against its per-segment torch path."""
+
+    def test_mixed_ranks_and_missing_targets_match_the_torch_path(self) -> None:
+        from lathe.models.config import ModelConfig
+        from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+
+        cfg = ModelConfig(arch="llama", vocab_size=40, hidden_size=24, intermediate_size=40, num_layers=1,
+                          num_heads=2, num_kv_heads=1, head_dim=12, rms_norm_eps=1e-6, rope_theta=1e4,
+                          max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False,
+                          qk_norm=False, eos_token_ids=(0,))
+        adapters = [LoraWeights.init(cfg, LoraSpec(rank=r, train_mlp=mlp), seed=r) for r, mlp in
+                    ((4, True), (7, False), (2, True))]
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for w in adapters:
+                for b in w.b.values():
+                    b.copy_(torch.randn(b.shape, generator=gen))
+        seg, ids = [0, 5, 5, 13, 20], [2, 0, 1, 0]  # an empty segment, a slot used twice
+        x = torch.randn(20, cfg.intermediate_size, generator=gen, requires_grad=True)
+        key = (0, "down_proj")  # adapter 1 has no MLP targets
+        outs = []
+        for triton in (False, True):
+            batch = LoraBatch(seg, ids, adapters, invariant=False, triton=triton)
+            y = batch.delta(key, x)
+            y.backward(torch.ones_like(y))
+            outs.append((y.detach(), x.grad.clone(), [w.a[key].grad.clone() for w in adapters if key in w.a]))
+            x.grad = None
+            for w in adapters:
+                for p in w.parameters():
+                    p.grad = None
+        (y0, dx0, da0), (y1, dx1, da1) = outs
+        torch.testing.assert_close(y1, y0, **TOL)
+        torch.testing.assert_close(dx1, dx0, **TOL)
+        for g1, g0 in zip(da1, da0, strict=True):
+            torch.testing.assert_close(g1, g0, **TOL)

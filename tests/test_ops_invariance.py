@@ -421,3 +421,27 @@ def test_invariant_decoder_logprobs_equal_in_batch_and_decode(dtype: torch.dtype
 
 def test_plain_decoder_logprobs_differ_in_batch_and_decode() -> None:
     assert _batch_vs_decode_mismatches(torch.float32, invariant=False) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_attention_has_the_bits_of_per_sequence_attention(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, 63, 64, 65, 150, 7]
+    n = -(-max(lengths) // ops.KEY_CHUNK) * ops.KEY_CHUNK
+    hq, hkv, d = 6, 2, 16
+    k = torch.randn(len(lengths), n, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(len(lengths), n, hkv, d, generator=gen).to(dtype)
+    for s, length in enumerate(lengths):  # spare slots hold zeros, as in the sampler's cache
+        k[s, length:] = 0
+        v[s, length:] = 0
+    q = torch.randn(len(lengths), hq, d, generator=gen).to(dtype)
+    positions = [length - 1 for length in lengths]
+    for invariant in (True, False):
+        batched = ops.decode_attention(q, k, v, positions, scale=d**-0.5, invariant=invariant)
+        for s, length in enumerate(lengths):
+            alone = ops.attention(q[s:s + 1], k[s, :length], v[s, :length], q_offset=length - 1, scale=d**-0.5,
+                                  invariant=invariant)
+            if invariant:
+                assert torch.equal(batched[s:s + 1], alone), s
+            else:
+                torch.testing.assert_close(batched[s:s + 1], alone, rtol=2e-2, atol=2e-2)

@@ -284,3 +284,75 @@ def test_floods_and_over_long_requests_get_clear_errors(model_cache: Path, tiny_
     eng.run_cycle()
     err = big.result(timeout=10).error
     assert err.code == "InvalidArgument" and "request has 68 tokens in 2 datums, over the limit of 50" in err.message
+
+
+def test_packed_tenants_equal_each_tenant_alone(model_cache: Path, tiny_dir: Path) -> None:
+    """Mixed ranks, LoRA flags, losses and sequence lengths in one cycle vs. every tenant on its own."""
+    tenants = [("r2", 2, "cross_entropy", 1), ("r8", 8, "importance_sampling", 3), ("r4", 4, "ppo", 2),
+               ("r16", 16, "dro", 4), ("r5", 5, "cispo", 1)]
+
+    def rl_batch(seed: int, n: int) -> list[pb.Datum]:
+        data = batch(seed, n)
+        for d in data:
+            length = len(d.model_input.chunks[0].tokens)
+            rng = np.random.default_rng(seed)
+            d.loss_fn_inputs.pop("weights")
+            d.loss_fn_inputs["logprobs"].CopyFrom(tensor(-rng.exponential(3.0, length), "float32"))
+            d.loss_fn_inputs["advantages"].CopyFrom(tensor(rng.normal(0, 1, length), "float32"))
+        return data
+
+    def ops(mid: str, loss: str, n: int, seed: int) -> list[pb.TrainerOp]:
+        data = batch(seed, n) if loss == "cross_entropy" else rl_batch(seed, n)
+        return [fb(mid, 1, data, loss), opt(mid, 2), fb(mid, 3, data, loss)]
+
+    def flags(rank: int) -> pb.LoraConfig:
+        return pb.LoraConfig(rank=rank, seed=rank, train_attn=rank != 8, train_mlp=rank != 4,
+                             train_unembed=rank % 2 == 0)
+
+    packed = _engine(model_cache)
+    for mid, rank, _, _ in tenants:
+        packed.create_adapter(pb.CreateAdapterRequest(model_id=mid, tenant="t", base_model=BASE,
+                                                      lora_config=flags(rank)))
+    futs = {mid: [packed.submit(op) for op in ops(mid, loss, n, rank)] for mid, rank, loss, n in tenants}
+    while packed.run_cycle():
+        pass
+    cycles = {mid: [f.result().receipt.cycle for f in fs] for mid, fs in futs.items()}
+    assert len({c[0] for c in cycles.values()}) == 1, "all tenants shared the first cycle"
+    for mid, rank, loss, n in tenants:
+        alone = _engine(model_cache)
+        alone.create_adapter(pb.CreateAdapterRequest(model_id=mid, tenant="t", base_model=BASE,
+                                                     lora_config=flags(rank)))
+        ref = [alone.submit(op) for op in ops(mid, loss, n, rank)]
+        while alone.run_cycle():
+            pass
+        for f_p, f_a in zip(futs[mid], ref, strict=True):
+            p, a = f_p.result(), f_a.result()
+            assert p.WhichOneof("result") == a.WhichOneof("result") != "error"
+            if p.WhichOneof("result") == "forward_backward":
+                assert p.forward_backward.metrics["loss:sum"] == pytest.approx(
+                    a.forward_backward.metrics["loss:sum"], rel=1e-6)
+                for x, y in zip(_lp(p), _lp(a), strict=True):
+                    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+        for k, v in weights(alone, mid).items():
+            w = weights(packed, mid)[k]
+            assert float((w - v).norm()) <= 1e-6 * max(float(v.norm()), 1e-12), (mid, k)
+
+
+def test_cycle_metrics_are_exported(model_cache: Path, tiny_dir: Path) -> None:
+    from prometheus_client import generate_latest
+
+    eng = _engine(model_cache, cycle_tokens=1000)
+    create(eng, "a")
+    create(eng, "b")
+    eng.submit(fb("a", 1, batch(0)))
+    eng.submit(fb("b", 1, batch(1)))
+    eng.run_cycle()
+    text = generate_latest(eng.metrics.registry).decode()
+    tokens = sum(len(d.model_input.chunks[0].tokens) for d in batch(0) + batch(1))
+    assert "lathe_trainer_cycles_total 1.0" in text
+    assert f"lathe_trainer_cycle_tokens_total {float(tokens)}" in text
+    assert "lathe_trainer_adapters_in_cycle 2.0" in text
+    assert f"lathe_trainer_cycle_utilization {tokens / 1000}" in text
+    assert "lathe_trainer_cycle_capacity_tokens 1000.0" in text
+    assert "lathe_trainer_resident_adapters 2.0" in text
+    assert "lathe_trainer_operation_wait_seconds_count 2.0" in text

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-import torch
 
 from lathe.checkpoints.client import CheckpointsClient
 from lathe.errors import Unavailable
 from lathe.models.catalog import ModelCatalog
+from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.sampler.server import SamplerServicer
 from lathe.serving import run
@@ -39,24 +37,17 @@ class CheckpointsSource:
 def main() -> None:
     d = SamplerConfig()
     ap = argparse.ArgumentParser(prog="python -m lathe.sampler")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--models", default=d.models, help="served base models, comma-separated")
-    ap.add_argument("--cache-root", type=Path, default=d.cache_root)
-    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    ap.add_argument("--no-invariant", action="store_true", help="use plain (not batch-invariant) ops")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--checkpoints", default="", help="address of the checkpoints service")
+    add_pool_arguments(ap, models=d.models, cache_root=d.cache_root, dtype=d.dtype)
     ap.add_argument("--max-running", type=int, default=d.max_running, help="sequences decoding at once")
     ap.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting at most")
     ap.add_argument("--adapter-cache", type=int, default=d.adapter_cache, help="adapters kept loaded")
     ap.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                     help="prompt tokens admitted per step")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     cfg = SamplerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype,
-                        invariant=not args.no_invariant, max_running=args.max_running, max_queue=args.max_queue,
+                        invariant=not args.no_invariant, sgmv=args.sgmv, max_running=args.max_running,
+                        max_queue=args.max_queue,
                         adapter_cache=args.adapter_cache, max_prefill_tokens=args.max_prefill_tokens)
     source = CheckpointsSource(CheckpointsClient(args.checkpoints)) if args.checkpoints else None
     engine = SamplerEngine(cfg, ModelCatalog.from_spec(cfg.models, cfg.cache_root), source)

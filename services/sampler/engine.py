@@ -70,6 +70,7 @@ class SamplerConfig:
     cache_root: Path = Path(".cache/lathe")
     dtype: str = "float32"  # the dtype of the frozen base weights (LoRA is cast to it)
     invariant: bool = True  # batch-invariant ops: logprobs bitwise equal to the trainer's
+    sgmv: bool = False  # LoRA through the Triton SGMV kernels (set alike on the trainer pool)
     max_running: int = 64  # sequences decoding at once (each sample of a request is one)
     max_queue: int = 1024  # requests accepted but not yet running
     adapter_cache: int = 16  # adapters kept loaded
@@ -147,6 +148,7 @@ class SamplerEngine:
                 except KeyError:
                     raise NotFound(f"base_model {name!r} is not served by this sampler") from None
                 model = Decoder.from_dir(entry.path, dtype=self.dtype, invariant=self.cfg.invariant)
+                model.sgmv = self.cfg.sgmv
                 tok_file = Path(entry.path) / "tokenizer.json"
                 cfg = model.cfg
                 limits = ModelLimits(

@@ -8,6 +8,7 @@
     StepKV(caches, new)        the decoder's ``KVCache`` for one packed step
       extend(layer, s, k [L, Hkv, D], v) writes rows [length, length + L) of caches[s] and returns
       (k_all [length + L, Hkv, D], v_all, length); ``commit()`` then advances every length by its L
+      stacked(layer) -> every sequence's keys and values as [S, N, Hkv, D] (zero-padded), for decode
 
 A request's prompt is prefilled once into one ``SeqCache``; ``fork()`` copies it for every further
 sample, so ``num_samples`` sequences share one prefill.
@@ -79,6 +80,18 @@ class StepKV:
         c.k[layer][start:end] = k
         c.v[layer][start:end] = v
         return c.k[layer][:end], c.v[layer][:end], start
+
+    def stacked(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every sequence after this step's ``extend``, padded with zero rows to one
+        whole number of key chunks: ``[S, N, Hkv, D]`` each (for batched decode attention)."""
+        n = max(-(-(c.length + k) // BLOCK) * BLOCK for c, k in zip(self.caches, self.new, strict=True))
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            t = t[:n]
+            return t if t.shape[0] == n else torch.nn.functional.pad(t, (0, 0, 0, 0, 0, n - t.shape[0]))
+
+        return (torch.stack([rows(c.k[layer]) for c in self.caches]),
+                torch.stack([rows(c.v[layer]) for c in self.caches]))
 
     def commit(self) -> None:
         """Advance every sequence past the tokens of this step (call once, after the forward)."""

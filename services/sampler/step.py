@@ -51,7 +51,7 @@ class ItemOut:
     topk_logprobs: torch.Tensor | None = None
 
 
-def _segments(adapters: list[LoraWeights | None], counts: list[int], invariant: bool) -> LoraBatch | None:
+def _segments(adapters: list[LoraWeights | None], counts: list[int], model: Decoder) -> LoraBatch | None:
     """The LoraBatch of rows laid out as ``counts[i]`` rows of ``adapters[i]`` (already grouped)."""
     if all(a is None for a in adapters):
         return None
@@ -68,7 +68,7 @@ def _segments(adapters: list[LoraWeights | None], counts: list[int], invariant: 
         else:
             ids.append(slots[id(w)])
             seg.append(seg[-1] + c)
-    return LoraBatch(seg, ids, table, invariant=invariant)
+    return LoraBatch(seg, ids, table, invariant=model.invariant, triton=model.sgmv)
 
 
 def _prompt_rows(model: Decoder, h: torch.Tensor, item: Item, out: ItemOut) -> None:
@@ -78,7 +78,7 @@ def _prompt_rows(model: Decoder, h: torch.Tensor, item: Item, out: ItemOut) -> N
     lps, ids, tops = [], [], []
     for r0 in range(0, rows, LOGIT_CHUNK):
         r1 = min(r0 + LOGIT_CHUNK, rows)
-        lora = _segments([item.adapter], [r1 - r0], model.invariant)
+        lora = _segments([item.adapter], [r1 - r0], model)
         lp = ops.log_softmax(model.logits(h[r0:r1], lora), dim=-1, invariant=model.invariant)
         if item.prompt_logprobs:
             lps.append(lp.gather(1, targets[r0:r1, None]).squeeze(1))
@@ -115,10 +115,10 @@ def run_step(model: Decoder, items: list[Item]) -> list[ItemOut]:
     )
     adapters = [it.adapter for it in packed_items]
     kv = StepKV([it.cache for it in packed_items], lengths)
-    h = model.hidden(batch, _segments(adapters, lengths, model.invariant), kv)
+    h = model.hidden(batch, _segments(adapters, lengths, model), kv)
     kv.commit()
     last = h[[c - 1 for c in cu[1:]]]
-    logits = model.logits(last, _segments(adapters, [1] * len(adapters), model.invariant))
+    logits = model.logits(last, _segments(adapters, [1] * len(adapters), model))
     logprobs = ops.log_softmax(logits, dim=-1, invariant=model.invariant)
     outs: dict[int, ItemOut] = {}
     for s, i in enumerate(order):

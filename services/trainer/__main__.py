@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-import torch
 from prometheus_client import start_http_server
 
 from lathe.models.catalog import ModelCatalog
+from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.serving import run
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.server import TrainerServicer
@@ -18,16 +17,9 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 def main() -> None:
     d = TrainerConfig()
     ap = argparse.ArgumentParser(prog="python -m lathe.trainer")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--models", default=d.models, help="served base models, comma-separated")
-    ap.add_argument("--cache-root", type=Path, default=d.cache_root)
-    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    ap.add_argument("--no-invariant", action="store_true", help="use plain (not batch-invariant) ops")
+    add_pool_arguments(ap, models=d.models, cache_root=d.cache_root, dtype=d.dtype)
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each layer in backward (about half the peak memory, about 20%% slower)")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--checkpoints", default="", help="address of the checkpoints service")
     ap.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens)
     ap.add_argument("--cycle-tokens", type=int, default=d.cycle_tokens)
     ap.add_argument("--max-resident-adapters", type=int, default=d.max_resident_adapters)
@@ -36,10 +28,10 @@ def main() -> None:
     ap.add_argument("--page-store", default="", help="directory or URL for paged-out adapters")
     ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype,
-                        invariant=not args.no_invariant, activation_checkpointing=args.activation_checkpointing,
+                        invariant=not args.no_invariant, sgmv=args.sgmv,
+                        activation_checkpointing=args.activation_checkpointing,
                         max_request_tokens=args.max_request_tokens,
                         cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
                         page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle)

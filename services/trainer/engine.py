@@ -58,6 +58,7 @@ class TrainerConfig:
     cache_root: Path = Path(".cache/lathe")
     dtype: str = "float32"
     invariant: bool = True
+    sgmv: bool = False  # LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)
     activation_checkpointing: bool = False  # recompute each layer in backward: ~half the memory, ~20% slower
     max_request_tokens: int = 65536
     cycle_tokens: int = 16384  # token capacity of one clock cycle
@@ -116,6 +117,7 @@ class TrainerEngine:
             self._bases[name] = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype],
                                                  invariant=self.cfg.invariant,
                                                  checkpoint_layers=self.cfg.activation_checkpointing)
+            self._bases[name].sgmv = self.cfg.sgmv
         return self._bases[name]
 
     def capabilities(self) -> pb.ServerCapabilities:

@@ -61,7 +61,8 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
     seg = [0]
     for j in jobs:
         seg.append(seg[-1] + sum(len(ex) for ex in j.examples))
-    lora = LoraBatch(seg, list(range(len(jobs))), [j.weights for j in jobs], invariant=model.invariant)
+    lora = LoraBatch(seg, list(range(len(jobs))), [j.weights for j in jobs], invariant=model.invariant,
+                     triton=model.sgmv)
     h = model.hidden(batch, lora)
     lp = model.target_logprobs(h, torch.cat([ex.targets for ex in examples]), lora)
     total: torch.Tensor | None = None

@@ -1,0 +1,29 @@
+"""Command-line flags shared by the two services that run the decoder (trainer and sampler pools).
+
+Both serve the same base models with the same dtype and the same op mode, and they must agree on
+all three for the sampler's logprobs to equal the trainer's; one definition keeps their flags alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+
+def add_pool_arguments(ap: argparse.ArgumentParser, *, models: str, cache_root: Path, dtype: str) -> None:
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--models", default=models, help="served base models, comma-separated")
+    ap.add_argument("--cache-root", type=Path, default=cache_root)
+    ap.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+    ap.add_argument("--sgmv", action="store_true", help="LoRA through the Triton SGMV kernels (GPU)")
+    ap.add_argument("--no-invariant", action="store_true", help="use plain (not batch-invariant) ops")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--checkpoints", default="", help="address of the checkpoints service")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
