@@ -356,3 +356,19 @@ def test_cycle_metrics_are_exported(model_cache: Path, tiny_dir: Path) -> None:
     assert "lathe_trainer_cycle_capacity_tokens 1000.0" in text
     assert "lathe_trainer_resident_adapters 2.0" in text
     assert "lathe_trainer_operation_wait_seconds_count 2.0" in text
+
+
+@pytest.mark.parametrize("field,values,message", [
+    ("advantages", [0.0, 1.0], "loss_fn_inputs['advantages'] has length 2 but model_input has 3 tokens"),
+    ("logprobs", [-1.0, -1.0, -1.0, -1.0], "loss_fn_inputs['logprobs'] has length 4 but model_input has 3 tokens"),
+    ("advantages", [0.0, float("inf"), 1.0], "loss_fn_inputs['advantages'][1] = inf is not finite"),
+])
+def test_bad_rl_datums_are_rejected(engine: TrainerEngine, field: str, values: list[float], message: str) -> None:
+    create(engine, "rl")
+    inputs = {"logprobs": tensor([-1.0] * 3, "float32"), "advantages": tensor([0.5] * 3, "float32")}
+    inputs[field] = tensor(values, "float32")
+    d = pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=[4, 5, 6])]),
+                 loss_fn_inputs={"target_tokens": tensor([5, 6, 7], "int64"), **inputs})
+    res = engine.submit(fb("rl", 1, [d], "importance_sampling")).result(timeout=60)
+    assert res.error.code == "InvalidArgument" and message in res.error.message
+    assert engine.bank.get("rl").step == 0 and not engine.bank.get("rl").has_grads()
