@@ -86,22 +86,23 @@ def planning_share(stack: Stack) -> float:
 def run_model(key: str, args: argparse.Namespace) -> None:
     model = MODELS[key]
     print(f"\n{model}: {args.tenants} tenants, LoRA rank 16, {args.steps} steps each, "
-          f"trainer threads {args.threads}")
+          f"trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens")
     print(f"{'tokens/tenant':<14}{'packed tok/s':>13}{'serial tok/s':>13}{'one-big tok/s':>14}"
           f"{'packed/serial':>14}{'packed/one-big':>15}{'lat packed s':>13}{'lat serial s':>13}")
     rows = {}
+    shapes = [s for s in SHAPES if f"{s[0]}x{s[1]}" in args.shapes.split(",")]
     for label, extra in (("packed", ()), ("serial", ("--max-runs-per-cycle", "1"))):
         cfg = StackConfig(models=model, store_root=CACHE / "bench-store", cache_root=CACHE,
                           trainer_threads=args.threads, sampler_threads=1,
-                          trainer_args=("--metrics-port", "0", *extra))
+                          trainer_args=("--metrics-port", "0", "--cycle-tokens", str(args.cycle_tokens), *extra))
         with Stack(cfg) as stack:
-            for n, length in SHAPES:
+            for n, length in shapes:
                 rows[(label, n, length)] = measure(stack, model, args.tenants, n, length, args.steps)
                 if label == "packed":
                     rows[("big", n, length)] = measure(stack, model, 1, n * args.tenants, length, args.steps)
             if label == "packed":
                 share = planning_share(stack)
-    for n, length in SHAPES:
+    for n, length in shapes:
         p, s, b = rows[("packed", n, length)], rows[("serial", n, length)], rows[("big", n, length)]
         print(f"{f'{n}x{length}':<14}{p['tokens_per_s']:>13.0f}{s['tokens_per_s']:>13.0f}{b['tokens_per_s']:>14.0f}"
               f"{p['tokens_per_s'] / s['tokens_per_s']:>14.2f}{p['tokens_per_s'] / b['tokens_per_s']:>15.2f}"
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cycle-tokens", type=int, default=16384, help="the trainer's cycle capacity")
+    ap.add_argument("--shapes", default="1x32,1x128,4x128", help="tokens per tenant, e.g. 1x32,4x128")
     args = ap.parse_args()
     for key in (["tiny", "smollm2"] if args.model == "both" else [args.model]):
         run_model(key, args)

@@ -30,6 +30,7 @@ from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
+from lathe.wire import error_to_proto
 
 from .futures import Entry, FutureStore
 
@@ -89,10 +90,6 @@ class SamplingSession:
                                   model_path=self.model_path)
 
 
-def _error(err: LatheError) -> pb.Error:
-    return pb.Error(code=type(err).__name__, message=err.message, category=err.category)
-
-
 class GatewayCore:
     def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str) -> None:
         self._channels = [grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS)
@@ -125,7 +122,7 @@ class GatewayCore:
             try:
                 result = await work
             except LatheError as e:
-                result = pb.FutureResult(error=_error(e))
+                result = pb.FutureResult(error=error_to_proto(e))
             except Exception as e:  # noqa: BLE001 - any crash becomes the request's error, never a hang
                 result = pb.FutureResult(error=pb.Error(code="Internal", message=f"internal error: {e}",
                                                         category="server"))

@@ -44,6 +44,7 @@ from lathe.sampler.sampling import choose, generator
 from lathe.sampler.step import Item, ItemOut, run_step
 from lathe.sampler.validate import ModelLimits, Plan, check_sample
 from lathe.v1 import lathe_pb2 as pb
+from lathe.wire import error_to_proto
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -114,10 +115,6 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = ""
-
-
-def _error(e: LatheError) -> pb.Error:
-    return pb.Error(code=type(e).__name__, message=e.message, category=e.category)
 
 
 class SamplerEngine:
@@ -376,7 +373,7 @@ class SamplerEngine:
             queued_s=started - r.arrived, run_s=now - started,
         )
         if error is not None:
-            result = pb.SampleResult(receipt=receipt, error=_error(error))
+            result = pb.SampleResult(receipt=receipt, error=error_to_proto(error))
         else:
             policy = r.req.model_path or r.req.base_model
             r.output.sequences.extend(

@@ -39,6 +39,7 @@ from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.step import Job, JobResult, run_jobs
 from lathe.trainer.validate import Limits, check_request
 from lathe.v1 import lathe_pb2 as pb
+from lathe.wire import error_to_proto
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,10 +85,6 @@ class _Model:
 
 def _tensor(arr: np.ndarray) -> pb.Tensor:
     return pb.Tensor(data=arr.tobytes(), dtype=str(arr.dtype), shape=list(arr.shape))
-
-
-def _error(err: LatheError) -> pb.Error:
-    return pb.Error(code=type(err).__name__, message=err.message, category=err.category)
 
 
 class TrainerEngine:
@@ -240,7 +237,7 @@ class TrainerEngine:
         try:
             examples, loss_cfg = check_request(req.data, req.loss_fn, dict(req.loss_fn_config), limits)
         except LatheError as e:
-            self._finish(m, item, self.cycle + 1, time.monotonic(), pb.TrainerResult(error=_error(e)))
+            self._finish(m, item, self.cycle + 1, time.monotonic(), pb.TrainerResult(error=error_to_proto(e)))
             return None
         m.partial = Partial(item, examples, req.loss_fn, loss_cfg, backward=not req.forward_only)
         if m.partial.backward and m.partial.tokens > self.cfg.cycle_tokens:
@@ -339,7 +336,7 @@ class TrainerEngine:
     @staticmethod
     def _fb_result(p: Partial, error: LatheError | None) -> pb.TrainerResult:
         if error is not None:
-            return pb.TrainerResult(error=_error(error))
+            return pb.TrainerResult(error=error_to_proto(error))
         outputs = [pb.LossFnOutput(tensors={"logprobs": _tensor(lp.numpy().astype(np.float32))})
                    for lp in p.logprobs]
         return pb.TrainerResult(forward_backward=pb.ForwardBackwardOutput(
@@ -350,7 +347,7 @@ class TrainerEngine:
         try:
             hp = AdamParams(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm)
         except LatheError as e:
-            return pb.TrainerResult(error=_error(e))
+            return pb.TrainerResult(error=error_to_proto(e))
         adapter = self.bank.get(m.model_id)
         metrics = adamw_step(adapter.weights.named_parameters(), adapter.opt, hp)
         return pb.TrainerResult(optim_step=pb.OptimStepOutput(metrics=metrics))
@@ -373,4 +370,4 @@ class TrainerEngine:
             adapter.load_files(files, with_optimizer=req.with_optimizer)
             return pb.TrainerResult(load=pb.LoadOutput(path=req.path, model_id=adapter.model_id))
         except LatheError as e:
-            return pb.TrainerResult(error=_error(e))
+            return pb.TrainerResult(error=error_to_proto(e))
