@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cycle-tokens", type=int, default=16384, help="the trainer's cycle capacity")
+    ap.add_argument("--cycle-tokens", type=int, default=2048, help="the trainer's cycle capacity")
     ap.add_argument("--shapes", default="1x32,1x128,4x128", help="tokens per tenant, e.g. 1x32,4x128")
     args = ap.parse_args()
     for key in (["tiny", "smollm2"] if args.model == "both" else [args.model]):

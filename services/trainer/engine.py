@@ -62,7 +62,7 @@ class TrainerConfig:
     sgmv: bool = False  # LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)
     activation_checkpointing: bool = False  # recompute each layer in backward: ~half the memory, ~20% slower
     max_request_tokens: int = 65536
-    cycle_tokens: int = 16384  # token capacity of one clock cycle
+    cycle_tokens: int = 2048  # token capacity of one clock cycle (CPU default; GPU pools set far more)
     max_queue: int = 4096
     max_resident_adapters: int = 256
     cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
