@@ -199,15 +199,17 @@ class TrainingClient:
         request = pb.OptimStepRequest(model_id=self.model_id, adam_params=wire.adam_params_to_proto(adam_params))
         return self._submit("OptimStep", request, OptimStepResponse)
 
-    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
-                   ) -> APIFuture[SaveWeightsResponse]:
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None) -> APIFuture[SaveWeightsResponse]:
         """Save the training state (adapter + optimizer) as ``tinker://<model_id>/weights/<name>``."""
-        return self._submit("Save", self._save_request(name, "weights", ttl_seconds, overwrite), SaveWeightsResponse)
+        return self._submit("Save", self._save_request(name, "weights", ttl_seconds, overwrite, user_metadata),
+                            SaveWeightsResponse)
 
-    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
+                                 user_metadata: dict[str, str] | None = None
                                  ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Save the adapter for sampling as ``tinker://<model_id>/sampler_weights/<name>``."""
-        return self._submit("Save", self._save_request(name, "sampler_weights", ttl_seconds, False),
+        return self._submit("Save", self._save_request(name, "sampler_weights", ttl_seconds, False, user_metadata),
                             SaveWeightsForSamplerResponse)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
@@ -219,9 +221,10 @@ class TrainingClient:
         path = (await self.save_weights_for_sampler(*_sampler_name(name))).path
         return await asyncio.wrap_future(self._conn.spawn(self._sampling_client(path)))
 
-    def _save_request(self, name: str, kind: str, ttl_seconds: int | None, overwrite: bool) -> pb.SaveRequest:
+    def _save_request(self, name: str, kind: str, ttl_seconds: int | None, overwrite: bool,
+                      user_metadata: dict[str, str] | None) -> pb.SaveRequest:
         return pb.SaveRequest(model_id=self.model_id, name=name, kind=kind, ttl_seconds=ttl_seconds or 0,
-                              overwrite=overwrite)
+                              overwrite=overwrite, user_metadata=user_metadata or {})
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Replace the adapter's weights with a saved state's; the optimizer starts over."""

@@ -407,6 +407,7 @@ class Checkpoint:
     time: datetime | None = None
     size_bytes: int | None = None
     expires_at: datetime | None = None
+    user_metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_tinker_path(cls, tinker_path: str) -> Checkpoint:

@@ -282,13 +282,13 @@ def capabilities_from_proto(msg: pb.ServerCapabilities) -> GetServerCapabilities
 def checkpoint_to_proto(c: Checkpoint) -> pb.CheckpointEntry:
     return pb.CheckpointEntry(checkpoint_id=c.checkpoint_id, checkpoint_type=c.checkpoint_type,
                               tinker_path=c.tinker_path, time=_time_to_proto(c.time), size_bytes=c.size_bytes or 0,
-                              expires_at=_time_to_proto(c.expires_at))
+                              expires_at=_time_to_proto(c.expires_at), user_metadata=c.user_metadata)
 
 
 def checkpoint_from_proto(msg: pb.CheckpointEntry) -> Checkpoint:
     return Checkpoint(checkpoint_id=msg.checkpoint_id, checkpoint_type=msg.checkpoint_type,
                       tinker_path=msg.tinker_path, time=_time_from_proto(msg.time), size_bytes=msg.size_bytes,
-                      expires_at=_time_from_proto(msg.expires_at))
+                      expires_at=_time_from_proto(msg.expires_at), user_metadata=dict(msg.user_metadata))
 
 
 def training_run_to_proto(run: TrainingRun) -> pb.TrainingRun:

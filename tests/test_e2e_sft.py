@@ -55,7 +55,7 @@ def test_sft_loss_falls_and_restart_from_state_continues_exactly(stack: Stack) -
         assert fb.result().receipt.cycle == opt.result().receipt.cycle  # submitted together: one cycle
         losses = [step(tc, data) for _ in range(20)]
         assert losses[-1] < 0.5 * losses[0], losses
-        path = tc.save_state("after-20").result().path
+        path = tc.save_state("after-20", user_metadata={"step": "20"}).result().path
         assert path == f"tinker://{tc.model_id}/weights/after-20"
         cont_loss = step(tc, data)
         cont_lp = logprobs(tc.forward(data, "cross_entropy").result())
@@ -76,6 +76,7 @@ def test_sft_loss_falls_and_restart_from_state_continues_exactly(stack: Stack) -
         assert {tc.model_id, tc2.model_id, tc3.model_id} <= set(runs)
         ckpts = rest.list_checkpoints(tc.model_id).result().checkpoints
         assert [c.tinker_path for c in ckpts] == [path]
+        assert ckpts[0].user_metadata == {"step": "20"}
 
 
 def test_tenants_are_isolated(stack: Stack) -> None:

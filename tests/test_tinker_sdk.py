@@ -130,7 +130,7 @@ def test_the_official_sdk_flow_matches_lathes_sdk(stack: Stack) -> None:
     assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]
 
     # save, move on, load back (legacy load_state), and start a new run from the same state
-    state = t.save_state("ckpt").result().path
+    state = t.save_state("ckpt", user_metadata={"stage": "sft"}).result().path
     at_state = t.forward(sft_data(tinker, 5), "cross_entropy").result()
     step(t, tinker, sft_data(tinker, 6), "cross_entropy")
     with pytest.warns(FutureWarning):
@@ -147,6 +147,7 @@ def test_the_official_sdk_flow_matches_lathes_sdk(stack: Stack) -> None:
     assert run.user_metadata == {"renderer_name": "role_colon"} and run.last_checkpoint.tinker_path == state
     listed = {c.checkpoint_id: c for c in rc.list_checkpoints(t.model_id).result().checkpoints}
     assert listed["weights/ckpt"].expires_at is None and listed["weights/ckpt"].checkpoint_type == "training"
+    assert listed["weights/ckpt"].user_metadata == {"stage": "sft"}
     assert listed["sampler_weights/named"].expires_at is not None
     weights = rc.get_weights_info_by_tinker_path(state).result()
     assert (weights.base_model, weights.is_lora, weights.lora_rank) == (BASE, True, 8)

@@ -322,7 +322,8 @@ class GatewayCore:
             pb.CheckpointEntry(checkpoint_id=f"{c.kind}/{c.name}",
                                checkpoint_type="training" if c.kind == "weights" else "sampler",
                                tinker_path=c.path, time=c.created_at, size_bytes=c.size_bytes,
-                               expires_at=c.expires_at)
+                               expires_at=c.expires_at,
+                               user_metadata=json.loads(c.metadata_json or "{}").get("user_metadata", {}))
             for c in res.checkpoints
         ])
 

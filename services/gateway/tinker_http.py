@@ -210,7 +210,7 @@ class TinkerHttpDoor:
         f = await self._fields(request)
         req = pb.SaveRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), name=f.get("path", str),
                              kind="weights", ttl_seconds=f.get("ttl_seconds", int, 0),
-                             overwrite=f.get("overwrite", bool, False))
+                             overwrite=f.get("overwrite", bool, False), user_metadata=f.strings("user_metadata"))
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, save=req))
 
     async def save_weights_for_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -220,7 +220,7 @@ class TinkerHttpDoor:
         model_id, seq_id, name = f.get("model_id", str), f.get("seq_id", int), f.get("path", str, "")
         if name:
             req = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=name, kind="sampler_weights",
-                                 ttl_seconds=f.get("ttl_seconds", int, 0))
+                                 ttl_seconds=f.get("ttl_seconds", int, 0), user_metadata=f.strings("user_metadata"))
             return self._future(await self.core.submit(tenant, model_id, seq_id, save=req))
         sub, sampling_id = self.core.save_for_sampling(tenant, model_id, seq_id,
                                                        f.get("sampling_session_seq_id", int))

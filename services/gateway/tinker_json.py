@@ -118,7 +118,7 @@ def training_run(run: Run) -> dict[str, Any]:
 def checkpoint(c: pb.CheckpointEntry) -> dict[str, Any]:
     return {"checkpoint_id": c.checkpoint_id, "checkpoint_type": c.checkpoint_type, "time": iso(c.time),
             "tinker_path": c.tinker_path, "size_bytes": c.size_bytes, "public": False,
-            "expires_at": iso(c.expires_at)}
+            "expires_at": iso(c.expires_at), "user_metadata": dict(c.user_metadata) or None}
 
 
 def cursor(offset: int, limit: int, total: int) -> dict[str, int]:

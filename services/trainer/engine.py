@@ -360,7 +360,8 @@ class TrainerEngine:
                 if req.kind not in ("weights", "sampler_weights"):
                     raise InvalidArgument(f"save kind {req.kind!r} must be 'weights' or 'sampler_weights'")
                 files = adapter.state_files(self.cfg.dtype) if req.kind == "weights" else adapter.sampler_files()
-                meta = {"base_model": adapter.base_model, "step": adapter.step, **adapter.peft_config()}
+                meta = {"base_model": adapter.base_model, "step": adapter.step, **adapter.peft_config(),
+                        "user_metadata": dict(req.user_metadata)}
                 path = self._store().put(tenant=op.tenant, run_id=adapter.model_id, kind=req.kind, name=req.name,
                                          files=files, metadata_json=json.dumps(meta),
                                          ttl_seconds=req.ttl_seconds, overwrite=req.overwrite)
