@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         lathe_tokens = lathe_generate(engines[True], prompts, paths, n)
         t_batch = median_time(lambda: lathe_generate(engines[True], prompts, paths, n), r)
-        t_one = {k: median_time(lambda k=k: lathe_generate(engines[True], prompts[:1], paths[:1], k), r)
-                 for k in (1, 1 + n)}
+        t_batch_plain = median_time(lambda: lathe_generate(engines[False], prompts, paths, n), r)
+        t_one = {(inv, k): median_time(lambda k=k, inv=inv: lathe_generate(engines[inv], prompts[:1], paths[:1], k), r)
+                 for inv in (True, False) for k in (1, 1 + n)}
         step = {}
         for inv, eng in engines.items():
             t = {k: median_time(lambda k=k, eng=eng: lathe_generate(eng, prompts, paths, k), r) for k in (1, n)}
@@ -230,11 +231,14 @@ def main(argv: list[str] | None = None) -> None:
 
     total = args.sequences * n
     lathe_tps, hf_tps = total / t_batch, total / h_batch
-    lathe_lat, hf_lat = (t_one[1 + n] - t_one[1]) / n, (h_one[1 + n] - h_one[1]) / n
+    lathe_lat, hf_lat = (t_one[True, 1 + n] - t_one[True, 1]) / n, (h_one[1 + n] - h_one[1]) / n
+    plain_lat = (t_one[False, 1 + n] - t_one[False, 1]) / n
     rows += [
         ("batch throughput", "lathe", lathe_tps, "tokens/s"),
+        ("batch throughput", "lathe plain ops", total / t_batch_plain, "tokens/s"),
         ("batch throughput", "transformers+peft", hf_tps, "tokens/s"),
         ("single-sequence decode", "lathe", lathe_lat * 1e3, "ms/token"),
+        ("single-sequence decode", "lathe plain ops", plain_lat * 1e3, "ms/token"),
         ("single-sequence decode", "transformers+peft", hf_lat * 1e3, "ms/token"),
         ("decode step, batch", "lathe invariant", step[True] * 1e3, "ms/step"),
         ("decode step, batch", "lathe plain ops", step[False] * 1e3, "ms/step"),
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{case:<24} {engine:<20} {value:>10.2f}  {unit}")
     print(f"throughput lathe / transformers:          x{lathe_tps / hf_tps:.2f}")
     print(f"decode latency transformers / lathe:      x{hf_lat / lathe_lat:.2f}")
+    print(f"decode latency transformers / lathe plain: x{hf_lat / plain_lat:.2f}")
     print(f"decode step invariant / plain:            x{step[True] / step[False]:.2f}")
     print(f"greedy tokens equal to transformers':     {agree}/{total}")
 
