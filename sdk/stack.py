@@ -72,21 +72,8 @@ class Stack:
         c = self.cfg
         try:
             ckpt = self._spawn("checkpoints", ["--root", str(c.store_root)])
-            trainer_args = ["--models", c.models, "--cache-root", str(c.cache_root), "--dtype", c.trainer_dtype,
-                            "--checkpoints", ckpt.address]
-            if c.trainer_threads:
-                trainer_args += ["--threads", str(c.trainer_threads)]
-            if not c.invariant:
-                trainer_args.append("--no-invariant")
-            trainer_args += list(c.trainer_args)
-            trainer = self._spawn("trainer", trainer_args)
-            sampler_args = ["--models", c.models, "--cache-root", str(c.cache_root), "--dtype", c.trainer_dtype,
-                            "--checkpoints", ckpt.address]
-            if c.sampler_threads:
-                sampler_args += ["--threads", str(c.sampler_threads)]
-            if not c.invariant:
-                sampler_args.append("--no-invariant")
-            sampler = self._spawn("sampler", sampler_args)
+            trainer = self._spawn("trainer", [*self._pool_args(ckpt.address, c.trainer_threads), *c.trainer_args])
+            sampler = self._spawn("sampler", self._pool_args(ckpt.address, c.sampler_threads))
             gw_args = ["--trainer", trainer.address, "--checkpoints", ckpt.address, "--sampler", sampler.address,
                        "--port", str(c.gateway_port), "--http-port", str(c.http_port)]
             if c.api_keys:
@@ -96,6 +83,17 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _pool_args(self, checkpoints: str, threads: int) -> list[str]:
+        """Flags of a model pool (trainer or sampler): both must serve the same models, dtype and op mode."""
+        c = self.cfg
+        args = ["--models", c.models, "--cache-root", str(c.cache_root), "--dtype", c.trainer_dtype,
+                "--checkpoints", checkpoints]
+        if threads:
+            args += ["--threads", str(threads)]
+        if not c.invariant:
+            args.append("--no-invariant")
+        return args
 
     def _spawn(self, name: str, args: list[str], port: int | None = 0) -> Service:
         cmd = [sys.executable, "-m", f"lathe.{name}", "--host", self.cfg.host, *args]

@@ -1,8 +1,10 @@
-"""Shared fixtures: a model cache under the repo (or $LATHE_CACHE) and the generated tiny models."""
+"""Shared fixtures: a model cache under the repo (or $LATHE_CACHE), the generated tiny models, and the
+embedded stack of real service processes."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +28,14 @@ def tiny_dir(model_cache: Path) -> Path:
     from lathe.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(model_cache, "llama")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator:
+    """Every service as its own process on loopback, serving the tiny model (one stack per test module)."""
+    from lathe.stack import Stack, StackConfig
+
+    cfg = StackConfig(models="lathe/tiny-llama", store_root=tmp_path_factory.mktemp("store"),
+                      cache_root=model_cache, trainer_threads=1, sampler_threads=1)
+    with Stack(cfg) as s:
+        yield s

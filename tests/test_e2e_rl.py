@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import lathe
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Stack:
-    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
-                      trainer_threads=1, sampler_threads=1)
-    with Stack(cfg) as s:
-        yield s
 
 
 def datum(prompt: list[int], completion: list[int], lps: list[float], adv: float) -> lathe.Datum:

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lathe
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 
 BASE = "lathe/tiny-llama"
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Stack:
-    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
-                      trainer_threads=1)
-    with Stack(cfg) as s:
-        yield s
 
 
 def sft_batch(seed: int = 0, n: int = 4) -> list[lathe.Datum]:

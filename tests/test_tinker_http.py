@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,7 +21,7 @@ from lathe.gateway.tinker_proto import (
     forward_backward_output_to_proto,
     sample_response_to_proto,
 )
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import tinker_public_pb2 as ours
 
@@ -117,12 +115,6 @@ def test_outputs_read_back_with_the_sdks_own_decoders() -> None:
 # ---------- raw HTTP against real processes ----------
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
-                      trainer_threads=1, sampler_threads=1)
-    with Stack(cfg) as s:
-        yield s
 
 
 class Api:

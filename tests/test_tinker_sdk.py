@@ -9,8 +9,6 @@ import random
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -19,19 +17,13 @@ import tinker
 import torch
 
 import lathe
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
 SAMPLING = {"max_tokens": 8, "seed": 11, "stop": []}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
-                      trainer_threads=1, sampler_threads=1)
-    with Stack(cfg) as s:
-        yield s
 
 
 def sft_data(sdk: ModuleType, seed: int = 0, n: int = 4, length: tuple[int, int] = (12, 24)) -> list:

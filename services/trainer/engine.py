@@ -34,7 +34,7 @@ from lathe.models.lora import LoraSpec, default_seed
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
 from lathe.trainer.cycle import Partial, Work, plan_cycle
 from lathe.trainer.metrics import CycleMetrics
-from lathe.trainer.optimizer import AdamParams, adamw_step
+from lathe.trainer.optimizer import AdamParams, adamw_step, check_adam
 from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.step import Job, JobResult, run_jobs
 from lathe.trainer.validate import Limits, check_request
@@ -345,7 +345,7 @@ class TrainerEngine:
     def _optim(self, m: _Model, req: pb.OptimStepRequest) -> pb.TrainerResult:
         a = req.adam_params
         try:
-            hp = AdamParams(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm)
+            hp = check_adam(AdamParams(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm))
         except LatheError as e:
             return pb.TrainerResult(error=error_to_proto(e))
         adapter = self.bank.get(m.model_id)

@@ -7,7 +7,8 @@
     p     -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
 The same arithmetic, in the same order, as ``torch.optim.AdamW``. Defaults: lr 1e-4, betas 0.9/0.95,
-eps 1e-12, weight_decay 0, grad_clip_norm 0 (off). Owns the moments; the bank owns the parameters.
+eps 1e-12, weight_decay 0, grad_clip_norm 0 (off), as ``lathe.types.AdamParams`` states them. Owns the
+moments; the bank owns the parameters.
 """
 
 from __future__ import annotations
@@ -18,25 +19,19 @@ from dataclasses import dataclass
 import torch
 
 from lathe.errors import InvalidArgument
+from lathe.types import AdamParams  # the SDK's dataclass: one definition of the hyperparameters
 
 
-@dataclass(frozen=True, slots=True)
-class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"adam_params.{name} = {value} must be a finite number >= 0")
-        for name in ("beta1", "beta2"):
-            if getattr(self, name) >= 1:
-                raise InvalidArgument(f"adam_params.{name} = {getattr(self, name)} must be < 1")
+def check_adam(hp: AdamParams) -> AdamParams:
+    """Refuse hyperparameters AdamW cannot use, naming the field; returns ``hp``."""
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        value = getattr(hp, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"adam_params.{name} = {value} must be a finite number >= 0")
+    for name in ("beta1", "beta2"):
+        if getattr(hp, name) >= 1:
+            raise InvalidArgument(f"adam_params.{name} = {getattr(hp, name)} must be < 1")
+    return hp
 
 
 @dataclass(slots=True)
