@@ -6,8 +6,9 @@
    that a segment's output has the same bits alone as in the batch.
 2. Times, with CUDA events after warmup (median; L2 flushed before each iteration unless --no-flush):
    a device copy (the bandwidth yardstick), the base GEMM forward and forward+backward with the weight
-   frozen (y = x @ W, dx = dy @ W.T), SGMV shrink, SGMV expand into the base output, and the LoRA
-   forward and forward+backward on the kernels and on the torch reference loop.
+   frozen (y = x @ W, dx = dy @ W.T), SGMV shrink, SGMV expand into the base output, the same two as
+   BGMV (one slot index per token), and the LoRA forward and forward+backward on the kernels and on
+   the torch reference loop (``measure``; ``bench/gpu_check.py`` reuses it).
 3. Prints a table (time, minimum bytes moved, achieved bandwidth and its share of the copy bandwidth)
    and the ratios: LoRA over the base GEMM (next to the FLOP ratio) and the reference over the kernels.
 
@@ -168,18 +169,15 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int, flush: torch.Tens
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("gpu_sgmv needs a CUDA device")
-    device = torch.device("cuda")
-    dtype = DTYPES[args.dtype]
-    shape = Shape(args.tokens, args.hidden, args.out or args.hidden, args.rank, args.adapters)
+def measure(
+    shape: Shape, dtype: torch.dtype, layout: str, device: torch.device, warmup: int, iters: int, flush: bool
+) -> dict[str, tuple[float, int]]:
+    """{row: (median ms, minimum bytes moved)} for a device copy (the yardstick), the base GEMM, the SGMV
+    and BGMV kernels (BGMV with the same tokens, one slot index per token) and the LoRA delta on the
+    kernels and on the torch reference. L2 is flushed before each timed call when ``flush``."""
     T, H, O, R, N = shape.tokens, shape.hidden, shape.out, shape.rank, shape.adapters  # noqa: E741
-    print(f"{torch.cuda.get_device_name()}: T={T} H={H} O={O} R={R} N={N} {args.dtype} layout={args.layout}")
-    check(shape, dtype, args.layout, device)
-
-    seg, ids = segments(T, N, args.layout, device)
+    seg, ids = segments(T, N, layout, device)
+    idx = torch.repeat_interleave(ids, seg.diff())
     max_len = st.max_segment_len(seg)  # the packer knows it; keeps a device sync out of the timings
     p = problem(shape, dtype, device)
     x, A, B, scale, dy = p["x"], p["A"], p["B"], p["scale"], p["dy"]
@@ -188,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     base_out = x @ W
     leaves = [t.detach().requires_grad_() for t in (x, A, B)]
     x_leaf = x.detach().requires_grad_()
-    flush = None if args.no_flush else torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    flusher = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if flush else None
     copy_src = torch.empty(2**30, dtype=torch.uint8, device=device)
     copy_dst = torch.empty_like(copy_src)
 
@@ -211,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
         (x_leaf @ W).backward(dy)
 
     e = x.element_size()
+    shrink_bytes = e * (T * H + N * R * H + T * R)
+    expand_bytes = e * (T * R + N * O * R + 2 * T * O)
     fwd_bytes = e * (T * H + N * R * H + 2 * T * R + N * O * R + T * O)
     bwd_bytes = e * (
         (T * O + N * O * R + T * R)  # dv = dy @ B * scale
@@ -222,26 +222,38 @@ def main(argv: list[str] | None = None) -> None:
         "device copy 1 GiB": (lambda: copy_dst.copy_(copy_src), 2 * copy_src.numel()),
         "base GEMM fwd": (lambda: x @ W, e * (T * H + H * O + T * O)),
         "base GEMM fwd+bwd, W frozen": (base_fwd_bwd, 2 * e * (T * H + H * O + T * O)),
-        "sgmv shrink": (
-            lambda: st.sgmv_shrink(x, A, seg, ids, max_len=max_len),
-            e * (T * H + N * R * H + T * R),
-        ),
+        "sgmv shrink": (lambda: st.sgmv_shrink(x, A, seg, ids, max_len=max_len), shrink_bytes),
         "sgmv expand, += base": (
-            lambda: st.sgmv_expand(v, B, seg, ids, scale, base_out, max_len=max_len),
-            e * (T * R + N * O * R + 2 * T * O),
+            lambda: st.sgmv_expand(v, B, seg, ids, scale, base_out, max_len=max_len), expand_bytes,
         ),
+        "bgmv shrink": (lambda: st.bgmv_shrink(x, A, idx), shrink_bytes),
+        "bgmv expand, += base": (lambda: st.bgmv_expand(v, B, idx, scale, base_out), expand_bytes),
         "lora fwd, triton": (lambda: triton_delta(x, A, B, scale), fwd_bytes),
         "lora fwd, torch ref": (lambda: torch_delta(x, A, B, scale), fwd_bytes),
         "lora fwd+bwd, triton": (fwd_bwd(triton_delta), fwd_bytes + bwd_bytes),
         "lora fwd+bwd, torch ref": (fwd_bwd(torch_delta), fwd_bytes + bwd_bytes),
     }
-    ms = {name: time_ms(fn, args.warmup, args.iters, flush) for name, (fn, _) in rows.items()}
+    return {name: (time_ms(fn, warmup, iters, flusher), nbytes) for name, (fn, nbytes) in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("gpu_sgmv needs a CUDA device")
+    device = torch.device("cuda")
+    dtype = DTYPES[args.dtype]
+    shape = Shape(args.tokens, args.hidden, args.out or args.hidden, args.rank, args.adapters)
+    T, H, O, R, N = shape.tokens, shape.hidden, shape.out, shape.rank, shape.adapters  # noqa: E741
+    print(f"{torch.cuda.get_device_name()}: T={T} H={H} O={O} R={R} N={N} {args.dtype} layout={args.layout}")
+    check(shape, dtype, args.layout, device)
+    rows = measure(shape, dtype, args.layout, device, args.warmup, args.iters, not args.no_flush)
+    ms = {name: t for name, (t, _) in rows.items()}
     copy_gbs = rows["device copy 1 GiB"][1] / ms["device copy 1 GiB"] / 1e6
 
     print(f"\n{'op':30} {'ms':>9} {'min MB':>9} {'GB/s':>8} {'of copy BW':>11}")
-    for name, (_, nbytes) in rows.items():
-        gbs = nbytes / ms[name] / 1e6
-        print(f"{name:30} {ms[name]:9.4f} {nbytes / 1e6:9.1f} {gbs:8.0f} {100 * gbs / copy_gbs:10.1f}%")
+    for name, (t, nbytes) in rows.items():
+        gbs = nbytes / t / 1e6
+        print(f"{name:30} {t:9.4f} {nbytes / 1e6:9.1f} {gbs:8.0f} {100 * gbs / copy_gbs:10.1f}%")
     base_fwd, base_fb = ms["base GEMM fwd"], ms["base GEMM fwd+bwd, W frozen"]
     ratios = {
         "LoRA FLOPs / base GEMM FLOPs": 100 * R * (H + O) / (H * O),  # 2TR(H+O) / 2THO, fwd and bwd alike

@@ -51,6 +51,11 @@ def rl_datum(prompt: list[int], completion: list[int], logprobs: list[float], ad
     })
 
 
+def pools_exact(receipts: list[lathe.Receipt | None]) -> bool:
+    """Every receipt comes from a pool that passed its exactness self-check, all with one fingerprint."""
+    return all(r is not None and r.exact for r in receipts) and len({r.fingerprint for r in receipts}) == 1
+
+
 def sampler_trainer_gap(sampled: list[list[float]], out: lathe.ForwardBackwardOutput,
                         prompt_lens: list[int]) -> tuple[float, float]:
     """(KL estimate mean(q - p) over action tokens, max |q - p|) between sampler q and trainer p."""
@@ -122,19 +127,24 @@ def run(sc: lathe.ServiceClient, cfg: RlConfig) -> dict:
                     plens.append(len(prompt_ids))
         mean_reward = float(np.mean([x.fraction for x in grades]))
         pass_rate = float(np.mean([x.reward for x in grades]))
-        kl, max_diff = math.nan, math.nan
+        kl, max_diff, exact = math.nan, math.nan, None
+        receipts += [receipt_dict(g.receipt) for g in groups]
         if data:
             fb = tc.forward_backward(data, "importance_sampling")
             opt = tc.optim_step(adam)
             out = fb.result()
             receipts += [receipt_dict(out.receipt), receipt_dict(opt.result().receipt)]
             kl, max_diff = sampler_trainer_gap(sampled, out, plens)
+            exact = pools_exact([g.receipt for g in groups] + [out.receipt])
         history.append({"step": step, "reward": mean_reward, "pass_rate": pass_rate, "constant_groups": constant,
-                        "sampler_trainer_kl": kl, "max_abs_dlogprob": max_diff, "datums": len(data),
+                        "sampler_trainer_kl": kl, "max_abs_dlogprob": max_diff, "pools_exact": exact,
+                        "datums": len(data),
                         "sampler_path": sampler.model_path, "seconds": time.monotonic() - t0})
         bar.set_postfix(reward=f"{mean_reward:.2f}", pass_all=f"{pass_rate:.2f}")
+        pools = {True: "exact", False: "NOT exact", None: "-"}[exact]
         tqdm.write(f"step {step + 1:3d}  reward {mean_reward:.3f}  pass {pass_rate:.3f}  constant groups "
-                   f"{constant}/{len(groups)}  KL {kl:.2e}  max|dlp| {max_diff:.2e}  sampler {sampler.model_path}")
+                   f"{constant}/{len(groups)}  KL {kl:.2e}  max|dlp| {max_diff:.2e}  pools {pools}  "
+                   f"sampler {sampler.model_path}")
     kls = [0.0 if math.isnan(h["sampler_trainer_kl"]) else h["sampler_trainer_kl"] for h in history]
     plot(cfg.out_dir / "reward.png", [h["reward"] for h in history], [h["pass_rate"] for h in history], kls)
     k = max(1, len(history) // 4)

@@ -27,54 +27,55 @@ with the invariant mode to rounding, bits do not. The mode is an argument, never
       Decode: Lq = 1, q_offset = Lk - 1. Keys past q_offset + Lq - 1 never reach the result: a KV
       cache may be passed with spare slots, which must hold finite values (zeros).
 
-How the invariant mode gets its bits (measured with torch 2.13 CPU; EXACTNESS.md has the recipe):
-- Matmuls: a row's result depends on the row count M when M is small (fp32, 2 threads: M in
-  1-3, 5-7 and 9-11; 1 thread: M in 1-3). ``linear`` pads M up to a multiple of 4 (at least 4) with
-  zero rows, which gives every row the bits it has in any larger batch.
-- ``log_softmax`` over the last dim is already row-invariant in plain torch (its kernel splits the
-  work over rows only), so both modes share the code. ``rms_norm`` is too, except that torch splits
-  the mean of a lone row across threads once it has more than 32768 elements; the invariant mode
-  gives a lone row a zero partner row. Both modes share the rest.
-- ``attention``: ``F.scaled_dot_product_attention`` gives a token different bits in prefill and in
-  decode (149 of 150 fp32 tokens here). The invariant mode fixes every reduction to the absolute key
-  grid: keys are cut into chunks of ``KEY_CHUNK`` from key 0, each chunk's probabilities meet its
-  values in their own K=64 matmul, and chunk results are added one by one in chunk order (measured:
-  one P @ V over all keys, or a torch.sum over the chunks, changes a row's bits once the keys pass
-  256 and the count differs between prefill and decode). A key in a query's future scores -inf,
-  so a chunk wholly in its future adds exactly 0; decode does not even load it. The row max that
-  stabilises exp is exact in any order. The g query heads of a kv head are the
-  rows of one matmul (padded to a multiple of 4, in blocks of ``ROW_BLOCK`` rows); scores, sums
-  and the output before its final cast are fp32 (or wider) whatever the input dtype.
-  Unlike the recipe this is not an online (running-max) softmax: one matmul gives a block of rows
-  all its chunk scores (a column's bits do not depend on how many columns there are, measured), so
-  the max is known before exp and nothing is rescaled. Same invariance, fewer ops; the price is
-  [Hkv, ROW_BLOCK, Lk] scores per block, kept for backward under autograd as SDPA's math path does.
+How the invariant mode gets its bits. A kernel library (MKL, oneDNN, cuBLAS) picks its code path by
+shape and by the CPU's instruction set: on one AVX-512 CPU every row of an fp32 matmul changes bits once
+M reaches 16 rows; under MKL's AVX2 path a row's position inside an 8-row block changes them. Padding
+to "a multiple of 4" was tuned to where one CPU switched. So the invariant mode never lets a batch
+choose a shape: every matmul is cut into tiles of fixed shape and the tiles go through ONE batched
+matmul (``torch.bmm`` with the shared operand expanded, never copied), so the library sees the same
+problem whatever the batch, and a row's bits depend only on its own values:
+- ``linear``: rows in tiles of ``ROW_TILE`` (zero-padded), the weight's columns in blocks of at most
+  ``COL_BLOCK_BYTES`` (a block stays in cache while every tile reads it; the blocks depend only on the
+  weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``.
+- ``attention`` and ``decode_attention``: keys are cut into chunks of ``KEY_CHUNK`` on the absolute key
+  grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of
+  ``ATTN_ROW_TILE``; scores are ``[ATTN_ROW_TILE, D] @ [D, KEY_CHUNK]`` products and each chunk's
+  probabilities meet its values (with a ones column: the softmax denominator) in
+  ``[ATTN_ROW_TILE, KEY_CHUNK] @ [KEY_CHUNK, D + 1]`` products; chunk results are added one by one in
+  chunk order. A key in a row's future scores -inf, so a chunk wholly in its future adds exactly 0
+  (decode never loads it). The row max that stabilises exp is exact in any order. Scores, sums and
+  the output before its final cast are fp32 (fp64 for fp64 input).
+- ``log_softmax`` over the last dim is row-invariant in plain torch (its kernel splits the work over
+  rows only), so both modes share the code. ``rms_norm`` is too, except that torch splits the mean of
+  a lone row across threads once it has more than 32768 elements; the invariant mode gives a lone row
+  a zero partner row.
 Backward passes go through torch autograd in both modes (only the forward is batch-invariant).
 
-The invariant mode's bits were also the same at 1, 2, 3 and 4 threads, so a trainer and a sampler
-with different thread budgets still agree (tested at 1 and 2).
-
-Cost: the recipe's author measured invariant/plain on one SmolLM2-135M layer with 2 threads at
-x0.98-1.10 for an 8x256 forward and x1.23-1.25 for a 32-sequence decode step, with their attention.
-This attention runs a few dozen small torch ops per call where SDPA runs one kernel, a fixed cost
-that decode pays once per sequence per layer. ``bench/bench_invariance.py`` measures both; run it
-with nothing else on the cores before relying on any figure.
+The tile sizes are the measured part: ``lathe.models.exactness.self_check`` runs every op at the pool's
+own shapes, rows alone vs in batches of awkward sizes and at every position of a tile, prefill vs
+decode, at each thread count, when a pool starts, and reports the first op that is not invariant on
+that machine. ``bench/bench_invariance.py`` measures the cost against the plain ops.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 4
-"""Matmul row counts are padded to a multiple of this (and to at least this) in invariant mode."""
+ROW_TILE = 16
+"""Rows of every ``linear`` tile in invariant mode (measured invariant at every position on AVX2 and on
+AVX-512 with and without MKL's AVX2 path; 8 was not, under that path)."""
+
+COL_BLOCK_BYTES = 1 << 19
+"""Most bytes of weight one ``linear`` product reads; wider weights are cut into column blocks."""
+
+ATTN_ROW_TILE = 4
+"""Query rows (a GQA group's heads, then the next query's) per attention product in invariant mode."""
 
 KEY_CHUNK = 64
 """Width of the fixed key chunks of invariant attention, on the absolute key grid."""
-
-ROW_BLOCK = 256
-"""Query rows per score matmul of invariant attention (a multiple of ROW_MULTIPLE). Bounds the scores
-held at once, and lets a block skip the key chunks that are in the future of all its rows."""
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -89,17 +90,47 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if target == rows else F.pad(x, (0, 0, 0, target - rows))
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c[i] = a[i] @ b[i] for a [B, M, K], b [B, K, N]: torch.bmm on CPU (the callers fix the shapes), the
+    batch-invariant Triton kernel on CUDA (cuBLAS picks algorithms by batch count)."""
+    if a.is_cuda:
+        from lathe.kernels.invariant_triton import invariant_bmm
+
+        return invariant_bmm(a, b)
+    return torch.bmm(a, b)
+
+
+def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> torch.Tensor:
+    """y = x @ w with every product of one fixed shape; x [M, K], w [K, N] -> y [M, N].
+
+    x's rows are zero-padded to whole tiles of ``tile`` rows and w's columns cut into blocks of at
+    most ``COL_BLOCK_BYTES``; per block, one ``bmm`` over all tiles with w's block expanded (a view):
+    each product is ``[tile, K] @ [K, block]``, so row i's bits depend on row i alone.
+    """
+    if x.is_cuda:  # the Triton kernel is invariant over any row count: no tiles needed
+        return _bmm(x[None], w[None])[0]
+    m, k = x.shape
+    n = w.shape[1]
+    tiles = _pad_rows(x, tile).view(-1, tile, k)
+    count = tiles.shape[0]
+    block = max(KEY_CHUNK, COL_BLOCK_BYTES // (k * w.element_size()) // KEY_CHUNK * KEY_CHUNK)
+    parts = [torch.bmm(tiles, w[:, c : c + block].expand(count, k, min(block, n - c))) for c in range(0, n, block)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y.view(count * tile, n)[:m]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool) -> torch.Tensor:
     """y = x @ weight.T + bias; x [..., K], weight [N, K], bias [N] or None -> y [..., N].
 
-    Invariant mode flattens the leading dims to M rows, pads M to a multiple of ``ROW_MULTIPLE`` with
-    zero rows and drops them from the result. Differentiable in both modes.
+    Invariant mode flattens the leading dims to M rows and runs ``tiled_matmul``; the bias is added
+    after. Differentiable in both modes.
     """
     if not invariant:
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    y = F.linear(_pad_rows(rows, ROW_MULTIPLE), weight, bias)
-    return y[: rows.shape[0]].reshape(*x.shape[:-1], weight.shape[0])
+    y = tiled_matmul(x.reshape(-1, x.shape[-1]), weight.t())
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bool) -> torch.Tensor:
@@ -163,12 +194,12 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset:
     return o[0].transpose(0, 1)
 
 
-def _on_grid(x: torch.Tensor, n: int, dtype: torch.dtype, ones_column: bool = False) -> torch.Tensor:
-    """x[:n] as [Hkv, n, D] in ``dtype``, plus a last column of ones if ``ones_column``.
+def _grid(x: torch.Tensor, n: int, dtype: torch.dtype, ones_column: bool = False) -> torch.Tensor:
+    """x[:n] as [Hkv, n, D] in ``dtype`` (slots past the end of x are ones), plus a ones column if asked.
 
-    Slots past the end of x are filled with ones. Keys from q_offset + Lq on are in every query's
-    future, scored -inf and weighted exactly 0, so whatever finite value fills them (ones here, zeros
-    in a caller's spare KV-cache slots) never reaches a result bit.
+    Keys from q_offset + Lq on are in every query's future, scored -inf and weighted exactly 0, so
+    whatever finite value fills them (ones here, zeros in a caller's spare KV-cache slots) never
+    reaches a result bit.
     """
     x = x[:n].to(dtype).transpose(0, 1)
     pad = (0, int(ones_column), 0, n - x.shape[1])
@@ -179,53 +210,43 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
     lq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    wide = _wide(q.dtype)
-    # Row i * g + j of kv head h is query i of head h * g + j: a GQA group is the rows of one matmul.
+    wide, t = _wide(q.dtype), ATTN_ROW_TILE
+    # Row i * g + j of kv head h is query i of head h * g + j: a GQA group is consecutive rows.
     # Padding rows sit past the last query; they see every key loaded, so they stay finite.
-    rows = (q.to(wide) * scale).reshape(lq, hkv, g, d).transpose(0, 1).reshape(hkv, lq * g, d)
-    rows = _pad_rows(rows, ROW_MULTIPLE)
+    rows = _pad_rows((q.to(wide) * scale).reshape(lq, hkv, g, d).transpose(0, 1).reshape(hkv, lq * g, d), t)
+    tiles = rows.shape[1] // t
     last_key = q_offset + lq - 1  # the last key any query sees
-    n_keys = (last_key // KEY_CHUNK + 1) * KEY_CHUNK
-    keys = _on_grid(k, n_keys, wide).transpose(1, 2)  # [Hkv, D, n_keys]
-    # A ones column after v makes each chunk's value matmul also sum its probabilities (the denominator).
-    values = _on_grid(v, n_keys, wide, ones_column=True)  # [Hkv, n_keys, D + 1]
-    blocks = []
-    for r0 in range(0, rows.shape[1], ROW_BLOCK):
-        block = rows[:, r0 : r0 + ROW_BLOCK]
-        block_last = min(q_offset + (r0 + block.shape[1] - 1) // g, last_key)
-        blocks.append(_attention_rows(block, keys, values, r0, g, q_offset, block_last))
-    out = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1))[:, : lq * g]
-    return out.reshape(hkv, lq, g, d).transpose(0, 1).reshape(lq, hq, d).to(q.dtype)
-
-
-def _attention_rows(
-    rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r0: int, g: int, q_offset: int, last_key: int
-) -> torch.Tensor:
-    """Softmax attention of rows [Hkv, B, D], rows r0.. of ``_chunked_attention``, over keys 0..last_key.
-
-    Row r is at position q_offset + r // g. keys [Hkv, D, >= n], values [Hkv, >= n, D + 1] with a
-    ones column last, n = keys 0..last_key rounded up to whole chunks. The max of a row is exact in
-    any order, and every other reduction is fixed by the grid: each chunk is its own K=64 matmul and
-    the chunk results are added in chunk order. A chunk in a row's future adds exactly 0 to it.
-    """
-    hkv, b, _ = rows.shape
-    n_chunks = last_key // KEY_CHUNK + 1
-    n = n_chunks * KEY_CHUNK
-    scores = torch.bmm(rows, keys[:, :, :n])
-    if n - 1 > q_offset + r0 // g:  # some key loaded is in the future of some row
-        positions = q_offset + torch.arange(r0, r0 + b, device=rows.device) // g
-        future = torch.arange(n, device=rows.device) > positions[:, None]
+    chunks = last_key // KEY_CHUNK + 1
+    n = chunks * KEY_CHUNK
+    keys = _grid(k, n, wide).unflatten(1, (chunks, KEY_CHUNK)).transpose(2, 3)  # [Hkv, C, D, 64]
+    # A ones column after v makes each chunk's value product also sum its probabilities (the denominator).
+    values = _grid(v, n, wide, ones_column=True).unflatten(1, (chunks, KEY_CHUNK))  # [Hkv, C, 64, D + 1]
+    position = q_offset + torch.arange(tiles * t, device=q.device).clamp(max=lq * g - 1) // g  # [R]
+    # first[c]: the first tile whose last row sees chunk c; the tiles before it have the chunk in their future.
+    tile_ends = [q_offset + min(i * t + t - 1, lq * g - 1) // g for i in range(tiles)]
+    first = [bisect.bisect_left(tile_ends, c * KEY_CHUNK) for c in range(chunks)]
+    heads = []
+    for h in range(hkv):
+        mine = rows[h].view(tiles, t, d)
+        scores = torch.full((tiles, t, n), float("-inf"), dtype=wide, device=q.device)
+        for c in range(chunks):
+            f = first[c]
+            cols = slice(c * KEY_CHUNK, (c + 1) * KEY_CHUNK)
+            scores[f:, :, cols] = _bmm(mine[f:], keys[h, c].expand(tiles - f, d, KEY_CHUNK))
+        future = torch.arange(n, device=q.device) > position.view(tiles, t, 1)
         scores = scores.masked_fill(future, float("-inf"))
-    # The max only stabilises exp; the result does not depend on it, so it carries no gradient.
-    # Every row sees key 0, so it is finite.
-    probs = torch.exp(scores - scores.detach().amax(-1, keepdim=True))
-    # partial[:, c] = probs of chunk c @ [v | 1] of chunk c: [Hkv, n_chunks, B, D + 1]
-    chunked = probs.view(hkv, b, n_chunks, KEY_CHUNK).transpose(1, 2)
-    partial = torch.matmul(chunked, values[:, :n].unflatten(1, (n_chunks, KEY_CHUNK)))
-    acc, *later = partial.unbind(1)
-    for chunk in later:
-        acc = acc + chunk
-    return acc[..., :-1] / acc[..., -1:]
+        # The max only stabilises exp; the result does not depend on it, so it carries no gradient.
+        # Every row sees key 0, so it is finite.
+        probs = torch.exp(scores - scores.detach().amax(-1, keepdim=True))
+        acc = _bmm(probs[:, :, :KEY_CHUNK], values[h, 0].expand(tiles, KEY_CHUNK, d + 1))
+        for c in range(1, chunks):
+            f = first[c]
+            cols = slice(c * KEY_CHUNK, (c + 1) * KEY_CHUNK)
+            part = _bmm(probs[f:, :, cols], values[h, c].expand(tiles - f, KEY_CHUNK, d + 1))
+            acc = torch.cat([acc[:f], acc[f:] + part]) if f else acc + part
+        heads.append((acc[..., :-1] / acc[..., -1:]).reshape(tiles * t, d)[: lq * g])
+    out = torch.stack(heads)  # [Hkv, Lq * g, D]
+    return out.reshape(hkv, lq, g, d).transpose(0, 1).reshape(lq, hq, d).to(q.dtype)
 
 
 def decode_attention(
@@ -236,9 +257,9 @@ def decode_attention(
     o[s] = attention(q[s][None], k[s], v[s], q_offset=positions[s])[0]: sequence s's token sits at
     ``positions[s]`` and sees its keys 0..positions[s]; rows past that (padding, N >= every
     positions[s] + 1) must be finite. In invariant mode every bit equals ``attention`` called per
-    sequence: the same padded GQA row groups, the same per-column score products on the same key grid
-    (a column's bits do not depend on how many columns or batches share the matmul), the same exact
-    max, and the same chunk-ordered sums (chunks past a sequence's end add exactly zero).
+    sequence: the same row tiles of GQA groups, the same fixed-shape products per key chunk on the same
+    grid, the same exact max, and the same chunk-ordered sums (chunks past a sequence's end add exactly
+    zero).
     """
     s, hq, d = q.shape
     _, n, hkv, _ = k.shape
@@ -251,19 +272,23 @@ def decode_attention(
         return o[:, :, 0]
     if n % KEY_CHUNK:
         raise ValueError(f"decode_attention: N={n} keys must be whole chunks of {KEY_CHUNK}")
-    wide = _wide(q.dtype)
-    rows = _pad_rows((q.to(wide) * scale).reshape(s * hkv, g, d), ROW_MULTIPLE)  # [S*Hkv, >=4, D]
-    keys = k.to(wide).permute(0, 2, 3, 1).reshape(s * hkv, d, n)
-    values = F.pad(v.to(wide).transpose(1, 2), (0, 1), value=1.0).reshape(s * hkv, n, d + 1)
-    scores = torch.bmm(rows, keys)
+    wide, t, chunks = _wide(q.dtype), ATTN_ROW_TILE, n // KEY_CHUNK
+    rows = _pad_rows((q.to(wide) * scale).reshape(s * hkv, g, d), t)  # [S*Hkv, G, D], G whole tiles
+    tiles = rows.shape[1] // t
+    keys = k.to(wide).transpose(1, 2).reshape(s * hkv, chunks, KEY_CHUNK, d).transpose(2, 3)  # [SH, C, D, 64]
+    values = F.pad(v.to(wide).transpose(1, 2), (0, 1), value=1.0).reshape(s * hkv, chunks, KEY_CHUNK, d + 1)
+    # [SH, tiles, C, t, 64]: one [t, D] @ [D, 64] product per (sequence, kv head, tile, chunk)
+    batch = (s * hkv, tiles, chunks)
+    scores = _bmm(rows.view(s * hkv, tiles, 1, t, d).expand(*batch, t, d).reshape(-1, t, d),
+                  keys[:, None].expand(*batch, d, KEY_CHUNK).reshape(-1, d, KEY_CHUNK)).view(*batch, t, KEY_CHUNK)
     pos = torch.tensor(positions, device=q.device).repeat_interleave(hkv)
-    scores = scores.masked_fill((torch.arange(n, device=q.device) > pos[:, None])[:, None], float("-inf"))
-    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
-    b = rows.shape[1]
-    chunked = probs.view(s * hkv, b, n // KEY_CHUNK, KEY_CHUNK).transpose(1, 2)
-    partial = torch.matmul(chunked, values.unflatten(1, (n // KEY_CHUNK, KEY_CHUNK)))
-    acc, *later = partial.unbind(1)
+    future = torch.arange(n, device=q.device).view(chunks, 1, KEY_CHUNK) > pos.view(-1, 1, 1, 1, 1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
+    chunk_values = values[:, None].expand(*batch, KEY_CHUNK, d + 1).reshape(-1, KEY_CHUNK, d + 1)
+    partial = _bmm(probs.reshape(-1, t, KEY_CHUNK), chunk_values).view(*batch, t, d + 1)
+    acc, *later = partial.unbind(2)
     for chunk in later:
         acc = acc + chunk
-    out = (acc[..., :-1] / acc[..., -1:])[:, :g]
+    out = (acc[..., :-1] / acc[..., -1:]).reshape(s * hkv, tiles * t, d)[:, :g]
     return out.reshape(s, hq, d).to(q.dtype)

@@ -1,9 +1,11 @@
 """The Llama-family decoder shared by the trainer and the native sampler.
 
-Owns the frozen base weights (``dtype`` of the pool: fp32 or bf16) and the forward math: RMSNorm,
+Owns the frozen base weights (``dtype`` of the pool: fp32 or bf16, on the pool's ``device``) and the
+forward math: RMSNorm,
 RoPE from one precomputed table, grouped-query attention, SwiGLU, tied or untied embeddings,
 Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm. It never owns adapters or optimizer state: a
-``LoraBatch`` is passed in per call, and so is the sampler's KV cache.
+``LoraBatch`` is passed in per call, and so is the sampler's KV cache; both live on ``device``.
+Callers build a batch's index tensors on the CPU; ``hidden`` and ``target_logprobs`` move them.
 
 A batch is *packed*: the tokens of all sequences are one flat ``[T]`` row, sequence ``s`` owns rows
 ``cu_seqlens[s]:cu_seqlens[s+1]``, and every matmul runs once over all ``T`` rows. With
@@ -55,6 +57,12 @@ class Packed:
         positions = torch.cat([torch.arange(len(s)) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
         return cls(tokens, positions, cu)
 
+    def to(self, device: torch.device) -> Packed:
+        """The same batch with its tensors on ``device`` (itself when they are there already)."""
+        if self.tokens.device == device:
+            return self
+        return Packed(self.tokens.to(device), self.positions.to(device), self.cu_seqlens)
+
 
 def _rope_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     d = cfg.head_dim
@@ -91,27 +99,38 @@ class Decoder(torch.nn.Module):
         self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: memory for time
         self.sgmv = False  # LoRA through the Triton SGMV kernels (GPU pools) instead of the per-segment path
         self.w = weights
-        self.dtype = weights["model.embed_tokens.weight"].dtype
-        cos, sin = _rope_table(cfg)
-        self.cos, self.sin = cos, sin
+        embed = weights["model.embed_tokens.weight"]
+        self.dtype, self.device = embed.dtype, embed.device
+        # computed on the CPU in fp32 on every device, so the table has the same bits everywhere
+        self.cos, self.sin = (t.to(self.device) for t in _rope_table(cfg))
         self.lm_head = _column_major(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
 
     @classmethod
-    def from_dir(cls, model_dir: Path, *, dtype: torch.dtype = torch.float32, invariant: bool = True,
-                 checkpoint_layers: bool = False) -> Decoder:
+    def from_dir(cls, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 invariant: bool = True, checkpoint_layers: bool = False) -> Decoder:
         """Load a Hugging Face directory (config.json + *.safetensors)."""
         model_dir = Path(model_dir)
-        cfg = ModelConfig.from_dir(model_dir)
         weights: dict[str, torch.Tensor] = {}
         for f in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(f))
         if not weights:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-        if cfg.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        weights = {k: _column_major(v.to(dtype)) if v.dim() == 2 and "embed_tokens" not in k else v.to(dtype)
-                   for k, v in weights.items()}
-        return cls(cfg, weights, invariant=invariant, checkpoint_layers=checkpoint_layers)
+        return cls.from_weights(ModelConfig.from_dir(model_dir), weights, dtype=dtype, device=device,
+                                invariant=invariant, checkpoint_layers=checkpoint_layers)
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu", invariant: bool = True,
+                     checkpoint_layers: bool = False) -> Decoder:
+        """A decoder over HF-named tensors (any dtype, any device): each is cast to ``dtype`` on ``device``
+        and every matrix but the embedding is stored column-major; ``weights`` itself is left as it is."""
+        def place(name: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.to(device=device, dtype=dtype)
+            return _column_major(t) if t.dim() == 2 and "embed_tokens" not in name else t
+
+        placed = {k: place(k, v) for k, v in weights.items()
+                  if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        return cls(cfg, placed, invariant=invariant, checkpoint_layers=checkpoint_layers)
 
     # ---- building blocks ----
 
@@ -120,7 +139,7 @@ class Decoder(torch.nn.Module):
         if lora is not None:
             d = lora.delta(key, x)
             if d is not None:
-                y = y + d
+                y = (y.to(d.dtype) + d).to(y.dtype)  # one rounding of base + fp32 LoRA
         return y
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -167,6 +186,7 @@ class Decoder(torch.nn.Module):
 
     def hidden(self, batch: Packed, lora: LoraBatch | None = None, kv: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of a packed batch."""
+        batch = batch.to(self.device)
         x = self.w["model.embed_tokens.weight"][batch.tokens]
         recompute = self.checkpoint_layers and kv is None and torch.is_grad_enabled()
         for i in range(self.cfg.num_layers):
@@ -198,6 +218,7 @@ class Decoder(torch.nn.Module):
         Under autograd each chunk is recomputed in backward (activation checkpointing), so at most one
         chunk of full-vocabulary logits is alive at once instead of the whole batch's.
         """
+        targets = targets.to(h.device)
         out = []
         for r0 in range(0, h.shape[0], chunk):
             r1 = min(r0 + chunk, h.shape[0])

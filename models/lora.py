@@ -1,7 +1,8 @@
 """LoRA adapters and how a packed batch of many adapters reaches the decoder.
 
 Owns: ``LoraSpec`` (what a LoraConfig asks for), ``LoraWeights`` (one adapter's trainable A/B
-tensors, fp32, named as PEFT names them so that a saved adapter loads in PEFT unchanged) and
+tensors, fp32 on the pool's device, named as PEFT names them so that a saved adapter loads in PEFT
+unchanged; ``state_dict`` gives CPU copies for checkpoints) and
 ``LoraBatch`` (the segment layout of a packed batch: which token rows belong to which adapter).
 Never touches optimizer state or storage: that is the trainer's and the checkpoint store's.
 
@@ -15,6 +16,7 @@ For target module ``m`` with base weight ``W [O, I]`` the layer computes, per se
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -87,22 +89,25 @@ def default_seed(model_id: str) -> int:
 
 @dataclass(slots=True)
 class LoraWeights:
-    """One adapter's trainable tensors (fp32, requires_grad)."""
+    """One adapter's trainable tensors (fp32, requires_grad, all on one device)."""
 
     spec: LoraSpec
     a: dict[Key, torch.Tensor]
     b: dict[Key, torch.Tensor]
 
     @classmethod
-    def init(cls, cfg: ModelConfig, spec: LoraSpec, seed: int) -> LoraWeights:
-        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform default), B = 0."""
+    def init(cls, cfg: ModelConfig, spec: LoraSpec, seed: int, device: str | torch.device = "cpu") -> LoraWeights:
+        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform default), B = 0, on ``device``.
+
+        A is drawn on the CPU, so a seed gives the same bits on every device.
+        """
         gen = torch.Generator().manual_seed(seed)
         a, b = {}, {}
         for key in spec.keys(cfg):
             fan_in, fan_out = module_shape(cfg, key[1])
             bound = 1.0 / math.sqrt(fan_in)
-            a[key] = (torch.rand(spec.rank, fan_in, generator=gen) * 2 - 1).mul_(bound).requires_grad_()
-            b[key] = torch.zeros(fan_out, spec.rank, requires_grad=True)
+            a[key] = (torch.rand(spec.rank, fan_in, generator=gen) * 2 - 1).mul_(bound).to(device).requires_grad_()
+            b[key] = torch.zeros(fan_out, spec.rank, device=device, requires_grad=True)
         return cls(spec, a, b)
 
     def parameters(self) -> list[torch.Tensor]:
@@ -116,10 +121,12 @@ class LoraWeights:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach().clone().contiguous() for name, t in self.named_parameters().items()}
+        """CPU copies by PEFT name (what checkpoints hold, whichever device the adapter lives on)."""
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.named_parameters().items()}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy saved tensors in, by PEFT name; refuses missing, extra or mis-shaped tensors."""
+        """Copy saved tensors in (from any device), by PEFT name; refuses missing, extra or mis-shaped
+        tensors."""
         own = self.named_parameters()
         missing = sorted(set(own) - set(tensors))
         extra = sorted(set(tensors) - set(own))
@@ -166,19 +173,24 @@ class LoraBatch:
         return LoraBatch(seg, list(self.ids), self.adapters, self.invariant, self.triton)
 
     def delta(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA correction of target ``key`` for activations ``x [T, I]`` -> ``[T, O]`` or None."""
+        """The LoRA correction of target ``key`` for activations ``x [T, I]`` -> ``[T, O]`` or None.
+
+        Computed in fp32 (fp64 for fp64 activations) whatever the base dtype: the precision policy keeps
+        LoRA weights, their products and gradients in fp32 under a bf16 base; the caller rounds once.
+        """
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
             return None
         out_features = holders[0].b[key].shape[0]
         if self.triton:
             return self._delta_sgmv(key, x, out_features)
+        wide = torch.promote_types(x.dtype, torch.float32)
         parts = []
         for s0, s1, w in self._segments:
-            xs = x[s0:s1]
+            xs = x[s0:s1].to(wide)
             if key in w.a:
-                v = ops.linear(xs, w.a[key].to(x.dtype), invariant=self.invariant)
-                parts.append(ops.linear(v, w.b[key].to(x.dtype), invariant=self.invariant) * w.spec.scale)
+                v = ops.linear(xs, w.a[key].to(wide), invariant=self.invariant)
+                parts.append(ops.linear(v, w.b[key].to(wide), invariant=self.invariant) * w.spec.scale)
             else:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
         return torch.cat(parts, dim=0)
@@ -207,4 +219,5 @@ class LoraBatch:
         scale = torch.tensor([w.spec.scale for w in self.adapters], device=x.device, dtype=torch.float32)
         seg = torch.tensor(self.seg, device=x.device)
         ids = torch.tensor(self.ids, device=x.device)
-        return lora_delta_triton(x, a, b, scale, seg, ids)
+        max_len = max((s1 - s0 for s0, s1 in itertools.pairwise(self.seg)), default=0)  # known: no device sync
+        return lora_delta_triton(x, a, b, scale, seg, ids, max_len)

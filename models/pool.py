@@ -1,7 +1,11 @@
-"""Command-line flags shared by the two services that run the decoder (trainer and sampler pools).
+"""Command-line flags and device choice shared by the two services that run the decoder (trainer and
+sampler pools).
 
 Both serve the same base models with the same dtype and the same op mode, and they must agree on
 all three for the sampler's logprobs to equal the trainer's; one definition keeps their flags alike.
+``--device`` places everything a pool computes with (base weights, RoPE tables, adapters, gradients,
+optimizer moments, KV caches, per-step tensors) on one device; the logprobs both pools report are
+equal bit for bit only between pools on the same kind of device.
 """
 
 from __future__ import annotations
@@ -11,6 +15,21 @@ from pathlib import Path
 
 import torch
 
+DEVICES = ("cuda", "cpu")
+
+
+def default_device() -> str:
+    """The pools' default device: ``cuda`` when torch sees a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str) -> None:
+    """Refuse a device a pool cannot run on, naming it: not one of ``DEVICES``, or CUDA without a GPU."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {list(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device here")
+
 
 def add_pool_arguments(ap: argparse.ArgumentParser, *, models: str, cache_root: Path, dtype: str) -> None:
     ap.add_argument("--host", default="127.0.0.1")
@@ -18,6 +37,8 @@ def add_pool_arguments(ap: argparse.ArgumentParser, *, models: str, cache_root: 
     ap.add_argument("--models", default=models, help="served base models, comma-separated")
     ap.add_argument("--cache-root", type=Path, default=cache_root)
     ap.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default=default_device(), choices=DEVICES,
+                    help="where weights, adapters, optimizer state and KV caches live (default: cuda if present)")
     ap.add_argument("--sgmv", action="store_true", help="LoRA through the Triton SGMV kernels (GPU)")
     ap.add_argument("--no-invariant", action="store_true", help="use plain (not batch-invariant) ops")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")

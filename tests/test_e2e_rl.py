@@ -50,6 +50,14 @@ def test_sampler_logprobs_equal_trainer_forward_bit_for_bit(stack: Stack) -> Non
                                      loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})],
                         "cross_entropy").result()
         assert np.array_equal(np.asarray(lp[1:], dtype=np.float32), ce.loss_fn_outputs[0]["logprobs"].to_numpy())
+        # both pools ran their exactness self-check; receipts and capabilities say the bits are comparable
+        assert res.receipt.exact and fwd.receipt.exact
+        assert res.receipt.fingerprint == fwd.receipt.fingerprint != ""
+        model = next(m for m in sc.get_server_capabilities().supported_models if m.model_name == BASE)
+        assert model.trainer_exactness.checked and model.trainer_exactness.exact
+        assert model.sampler_exactness.checked and model.sampler_exactness.exact
+        assert model.trainer_exactness.fingerprint == model.sampler_exactness.fingerprint == res.receipt.fingerprint
+        assert model.logprobs_exact
 
 
 def test_short_rl_run_updates_the_adapter_and_new_sampler_weights_change_samples(stack: Stack) -> None:
@@ -90,7 +98,7 @@ def test_sampling_bad_input_and_other_tenants_paths(stack: Stack) -> None:
             sampler.sample(prompt, 0, lathe.SamplingParams(max_tokens=2)).result()
         with pytest.raises(lathe.InvalidArgument, match="prompt"):
             sampler.sample(lathe.ModelInput.from_ints([]), 1, lathe.SamplingParams(max_tokens=2)).result()
-        with pytest.raises(lathe.PermissionDenied):
+        with pytest.raises(lathe.NotFound):
             eve.create_sampling_client(model_path=sampler.model_path)
         with pytest.raises(lathe.NotFound):
             sc.create_sampling_client(model_path=f"tinker://{tc.model_id}/sampler_weights/nope")

@@ -356,6 +356,9 @@ def test_cycle_metrics_are_exported(model_cache: Path, tiny_dir: Path) -> None:
     assert "lathe_trainer_cycle_capacity_tokens 1000.0" in text
     assert "lathe_trainer_resident_adapters 2.0" in text
     assert "lathe_trainer_operation_wait_seconds_count 2.0" in text
+    assert 'lathe_trainer_exactness{model="lathe/tiny-llama"} 1.0' in text  # the self-check ran at load
+    model = next(m for m in eng.capabilities().supported_models if m.model_name == "lathe/tiny-llama")
+    assert model.trainer_exactness.checked and model.trainer_exactness.exact
 
 
 @pytest.mark.parametrize("field,values,message", [

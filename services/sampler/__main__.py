@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from prometheus_client import start_http_server
+
 from lathe.checkpoints.client import CheckpointsClient
 from lathe.errors import Unavailable
 from lathe.models.catalog import ModelCatalog
@@ -43,14 +45,18 @@ def main() -> None:
     ap.add_argument("--adapter-cache", type=int, default=d.adapter_cache, help="adapters kept loaded")
     ap.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                     help="prompt tokens admitted per step")
+    ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
     args = ap.parse_args()
     apply_threads(args)
-    cfg = SamplerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype,
+    cfg = SamplerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
                         invariant=not args.no_invariant, sgmv=args.sgmv, max_running=args.max_running,
                         max_queue=args.max_queue,
                         adapter_cache=args.adapter_cache, max_prefill_tokens=args.max_prefill_tokens)
     source = CheckpointsSource(CheckpointsClient(args.checkpoints)) if args.checkpoints else None
     engine = SamplerEngine(cfg, ModelCatalog.from_spec(cfg.models, cfg.cache_root), source)
+    if args.metrics_port >= 0:
+        server, _ = start_http_server(args.metrics_port, addr=args.host, registry=engine.metrics.registry)
+        print(f"lathe.sampler metrics on http://{args.host}:{server.server_port}/metrics", flush=True)
     engine.start()
     run("lathe.sampler", args.host, args.port,
         lambda server: pb_grpc.add_SamplerServicer_to_server(SamplerServicer(engine), server),

@@ -1,6 +1,6 @@
 """The sampler's adapter cache: saved sampler checkpoints turned into ``LoraWeights``, LRU-bounded.
 
-    key (tenant, path, version)  ->  LoraWeights (A/B in the pool dtype, no grad)
+    key (tenant, path, version)  ->  LoraWeights (A/B in fp32, or the pool dtype for SGMV; on the pool device)
 
 A checkpoint is a PEFT adapter: ``adapter_model.safetensors`` (PEFT tensor names) plus
 ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``; see ``lathe.trainer.bank``).
@@ -61,11 +61,20 @@ def spec_from_peft(config: dict) -> LoraSpec:
         raise InvalidArgument(f"adapter_config.json is not a usable LoRA config: {e}") from None
 
 
-def load_adapter(files: dict[str, bytes], cfg: ModelConfig, dtype: torch.dtype, base_model: str) -> LoraWeights:
-    """Build an adapter for base model ``cfg`` from a checkpoint's files; tensors cast to ``dtype``.
+def adapter_dtype(pool_dtype: torch.dtype, sgmv: bool) -> torch.dtype:
+    """The dtype a sampler pool keeps adapters in: fp32 for the per-segment LoRA path (which computes in
+    fp32 from the trainer's fp32 master weights), the pool dtype for the SGMV kernels (which compute in the
+    activation dtype on trainer and sampler alike)."""
+    return pool_dtype if sgmv else torch.float32
 
-    The decoder casts LoRA weights to the activation dtype on every call; casting once here gives the
-    same bits and saves that work per step.
+
+def load_adapter(files: dict[str, bytes], cfg: ModelConfig, dtype: torch.dtype, base_model: str,
+                 device: str | torch.device = "cpu") -> LoraWeights:
+    """Build an adapter for base model ``cfg`` from a checkpoint's files; tensors cast to ``dtype`` on
+    ``device``.
+
+    The pool asks for fp32 (its per-segment LoRA path computes in fp32, as the trainer does from its fp32
+    master weights) or, for the SGMV kernels, the activation dtype that path casts to on every call.
     """
     missing = [f for f in (WEIGHTS_FILE, CONFIG_FILE) if f not in files]
     if missing:
@@ -80,8 +89,8 @@ def load_adapter(files: dict[str, bytes], cfg: ModelConfig, dtype: torch.dtype, 
         weights.load_state_dict(st_load(files[WEIGHTS_FILE]))
     except (ValueError, SafetensorError) as e:
         raise InvalidArgument(f"checkpoint tensors do not fit {base_model!r}: {e}") from None
-    return LoraWeights(spec, {k: t.detach().to(dtype) for k, t in weights.a.items()},
-                       {k: t.detach().to(dtype) for k, t in weights.b.items()})
+    return LoraWeights(spec, {k: t.detach().to(device=device, dtype=dtype) for k, t in weights.a.items()},
+                       {k: t.detach().to(device=device, dtype=dtype) for k, t in weights.b.items()})
 
 
 class AdapterCache:
@@ -99,7 +108,7 @@ class AdapterCache:
         return len(self._lru)
 
     def get(self, tenant: str, path: str, version: float, cfg: ModelConfig, dtype: torch.dtype,
-            base_model: str) -> LoraWeights:
+            base_model: str, device: str | torch.device = "cpu") -> LoraWeights:
         """The adapter saved at ``path`` as it was at ``version``; loads it on a miss (blocking)."""
         key = (tenant, path, version)
         with self._lock:
@@ -113,7 +122,7 @@ class AdapterCache:
         if not owner:
             return pending.result()
         try:
-            weights = self._fetch(key, cfg, dtype, base_model)
+            weights = self._fetch(key, cfg, dtype, base_model, device)
         except BaseException as e:
             with self._lock:
                 del self._loading[key]
@@ -127,7 +136,8 @@ class AdapterCache:
         pending.set_result(weights)
         return weights
 
-    def _fetch(self, key: Key, cfg: ModelConfig, dtype: torch.dtype, base_model: str) -> LoraWeights:
+    def _fetch(self, key: Key, cfg: ModelConfig, dtype: torch.dtype, base_model: str,
+               device: str | torch.device) -> LoraWeights:
         tenant, path, version = key
         if self.source is None:
             raise FailedPrecondition(f"this sampler has no checkpoint store configured, so it cannot load {path}")
@@ -136,4 +146,4 @@ class AdapterCache:
             raise FailedPrecondition(f"the checkpoint at {path} was overwritten after this sampling client was "
                                      f"bound (bound to version {version}, the store now holds {stored}); "
                                      "create a new sampling client to sample from the new weights")
-        return load_adapter(files, cfg, dtype, base_model)
+        return load_adapter(files, cfg, dtype, base_model, device)

@@ -16,7 +16,8 @@ request's future with ``SampleResult(error=...)`` and touches nothing else; only
 stopping engine) is raised from ``sample`` itself, since no request exists yet.
 
 Owns: the base models (one ``Decoder`` per served model, loaded on first use), the KV caches of
-running sequences, the adapter cache. Never touches the trainer, storage (bytes come through an
+running sequences, the adapter cache; all of their tensors live on ``SamplerConfig.device``, while
+token selection and results stay on the CPU. Never touches the trainer, storage (bytes come through an
 ``AdapterSource``) or the network.
 """
 
@@ -37,9 +38,12 @@ from tokenizers import Tokenizer
 
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
 from lathe.models.decoder import Decoder
+from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
-from lathe.sampler.adapters import AdapterCache, AdapterSource
+from lathe.models.pool import check_device, default_device
+from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.kv import SeqCache
+from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sampling import choose, generator
 from lathe.sampler.step import Item, ItemOut, run_step
 from lathe.sampler.validate import ModelLimits, Plan, check_sample
@@ -70,6 +74,7 @@ class SamplerConfig:
     models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
     cache_root: Path = Path(".cache/lathe")
     dtype: str = "float32"  # the dtype of the frozen base weights (LoRA is cast to it)
+    device: str = field(default_factory=default_device)  # "cuda" or "cpu": weights, adapters and KV caches
     invariant: bool = True  # batch-invariant ops: logprobs bitwise equal to the trainer's
     sgmv: bool = False  # LoRA through the Triton SGMV kernels (set alike on the trainer pool)
     max_running: int = 64  # sequences decoding at once (each sample of a request is one)
@@ -81,6 +86,7 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        check_device(self.device)
         for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "loaders"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -124,6 +130,9 @@ class SamplerEngine:
         self.adapters = AdapterCache(source, cfg.adapter_cache)
         self.steps = 0
         self._bases: dict[str, _Base] = {}
+        self.exactness = PoolExactness("sampler", cfg.invariant)
+        self._adapter_dtype = adapter_dtype(self.dtype, cfg.sgmv)
+        self.metrics = SamplerMetrics()
         self._base_lock = threading.Lock()
         self._cond = threading.Condition()
         self._live: set[_Request] = set()
@@ -144,8 +153,11 @@ class SamplerEngine:
                     entry = self.catalog.resolve(name)
                 except KeyError:
                     raise NotFound(f"base_model {name!r} is not served by this sampler") from None
-                model = Decoder.from_dir(entry.path, dtype=self.dtype, invariant=self.cfg.invariant)
+                model = Decoder.from_dir(entry.path, dtype=self.dtype, device=self.cfg.device,
+                                         invariant=self.cfg.invariant)
                 model.sgmv = self.cfg.sgmv
+                report = self.exactness.check(name, model)
+                self.metrics.exactness.labels(model=name).set(float(report.exact))
                 tok_file = Path(entry.path) / "tokenizer.json"
                 cfg = model.cfg
                 limits = ModelLimits(
@@ -159,7 +171,8 @@ class SamplerEngine:
 
     def capabilities(self) -> pb.ServerCapabilities:
         return pb.ServerCapabilities(supported_models=[
-            pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length)
+            pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length,
+                              sampler_exactness=pb.Exactness(**self.exactness.fields(e.name)))
             for e in self.catalog.entries()
         ])
 
@@ -199,7 +212,8 @@ class SamplerEngine:
             r.plan = check_sample(r.req, r.base.limits)
             if r.req.model_path:
                 r.adapter = self.adapters.get(r.req.tenant, r.req.model_path, r.req.model_version,
-                                              r.base.model.cfg, self.dtype, r.req.base_model)
+                                              r.base.model.cfg, self._adapter_dtype, r.req.base_model,
+                                              self.cfg.device)
         except Exception as e:  # noqa: BLE001 - any failure is this request's answer, never a hang
             err = e if isinstance(e, LatheError) else Internal(f"loading failed: {type(e).__name__}: {e}")
             with self._cond:
@@ -292,7 +306,8 @@ class SamplerEngine:
     def _forward(self, base: _Base, prefills: list[_Request], decodes: list[_Seq]) -> list[_Seq]:
         """Run one base model's packed forward and draw every sequence's next token."""
         cfg = base.model.cfg
-        items = [Item(list(r.plan.prompt), SeqCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),
+        items = [Item(list(r.plan.prompt),
+                      SeqCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.cfg.device),
                       r.adapter, r.plan.prompt_logprobs, r.plan.topk_prompt) for r in prefills]
         items += [Item([s.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
         try:
@@ -367,10 +382,12 @@ class SamplerEngine:
             self._live.discard(r)
         now = time.monotonic()
         started = r.admitted or now
+        exactness = self.exactness.fields(r.req.base_model)
         receipt = pb.Receipt(
             request_id=r.req.request_id, seq_id=r.req.seq_id, cycle=r.step, dtype=self.cfg.dtype, op="sample",
             tokens=(len(r.plan.prompt) + sum(len(s.tokens) for s in r.seqs)) if error is None else 0,
             queued_s=started - r.arrived, run_s=now - started,
+            fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)),
         )
         if error is not None:
             result = pb.SampleResult(receipt=receipt, error=error_to_proto(error))

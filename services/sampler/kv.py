@@ -1,8 +1,9 @@
 """The sampler's KV cache: one growable buffer pair per sequence and layer, and a per-step view.
 
     SeqCache                   one sequence's keys and values
-      k[layer], v[layer]: [capacity, Hkv, D] in the model dtype; rows [0, length) hold the tokens
-      fed so far, rows [length, capacity) are zeros (the invariant attention reads fixed key chunks)
+      k[layer], v[layer]: [capacity, Hkv, D] in the model dtype, on the model's device; rows [0, length)
+      hold the tokens fed so far, rows [length, capacity) are zeros (the invariant attention reads fixed
+      key chunks)
       capacity grows in whole blocks of ``BLOCK`` rows
 
     StepKV(caches, new)        the decoder's ``KVCache`` for one packed step
@@ -27,15 +28,16 @@ BLOCK = KEY_CHUNK
 class SeqCache:
     """Keys and values of one sequence in every layer; ``length`` tokens are filled."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
         self.shape = (kv_heads, head_dim)
-        self.dtype = dtype
+        self.dtype, self.device = dtype, torch.device(device)
         self.k: list[torch.Tensor] = [self._zeros(0) for _ in range(layers)]
         self.v: list[torch.Tensor] = [self._zeros(0) for _ in range(layers)]
         self.length = 0
 
     def _zeros(self, rows: int) -> torch.Tensor:
-        return torch.zeros(rows, *self.shape, dtype=self.dtype)
+        return torch.zeros(rows, *self.shape, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -55,7 +57,7 @@ class SeqCache:
     def fork(self) -> SeqCache:
         """An independent copy (same length, same bits, same capacity)."""
         twin = SeqCache.__new__(SeqCache)
-        twin.shape, twin.dtype, twin.length = self.shape, self.dtype, self.length
+        twin.shape, twin.dtype, twin.device, twin.length = self.shape, self.dtype, self.device, self.length
         twin.k = [t.clone() for t in self.k]
         twin.v = [t.clone() for t in self.v]
         return twin

@@ -15,7 +15,8 @@ over their caches. Then, per item (back in the caller's order):
 
 Every op is the decoder's own (``Decoder.logits`` + ``ops.log_softmax``, the trainer's path in
 ``Decoder.target_logprobs``); with a batch-invariant decoder each number has the bits the trainer
-computes for the same token, whatever else is packed into the step.
+computes for the same token, whatever else is packed into the step. The forward runs on the model's
+device; the outputs come back on the CPU (one copy per step), where tokens are drawn.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _segments(adapters: list[LoraWeights | None], counts: list[int], model: Deco
 
 def _prompt_rows(model: Decoder, h: torch.Tensor, item: Item, out: ItemOut) -> None:
     """Prompt logprobs (and top-k) of one prefilled item from its hidden rows ``h [L, hidden]``."""
-    targets = torch.tensor(item.tokens[1:], dtype=torch.long)
+    targets = torch.tensor(item.tokens[1:], dtype=torch.long, device=h.device)
     rows = h.shape[0] - 1
     lps, ids, tops = [], [], []
     for r0 in range(0, rows, LOGIT_CHUNK):
@@ -87,10 +88,10 @@ def _prompt_rows(model: Decoder, h: torch.Tensor, item: Item, out: ItemOut) -> N
             tops.append(top.values)
             ids.append(top.indices)
     if item.prompt_logprobs:
-        out.prompt_logprobs = torch.cat(lps) if lps else torch.zeros(0)
+        out.prompt_logprobs = torch.cat(lps).cpu() if lps else torch.zeros(0)
     if item.topk:
-        out.topk_logprobs = torch.cat(tops) if tops else torch.zeros(0, item.topk)
-        out.topk_ids = torch.cat(ids) if ids else torch.zeros(0, item.topk, dtype=torch.long)
+        out.topk_logprobs = torch.cat(tops).cpu() if tops else torch.zeros(0, item.topk)
+        out.topk_ids = torch.cat(ids).cpu() if ids else torch.zeros(0, item.topk, dtype=torch.long)
 
 
 @torch.inference_mode()
@@ -120,6 +121,7 @@ def run_step(model: Decoder, items: list[Item]) -> list[ItemOut]:
     last = h[[c - 1 for c in cu[1:]]]
     logits = model.logits(last, _segments(adapters, [1] * len(adapters), model))
     logprobs = ops.log_softmax(logits, dim=-1, invariant=model.invariant)
+    logits, logprobs = logits.cpu(), logprobs.cpu()
     outs: dict[int, ItemOut] = {}
     for s, i in enumerate(order):
         out = outs[i] = ItemOut(logits[s], logprobs[s])

@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
     args = ap.parse_args()
     apply_threads(args)
-    cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype,
+    cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
                         invariant=not args.no_invariant, sgmv=args.sgmv,
                         activation_checkpointing=args.activation_checkpointing,
                         max_request_tokens=args.max_request_tokens,

@@ -10,6 +10,8 @@ Owns ``Adapter`` records keyed by model id, and their byte formats for the check
 
 Checkpoints go through the checkpoints service (the engine moves those bytes); the bank itself only
 pages adapters out to, and back in from, an object store when more runs exist than fit in memory.
+A resident adapter's weights, gradients and moments live on the pool's device (fp32 whatever the base
+dtype); the bytes above are written from, and read back through, CPU copies.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -51,8 +54,8 @@ class Adapter:
 
     @classmethod
     def fresh(cls, model_id: str, tenant: str, base_model: str, cfg: ModelConfig, spec: LoraSpec,
-              seed: int) -> Adapter:
-        weights = LoraWeights.init(cfg, spec, seed)
+              seed: int, device: str | torch.device = "cpu") -> Adapter:
+        weights = LoraWeights.init(cfg, spec, seed, device)
         return cls(model_id, tenant, base_model, weights, AdamState.zeros(weights.named_parameters()))
 
     def has_grads(self) -> bool:
@@ -78,8 +81,8 @@ class Adapter:
         }
 
     def state_files(self, dtype: str) -> dict[str, bytes]:
-        moments = {f"exp_avg/{n}": t.contiguous() for n, t in self.opt.exp_avg.items()}
-        moments.update({f"exp_avg_sq/{n}": t.contiguous() for n, t in self.opt.exp_avg_sq.items()})
+        moments = {f"exp_avg/{n}": t.cpu().contiguous() for n, t in self.opt.exp_avg.items()}
+        moments.update({f"exp_avg_sq/{n}": t.cpu().contiguous() for n, t in self.opt.exp_avg_sq.items()})
         state = {"format_version": FORMAT_VERSION, "step": self.opt.step, "base_model": self.base_model,
                  "lora": asdict(self.spec), "dtype": dtype}
         return {
@@ -110,8 +113,9 @@ class Adapter:
             missing = [n for n in params if f"exp_avg/{n}" not in moments or f"exp_avg_sq/{n}" not in moments]
             if missing:
                 raise FailedPrecondition(f"checkpoint optimizer state lacks moments for {missing[:3]}")
-            opt = AdamState({n: moments[f"exp_avg/{n}"] for n in params},
-                            {n: moments[f"exp_avg_sq/{n}"] for n in params}, int(state["step"]))
+            opt = AdamState({n: moments[f"exp_avg/{n}"].to(p.device) for n, p in params.items()},
+                            {n: moments[f"exp_avg_sq/{n}"].to(p.device) for n, p in params.items()},
+                            int(state["step"]))
         try:
             self.weights.load_state_dict(weights)
         except ValueError as e:
@@ -123,14 +127,15 @@ class Adapter:
     # ---- paging (weights + moments + accumulated gradients, bit for bit) ----
 
     def page_files(self, dtype: str) -> dict[str, bytes]:
-        grads = {n: p.grad.contiguous() for n, p in self.weights.named_parameters().items() if p.grad is not None}
+        grads = {n: p.grad.cpu().contiguous() for n, p in self.weights.named_parameters().items()
+                 if p.grad is not None}
         return {**self.state_files(dtype), "grads.safetensors": st_save(grads)}
 
     def restore_page(self, files: dict[str, bytes]) -> None:
         self.load_files(files, with_optimizer=True)
         grads = st_load(files["grads.safetensors"])
         for n, p in self.weights.named_parameters().items():
-            p.grad = grads.get(n)
+            p.grad = grads[n].to(p.device) if n in grads else None
 
 
 def read_state(files: dict[str, bytes]) -> dict:
@@ -169,13 +174,14 @@ class AdapterBank:
 
     Paging writes weights, AdamW moments, step and accumulated gradients to ``pages`` and reads them
     back bit for bit, so a paged run's results do not change. ``cfg_of(base_model)`` gives the model
-    config a paged adapter is rebuilt against.
+    config a paged adapter is rebuilt against, on ``device``.
     """
 
-    def __init__(self, capacity: int, pages: PageStore, dtype: str, cfg_of: Callable[[str], ModelConfig]) -> None:
+    def __init__(self, capacity: int, pages: PageStore, dtype: str, cfg_of: Callable[[str], ModelConfig],
+                 device: str | torch.device = "cpu") -> None:
         if capacity < 1:
             raise ValueError(f"adapter bank capacity must be >= 1, got {capacity}")
-        self.capacity, self.pages, self.dtype, self.cfg_of = capacity, pages, dtype, cfg_of
+        self.capacity, self.pages, self.dtype, self.cfg_of, self.device = capacity, pages, dtype, cfg_of, device
         self._slots: dict[str, _Slot] = {}
 
     def __contains__(self, model_id: str) -> bool:
@@ -200,7 +206,7 @@ class AdapterBank:
             prefix = _page_prefix(model_id)
             files = {k[len(prefix):]: self.pages.get(k) for k in self.pages.keys(prefix)}
             adapter = Adapter.fresh(model_id, slot.tenant, slot.base_model, self.cfg_of(slot.base_model),
-                                    slot.spec, 0)
+                                    slot.spec, 0, self.device)
             adapter.restore_page(files)
             for k in list(files):
                 self.pages.delete(prefix + k)

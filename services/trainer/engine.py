@@ -5,7 +5,13 @@ order, exactly once) and returns a future. The cycle thread repeatedly takes, fo
 next operations in order: at most one forward / forward_backward plus the optim_step right behind it,
 or one save / load. Saves and loads run first; then all forward / forward_backward jobs of one base
 model run as ONE packed pass (``step.run_jobs``); then the due optim_steps. Each operation gets its own
-result and receipt. A failing operation (bad datum, non-finite loss) fails alone and changes nothing.
+result and receipt. A failing operation (bad datum, non-finite loss) fails alone and changes nothing;
+so does one that trips over a bug: no exception stops the cycle thread. Should the thread end anyway, the
+operations still waiting get ``Unavailable`` and so does every later call (``alive`` reports it), so
+callers are told instead of waiting forever.
+
+Admission: one tenant's operations may fill at most ``max_queue_per_tenant`` places of the shared queue
+(``max_queue``); the operation a run is waiting for is always let in.
 
 Owns: base models (one ``Decoder`` per served base model, loaded on first use), the ``AdapterBank``
 (which pages least recently used adapters out when more runs exist than ``max_resident_adapters``),
@@ -16,8 +22,10 @@ checkpoints service).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +35,16 @@ import numpy as np
 import torch
 
 from lathe.checkpoints.store import open_store
-from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted
+from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
 from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder
+from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraSpec, default_seed
+from lathe.models.pool import check_device, default_device
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
 from lathe.trainer.cycle import Partial, Work, plan_cycle
 from lathe.trainer.metrics import CycleMetrics
-from lathe.trainer.optimizer import AdamParams, adamw_step, check_adam
+from lathe.trainer.optimizer import AdamParams, adamw_step
 from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.step import Job, JobResult, run_jobs
 from lathe.trainer.validate import Limits, check_request
@@ -57,13 +67,15 @@ class CheckpointStore(Protocol):
 class TrainerConfig:
     models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
     cache_root: Path = Path(".cache/lathe")
-    dtype: str = "float32"
+    dtype: str = "float32"  # of the frozen base weights; LoRA weights, gradients and AdamW moments stay fp32
+    device: str = field(default_factory=default_device)  # "cuda" or "cpu": base models and the adapter bank
     invariant: bool = True
     sgmv: bool = False  # LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)
     activation_checkpointing: bool = False  # recompute each layer in backward: ~half the memory, ~20% slower
     max_request_tokens: int = 65536
     cycle_tokens: int = 2048  # token capacity of one clock cycle (CPU default; GPU pools set far more)
-    max_queue: int = 4096
+    max_queue: int = 4096  # operations waiting, all tenants together
+    max_queue_per_tenant: int = 1024  # operations waiting, one tenant's runs together
     max_resident_adapters: int = 256
     cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
     max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
@@ -72,6 +84,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        check_device(self.device)
 
 
 @dataclass(slots=True)
@@ -79,12 +92,19 @@ class _Model:
     """A training run as the scheduler sees it; its adapter lives in the bank."""
 
     model_id: str
+    tenant: str
     seq: Sequencer = field(default_factory=Sequencer)
     partial: Partial | None = None
 
 
 def _tensor(arr: np.ndarray) -> pb.Tensor:
     return pb.Tensor(data=arr.tobytes(), dtype=str(arr.dtype), shape=list(arr.shape))
+
+
+def _fail(item: Pending, err: LatheError) -> None:
+    """Answer ``item`` with ``err`` unless it has its answer already (no receipt: it never ran)."""
+    if not item.future.done():
+        item.future.set_result(pb.TrainerResult(error=error_to_proto(err)))
 
 
 class TrainerEngine:
@@ -96,12 +116,16 @@ class TrainerEngine:
         self.metrics = CycleMetrics()
         self.metrics.capacity.set(cfg.cycle_tokens)
         self._bases: dict[str, Decoder] = {}
+        self.exactness = PoolExactness("trainer", cfg.invariant)
         self._models: dict[str, _Model] = {}
         pages = open_store(cfg.page_store or cfg.cache_root / "paged")
-        self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.base(name).cfg)
+        self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.base(name).cfg,
+                                cfg.device)
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._loop_died = False  # the cycle thread ended without being stopped
+        self._in_cycle: set[str] = set()  # runs of the cycle computing now: their adapters stay resident
 
     # ---- base models and adapters ----
 
@@ -111,20 +135,34 @@ class TrainerEngine:
                 entry = self.catalog.resolve(name)
             except KeyError as e:
                 raise NotFound(str(e.args[0]) if e.args else f"unknown base model {name!r}") from None
-            self._bases[name] = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype],
-                                                 invariant=self.cfg.invariant,
-                                                 checkpoint_layers=self.cfg.activation_checkpointing)
-            self._bases[name].sgmv = self.cfg.sgmv
+            model = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype], device=self.cfg.device,
+                                     invariant=self.cfg.invariant, checkpoint_layers=self.cfg.activation_checkpointing)
+            model.sgmv = self.cfg.sgmv
+            report = self.exactness.check(name, model)
+            self.metrics.exactness.labels(model=name).set(float(report.exact))
+            self._bases[name] = model
         return self._bases[name]
 
+    @property
+    def alive(self) -> bool:
+        """False once the cycle thread has ended without ``stop``: the pool is not ready and says so."""
+        return not self._loop_died
+
+    def _check_alive(self) -> None:
+        if self._loop_died:
+            raise Unavailable("this trainer's cycle thread has stopped; the pool is not ready")
+
     def capabilities(self) -> pb.ServerCapabilities:
+        self._check_alive()
         return pb.ServerCapabilities(supported_models=[
-            pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length)
+            pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length,
+                              trainer_exactness=pb.Exactness(**self.exactness.fields(e.name)))
             for e in self.catalog.entries()
         ])
 
     def create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
         """Create (or, for a repeat of the same request, return) the adapter of a training run."""
+        self._check_alive()
         with self._lock:
             if req.model_id in self._models:
                 return self._info(self.bank.get(req.model_id))
@@ -140,11 +178,11 @@ class TrainerEngine:
                 raise InvalidArgument(f"lora_config: {e}") from None
             model = self.base(req.base_model)
             seed = spec.seed if spec.seed is not None else default_seed(req.model_id)
-            adapter = Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed)
+            adapter = Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed, self.cfg.device)
         with self._lock:
-            self._models.setdefault(req.model_id, _Model(req.model_id))
+            self._models.setdefault(req.model_id, _Model(req.model_id, req.tenant))
             info = self._info(self.bank.add(adapter))
-            self._evict(set())
+            self._evict(self._pinned())
             return info
 
     def _adapter_from_state(self, req: pb.CreateAdapterRequest) -> Adapter:
@@ -152,7 +190,8 @@ class TrainerEngine:
         state = read_state(files)
         base_model = state["base_model"]
         spec = LoraSpec(**state["lora"])
-        adapter = Adapter.fresh(req.model_id, req.tenant, base_model, self.base(base_model).cfg, spec, 0)
+        adapter = Adapter.fresh(req.model_id, req.tenant, base_model, self.base(base_model).cfg, spec, 0,
+                                self.cfg.device)
         adapter.load_files(files, with_optimizer=req.with_optimizer)
         return adapter
 
@@ -174,19 +213,33 @@ class TrainerEngine:
 
     def submit(self, op: pb.TrainerOp) -> Future:
         """Queue one ordered operation; the future resolves to a ``pb.TrainerResult``."""
+        self._check_alive()
         with self._lock:
             m = self._models.get(op.model_id)
-            if m is None or self.bank.tenant(op.model_id) != op.tenant:
+            if m is None or m.tenant != op.tenant:
                 raise NotFound(f"unknown model_id {op.model_id!r}")
-            queued = sum(len(x.seq) for x in self._models.values())
-            # the operation a run is waiting for is always let in: refusing it could block the queue for good
-            if queued >= self.cfg.max_queue and op.seq_id not in m.seq.waiting and op.seq_id != m.seq.next_seq:
-                raise ResourceExhausted(f"trainer queue is full ({queued} operations waiting); retry later",
-                                        retry_after_s=1.0)
+            # the operation a run is waiting for is always let in (refusing it could block the run for good),
+            # and so is a repeat, which takes no new place
+            if op.seq_id != m.seq.next_seq and op.seq_id not in m.seq.waiting:
+                self._admit(op.tenant)
             fut, new = m.seq.offer(op.seq_id, op, time.monotonic())
             if new:
                 self._lock.notify_all()
             return fut
+
+    def _admit(self, tenant: str) -> None:
+        """Refuse one more waiting operation of ``tenant`` when its share or the whole queue is full."""
+        queued = mine = 0
+        for x in self._models.values():
+            queued += len(x.seq)
+            mine += len(x.seq) if x.tenant == tenant else 0
+        if mine >= self.cfg.max_queue_per_tenant:
+            raise ResourceExhausted(f"this tenant has {mine} operations waiting in the trainer queue, its limit "
+                                    f"of {self.cfg.max_queue_per_tenant}; wait for results before sending more",
+                                    retry_after_s=1.0)
+        if queued >= self.cfg.max_queue:
+            raise ResourceExhausted(f"trainer queue is full ({queued} operations waiting); retry later",
+                                    retry_after_s=1.0)
 
     # ---- the cycle ----
 
@@ -202,16 +255,39 @@ class TrainerEngine:
             self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self._ready():
-                    self._lock.wait()
-                deadline = time.monotonic() + self.cfg.cycle_gather_s
-                while not self._stopping and self._awaiting_step() and time.monotonic() < deadline:
-                    self._lock.wait(timeout=deadline - time.monotonic())
-                if self._stopping:
-                    return
-            self.run_cycle()
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self._ready():
+                        self._lock.wait()
+                    deadline = time.monotonic() + self.cfg.cycle_gather_s
+                    while not self._stopping and self._awaiting_step() and time.monotonic() < deadline:
+                        self._lock.wait(timeout=deadline - time.monotonic())
+                    if self._stopping:
+                        return
+                try:
+                    self.run_cycle()
+                except Exception:  # noqa: BLE001 - run_cycle answers its operations itself; the loop goes on
+                    traceback.print_exc(file=sys.stderr)
+        finally:
+            self._after_loop()
+
+    def _after_loop(self) -> None:
+        """The cycle thread is ending. Unless it was stopped, mark the pool not ready and answer every
+        operation still waiting with ``Unavailable``: nobody waits forever on a thread that is gone."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._loop_died = True
+            items = [m.partial.item for m in self._models.values() if m.partial is not None]
+            for m in self._models.values():
+                m.partial = None
+                items += m.seq.waiting.values()
+                m.seq.waiting.clear()
+        err = Unavailable("this trainer's cycle thread stopped before running this operation; retry on a "
+                          "healthy pool")
+        for item in items:
+            _fail(item, err)
 
     def _awaiting_step(self) -> bool:
         """Is a forward_backward at the head of a queue whose next operation has not arrived yet?
@@ -230,20 +306,25 @@ class TrainerEngine:
         return any(m.partial is not None or m.seq.peek() is not None for m in self._models.values())
 
     def _begin(self, m: _Model, item: Pending) -> Partial | None:
-        """Check a forward / forward_backward request as it reaches the head of its run's queue."""
+        """Check a forward / forward_backward request as it reaches the head of its run's queue.
+
+        Whatever goes wrong here (a bad request, or a bug) answers this request alone."""
         req = item.op.forward_backward
-        model = self.base(self.bank.base_model(m.model_id))
-        limits = Limits(model.cfg.vocab_size, model.cfg.max_position_embeddings, self.cfg.max_request_tokens)
         try:
+            model = self.base(self.bank.base_model(m.model_id))
+            limits = Limits(model.cfg.vocab_size, model.cfg.max_position_embeddings, self.cfg.max_request_tokens)
             examples, loss_cfg = check_request(req.data, req.loss_fn, dict(req.loss_fn_config), limits)
-        except LatheError as e:
-            self._finish(m, item, self.cycle + 1, time.monotonic(), pb.TrainerResult(error=error_to_proto(e)))
+            partial = Partial(item, examples, req.loss_fn, loss_cfg, backward=not req.forward_only)
+            if partial.backward and partial.tokens > self.cfg.cycle_tokens:
+                partial.grad_backup = {n: None if p.grad is None else p.grad.clone()
+                                       for n, p in self.bank.get(m.model_id).weights.named_parameters().items()}
+        except Exception as e:  # noqa: BLE001 - one request's failure, never the cycle thread's
+            err = e if isinstance(e, LatheError) else Internal(
+                f"checking seq_id {item.seq_id} failed: {type(e).__name__}: {e}")
+            self._finish(m, item, self.cycle + 1, time.monotonic(), pb.TrainerResult(error=error_to_proto(err)))
             return None
-        m.partial = Partial(item, examples, req.loss_fn, loss_cfg, backward=not req.forward_only)
-        if m.partial.backward and m.partial.tokens > self.cfg.cycle_tokens:
-            m.partial.grad_backup = {n: None if p.grad is None else p.grad.clone()
-                                     for n, p in self.bank.get(m.model_id).weights.named_parameters().items()}
-        return m.partial
+        m.partial = partial
+        return partial
 
     def run_cycle(self) -> int:
         """Run one cycle over whatever is ready; returns the number of runs it touched."""
@@ -260,17 +341,24 @@ class TrainerEngine:
             self.cycle += 1
             cycle = self.cycle
             queued = sum(len(m.seq) for m in self._models.values())
+            self._in_cycle = {w.run.model_id for w in works}
         start = time.monotonic()
         self.metrics.planning_seconds.observe(start - t0)
-        for w in works:
-            if w.control is not None:
-                self._finish(w.run, w.control, cycle, start, self._control(w.run, w.control.op))
-        tokens = self._compute([w for w in works if w.compute is not None], cycle, start)
-        for w in works:
-            if w.optim is not None:
-                self._finish(w.run, w.optim, cycle, start, self._optim(w.run, w.optim.op.optim_step))
-        with self._lock:
-            self._evict({m.model_id for m in self._models.values() if m.partial is not None})
+        tokens = 0
+        try:
+            for w in works:
+                if w.control is not None:
+                    self._finish(w.run, w.control, cycle, start, self._control(w.run, w.control.op))
+            tokens = self._compute([w for w in works if w.compute is not None], cycle, start)
+            for w in works:
+                if w.optim is not None:
+                    self._finish(w.run, w.optim, cycle, start, self._optim(w.run, w.optim.op.optim_step))
+        except Exception as e:  # noqa: BLE001 - a bug fails this cycle's unanswered operations, not the thread
+            self._fail_cycle(works, Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}"))
+        finally:
+            with self._lock:
+                self._in_cycle = set()
+                self._evict(self._pinned())
         m = self.metrics
         m.cycles.inc()
         m.cycle_seconds.observe(time.monotonic() - start)
@@ -280,6 +368,23 @@ class TrainerEngine:
         m.queue_depth.set(queued)
         return len(works)
 
+    def _fail_cycle(self, works: list[Work], err: LatheError) -> None:
+        """Answer every operation of ``works`` not answered yet with ``err``; their runs drop their
+        request in progress (restoring the gradients it had added to, when they were saved)."""
+        for w in works:
+            if w.compute is not None and not w.compute.item.future.done():
+                if w.compute.grad_backup is not None:
+                    for n, param in self.bank.get(w.run.model_id).weights.named_parameters().items():
+                        param.grad = w.compute.grad_backup[n]
+                w.run.partial = None
+            for item in (w.control, w.compute.item if w.compute is not None else None, w.optim):
+                if item is not None:
+                    _fail(item, err)
+
+    def _pinned(self) -> set[str]:
+        """Runs whose adapters must stay resident: the cycle computing now, and requests in progress."""
+        return self._in_cycle | {m.model_id for m in self._models.values() if m.partial is not None}
+
     def _evict(self, pinned: set[str]) -> None:
         self.bank.evict(pinned)
         self.metrics.resident_adapters.set(self.bank.resident)
@@ -287,10 +392,12 @@ class TrainerEngine:
 
     def _finish(self, m: _Model, item: Pending, cycle: int, start: float, result: pb.TrainerResult,
                 tokens: int = 0) -> None:
+        exactness = self.exactness.fields(self.bank.base_model(m.model_id))
         result.receipt.CopyFrom(pb.Receipt(
             request_id=item.op.request_id, model_id=item.op.model_id, seq_id=item.seq_id, cycle=cycle,
             tokens=tokens, adapter_step=self.bank.get(m.model_id).step, queued_s=start - item.arrived,
             run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.WhichOneof("op"),
+            fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)),
         ))
         self.metrics.wait_seconds.observe(max(0.0, start - item.arrived))
         item.future.set_result(result)
@@ -345,16 +452,19 @@ class TrainerEngine:
     def _optim(self, m: _Model, req: pb.OptimStepRequest) -> pb.TrainerResult:
         a = req.adam_params
         try:
-            hp = check_adam(AdamParams(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm))
+            hp = AdamParams(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm).check()
         except LatheError as e:
             return pb.TrainerResult(error=error_to_proto(e))
-        adapter = self.bank.get(m.model_id)
-        metrics = adamw_step(adapter.weights.named_parameters(), adapter.opt, hp)
+        try:
+            adapter = self.bank.get(m.model_id)
+            metrics = adamw_step(adapter.weights.named_parameters(), adapter.opt, hp)
+        except Exception as e:  # noqa: BLE001 - this step fails alone
+            return pb.TrainerResult(error=error_to_proto(Internal(f"optim_step failed: {type(e).__name__}: {e}")))
         return pb.TrainerResult(optim_step=pb.OptimStepOutput(metrics=metrics))
 
     def _control(self, m: _Model, op: pb.TrainerOp) -> pb.TrainerResult:
-        adapter = self.bank.get(m.model_id)
         try:
+            adapter = self.bank.get(m.model_id)
             if op.WhichOneof("op") == "save":
                 req = op.save
                 if req.kind not in ("weights", "sampler_weights"):
@@ -372,3 +482,6 @@ class TrainerEngine:
             return pb.TrainerResult(load=pb.LoadOutput(path=req.path, model_id=adapter.model_id))
         except LatheError as e:
             return pb.TrainerResult(error=error_to_proto(e))
+        except Exception as e:  # noqa: BLE001 - e.g. a checkpoint the store cannot decode: this operation fails alone
+            return pb.TrainerResult(error=error_to_proto(Internal(f"{op.WhichOneof('op')} failed: "
+                                                                  f"{type(e).__name__}: {e}")))

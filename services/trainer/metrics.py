@@ -28,6 +28,7 @@ class CycleMetrics:
     queue_depth: Gauge = field(init=False)
     wait_seconds: Histogram = field(init=False)
     planning_seconds: Histogram = field(init=False)
+    exactness: Gauge = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -46,6 +47,9 @@ class CycleMetrics:
         self.paged_adapters = Gauge("lathe_trainer_paged_adapters", "Adapters paged out to the checkpoint store",
                                     registry=r)
         self.queue_depth = Gauge("lathe_trainer_queue_depth", "Operations waiting for a cycle", registry=r)
+        self.exactness = Gauge("lathe_trainer_exactness",
+                               "1 when the model passed the pool's exactness self-check, else 0", ["model"],
+                               registry=r)
         self.wait_seconds = Histogram("lathe_trainer_operation_wait_seconds",
                                       "Time from an operation's arrival to the start of its cycle",
                                       buckets=_TIME_BUCKETS, registry=r)

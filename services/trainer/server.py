@@ -18,7 +18,10 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     async def Capabilities(self, request: pb.TrainerCapabilitiesRequest, context: grpc.aio.ServicerContext
                            ) -> pb.ServerCapabilities:
-        return self.engine.capabilities()
+        try:
+            return self.engine.capabilities()
+        except LatheError as e:
+            await context.abort(e.status, e.message)
 
     async def CreateAdapter(self, request: pb.CreateAdapterRequest, context: grpc.aio.ServicerContext
                             ) -> pb.AdapterInfo:

@@ -6,6 +6,9 @@ logprobs back per datum, computes each job's own loss, and backpropagates the su
 forward_backward jobs' losses: each adapter's ``.grad`` receives exactly its own job's gradient
 (adapters share no parameters), accumulating onto what earlier cycles left there. Forward-only jobs
 run in a separate pass without autograd. A job whose loss is not finite fails alone.
+
+Examples arrive as CPU tensors; the pass runs on the model's device (inputs are moved there) and each
+result's logprobs come back on the CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
                      triton=model.sgmv)
     h = model.hidden(batch, lora)
     lp = model.target_logprobs(h, torch.cat([ex.targets for ex in examples]), lora)
+    host = lp.detach().cpu()
     total: torch.Tensor | None = None
     offset = 0
     for job, res in zip(jobs, results, strict=True):
@@ -72,9 +76,10 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
         spec = LOSSES[job.loss_fn]
         for ex in job.examples:
             lp_d = lp[offset:offset + len(ex)]
+            res.logprobs.append(host[offset:offset + len(ex)])
             offset += len(ex)
-            res.logprobs.append(lp_d.detach())
-            loss = loss + spec.fn(lp_d, ex.inputs, job.loss_cfg)
+            inputs = {k: v.to(lp.device) for k, v in ex.inputs.items()}
+            loss = loss + spec.fn(lp_d, inputs, job.loss_cfg)
         res.loss = float(loss.detach())
         if not math.isfinite(res.loss):
             res.error = InvalidArgument(f"loss {job.loss_fn!r} is {res.loss} for this batch: a non-finite loss "

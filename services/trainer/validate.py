@@ -19,6 +19,7 @@ from lathe.v1 import lathe_pb2 as pb
 
 _NP_DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32}
 _INT_FIELDS = ("target_tokens",)
+MAX_DIMS = 8  # dimensions of one tensor
 
 
 @dataclass(slots=True)
@@ -40,6 +41,19 @@ class Limits:
     max_request_tokens: int
 
 
+def check_shape(shape: Sequence[int], size: int, where: str) -> tuple[int, ...]:
+    """``shape`` as a tuple once it is a real shape of ``size`` values: at most ``MAX_DIMS`` dimensions, none
+    negative, whose product is ``size`` (``[-2, -3]`` multiplies to 6 and is still refused)."""
+    dims = tuple(shape)
+    if len(dims) > MAX_DIMS:
+        raise InvalidArgument(f"{where}: shape {list(dims)} has {len(dims)} dimensions, over the limit of {MAX_DIMS}")
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{where}: shape {list(dims)} has a negative dimension")
+    if math.prod(dims) != size:
+        raise InvalidArgument(f"{where}: shape {list(dims)} does not hold {size} values")
+    return dims
+
+
 def decode_tensor(t: pb.Tensor, where: str) -> np.ndarray:
     if t.dtype not in _NP_DTYPES:
         raise InvalidArgument(f"{where}: dtype {t.dtype!r} is not one of {sorted(_NP_DTYPES)}")
@@ -47,10 +61,7 @@ def decode_tensor(t: pb.Tensor, where: str) -> np.ndarray:
     if len(t.data) % itemsize:
         raise InvalidArgument(f"{where}: {len(t.data)} bytes is not a whole number of {t.dtype} values")
     arr = np.frombuffer(t.data, dtype=_NP_DTYPES[t.dtype])
-    shape = tuple(t.shape) or (arr.size,)
-    if math.prod(shape) != arr.size:
-        raise InvalidArgument(f"{where}: shape {list(shape)} does not hold {arr.size} values")
-    return arr.reshape(shape)
+    return arr.reshape(check_shape(t.shape or (arr.size,), arr.size, where))
 
 
 def _tokens(d: pb.Datum, i: int) -> list[int]:
@@ -97,6 +108,10 @@ def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits) -> Example:
         if not is_int and not np.isfinite(arr).all():
             j = int(np.flatnonzero(~np.isfinite(arr))[0])
             raise InvalidArgument(f"{where}[{j}] = {arr[j]} is not finite")
+        if name == "logprobs" and (arr > 0).any():
+            j = int(np.flatnonzero(arr > 0)[0])
+            raise InvalidArgument(f"{where}[{j}] = {arr[j]} is positive; sampled logprobs are log-probabilities "
+                                  "(<= 0)")
         arrays[name] = arr
     missing = [k for k in spec.inputs if k not in arrays and not (loss_fn == "cross_entropy" and k == "weights")]
     if missing:
@@ -122,9 +137,12 @@ def check_request(
         raise InvalidArgument(f"loss_fn_config has unknown key(s) {unknown} for loss {loss_fn!r} "
                               f"(accepted: {sorted(defaults)})")
     cfg = {**defaults, **{k: float(v) for k, v in loss_fn_config.items()}}
-    bad = [k for k, v in cfg.items() if not math.isfinite(v)]
+    bad = [k for k, v in cfg.items() if not math.isfinite(v) or v < 0]
     if bad:
-        raise InvalidArgument(f"loss_fn_config[{bad[0]!r}] = {cfg[bad[0]]} is not finite")
+        raise InvalidArgument(f"loss_fn_config[{bad[0]!r}] = {cfg[bad[0]]} must be a finite number >= 0")
+    if cfg.get("clip_low_threshold", 0.0) > cfg.get("clip_high_threshold", math.inf):
+        raise InvalidArgument(f"loss_fn_config: clip_low_threshold = {cfg['clip_low_threshold']} is above "
+                              f"clip_high_threshold = {cfg['clip_high_threshold']}")
     total = sum(len(_tokens(d, i)) for i, d in enumerate(data))
     if total > limits.max_request_tokens:
         raise InvalidArgument(f"request has {total} tokens in {len(data)} datums, over the limit of "

@@ -1,0 +1,362 @@
+"""The exactness self-check a model pool runs when it loads a base model, and the pool's fingerprint.
+
+Owns: ``self_check(decoder)`` -> ``ExactnessReport``. Touches nothing but the decoder it is given
+(read-only) and torch's intra-op thread count (restored after). Trainer and sampler pools both run it;
+the report goes into their logs, their Prometheus gauge, ``get_server_capabilities`` and every receipt.
+
+Why at start, on the pool's own shapes: batch invariance is a property of the kernel library's code
+paths on this machine, not of Lathe's code alone (``lathe.kernels.ops`` explains the tiles). The check
+runs, at every thread count the pool may use:
+
+1. ops at the model's shapes, rows alone vs in batches of 1, 3, 13, 17, 64 and 300 rows, and the
+   300-row batch shifted by one row (which moves every row to the next position of its tile): each
+   base ``linear`` (and the LM head), the LoRA shrink/expand products, ``rms_norm``, ``log_softmax``;
+   attention prefill vs each token decoded alone, chunked prefill, and batched decode of sequences of
+   awkward lengths;
+2. the decoder end to end with two LoRA adapters: sequences of 1, 3, 13, 17 and 64 tokens packed in
+   one batch vs each alone, and prefill vs token-by-token decode through a KV cache (the stacked,
+   batched decode path the sampler takes);
+3. the fingerprint: a hash of the bits of one canonical packed forward (plus dtype, device kind and
+   tile sizes). Two pools' logprobs are bitwise comparable only when their fingerprints match, so a
+   trainer and a sampler on different machines are reported exact only then. The fingerprint must
+   also be the same at every thread count checked.
+
+The first check that fails is named in ``first_failure``; a pool that fails still serves and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lathe.kernels import ops
+from lathe.models.decoder import Decoder, Packed
+from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraBatch, LoraSpec, LoraWeights, module_shape
+
+BATCH_ROWS = (1, 3, 13, 17, 64, 300)
+"""Row counts of the batches each op's rows are compared in (the issue's awkward sizes)."""
+
+SEQ_LENGTHS = (1, 3, 13, 17, 64)
+"""Sequence lengths of the end-to-end check (packed together, then each alone)."""
+
+DECODED = 6
+"""Tokens of each longer sequence that the end-to-end check decodes one at a time after its prefill."""
+
+ATTENTION_LENGTH = 300
+"""Keys of the attention check: past 256, where one long key reduction changed bits (measured)."""
+
+
+@dataclass(slots=True)
+class Check:
+    """One comparison: ``name`` (op and shape), ``ok``, and what differed when not ok."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class ExactnessReport:
+    """What a pool found about its own bits. ``exact`` holds when every check passed."""
+
+    exact: bool
+    first_failure: str | None
+    fingerprint: str
+    device: str
+    dtype: str
+    threads: list[int]
+    tiles: dict[str, int]
+    seconds: float
+    checks: list[Check] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def fields(self) -> dict[str, object]:
+        """The fields of the ``Exactness`` message that pools publish (capabilities) and the SDK reads."""
+        detail = f"{self.device} {self.dtype}, threads {self.threads}, tiles {self.tiles}"
+        return {"checked": True, "exact": self.exact, "first_failure": self.first_failure or "",
+                "fingerprint": self.fingerprint, "detail": detail}
+
+    def summary(self) -> str:
+        """One log line: verdict, fingerprint, where, and the first failure if any."""
+        verdict = "exact" if self.exact else f"NOT exact: {self.first_failure}"
+        return (f"exactness self-check: {verdict}; fingerprint {self.fingerprint}; {self.device} {self.dtype}, "
+                f"threads {self.threads}, {len(self.checks)} checks in {self.seconds:.1f}s")
+
+
+class PoolExactness:
+    """The self-check reports of one pool's loaded base models; owned by a trainer or sampler engine.
+
+    ``check`` runs when the pool loads a model and logs the verdict on stderr. A pool that runs the plain
+    ops (``--no-invariant``) is not exact by construction: it records that without running the check.
+    """
+
+    def __init__(self, pool: str, invariant: bool) -> None:
+        self.pool, self.invariant = pool, invariant
+        self.reports: dict[str, ExactnessReport] = {}
+
+    def check(self, name: str, model: Decoder) -> ExactnessReport:
+        if self.invariant:
+            report = self_check(model)
+        else:
+            report = ExactnessReport(False, "plain ops (--no-invariant) are not batch-invariant", "", model.device.type,
+                                     str(model.dtype).removeprefix("torch."), [], tiles(), 0.0)
+        print(f"lathe.{self.pool} {name}: {report.summary()}", file=sys.stderr, flush=True)
+        self.reports[name] = report
+        return report
+
+    def fields(self, name: str) -> dict[str, object]:
+        """``ExactnessReport.fields`` of ``name``, or ``checked: False`` before the model is loaded."""
+        report = self.reports.get(name)
+        return report.fields() if report is not None else {"checked": False}
+
+
+def tiles() -> dict[str, int]:
+    """The tile sizes the invariant ops use (part of the fingerprint)."""
+    return {"row_tile": ops.ROW_TILE, "attn_row_tile": ops.ATTN_ROW_TILE, "key_chunk": ops.KEY_CHUNK,
+            "col_block_bytes": ops.COL_BLOCK_BYTES}
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """Indices along dim 0 where a and b differ in any element (NaN equal to NaN)."""
+    same = (a == b) | (a.isnan() & b.isnan())
+    return same.reshape(a.shape[0], -1).all(-1).logical_not().nonzero().flatten().tolist()
+
+
+def _rows(name: str, op: Callable[[torch.Tensor], torch.Tensor], pool: torch.Tensor) -> Check:
+    """op's rows over ``pool [300, ...]``: the batch shifted by one row (every row moves to the neighbouring
+    tile position, so all positions are chained), lone rows, and batches of the other BATCH_ROWS sizes."""
+    full = op(pool)
+    bad = _differing(op(pool[1:]), full[1:])
+    if bad:
+        return Check(name, False, f"rows {[i + 1 for i in bad[:4]]} differ when the batch is shifted by one row "
+                                  f"(a row's position inside a tile changes its bits)")
+    for i in (0, 1, ops.ATTN_ROW_TILE - 1, ops.ROW_TILE - 1):
+        if _differing(op(pool[i : i + 1]), full[i : i + 1]):
+            return Check(name, False, f"row {i} alone differs from the same row in a {len(pool)}-row batch")
+    for m, offset in zip(BATCH_ROWS[1:-1], (1, 5, 11, 2), strict=True):
+        bad = _differing(op(pool[offset : offset + m]), full[offset : offset + m])
+        if bad:
+            return Check(name, False, f"rows {bad[:4]} of a {m}-row batch (offset {offset}) differ from the "
+                                      f"{len(pool)}-row batch")
+    return Check(name, True)
+
+
+def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Check]:
+    cfg, w, dt, dev = model.cfg, model.w, model.dtype, model.device
+
+    def pool(width: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(BATCH_ROWS[-1], width, generator=gen) * scale).to(device=dev, dtype=dt)
+
+    checks: list[Check] = []
+    seen: set[tuple[int, int]] = set()
+    for target in ATTN_TARGETS + MLP_TARGETS:
+        block = "self_attn" if target in ATTN_TARGETS else "mlp"
+        name = f"model.layers.0.{block}.{target}"
+        weight, bias = w[name + ".weight"], w.get(name + ".bias")
+        if (weight.shape[0], weight.shape[1], bias is not None) in seen:
+            continue
+        seen.add((weight.shape[0], weight.shape[1], bias is not None))
+        checks.append(_rows(f"linear {target} {weight.shape[1]}->{weight.shape[0]}",
+                            lambda x, weight=weight, bias=bias: ops.linear(x, weight, bias, invariant=True),
+                            pool(weight.shape[1])))
+    head = model.lm_head
+    checks.append(_rows(f"linear lm_head {head.shape[1]}->{head.shape[0]}",
+                        lambda x: ops.linear(x, head, invariant=True), pool(head.shape[1])))
+    ins = sorted({module_shape(cfg, t)[0] for t in ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)})
+    outs = sorted({module_shape(cfg, t)[1] for t in ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)})
+    for width in ins:
+        a = torch.randn(lora_rank, width, generator=gen).to(device=dev, dtype=dt)
+        checks.append(_rows(f"lora shrink {width}->{lora_rank}", lambda x, a=a: ops.linear(x, a, invariant=True),
+                            pool(width)))
+    for width in outs:
+        b = torch.randn(width, lora_rank, generator=gen).to(device=dev, dtype=dt)
+        checks.append(_rows(f"lora expand {lora_rank}->{width}", lambda x, b=b: ops.linear(x, b, invariant=True),
+                            pool(lora_rank)))
+    norm = w["model.norm.weight"]
+    checks.append(_rows(f"rms_norm {cfg.hidden_size}",
+                        lambda x: ops.rms_norm(x, norm, cfg.rms_norm_eps, invariant=True), pool(cfg.hidden_size)))
+    checks.append(_rows(f"log_softmax {cfg.vocab_size}", lambda x: ops.log_softmax(x, invariant=True),
+                        pool(cfg.vocab_size, scale=4.0)))
+    checks.append(_attention_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, dev, gen))
+    return checks
+
+
+def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.device, gen: torch.Generator) -> Check:
+    name = f"attention Hq={hq} Hkv={hkv} D={d}"
+    n = ATTENTION_LENGTH
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(device=dev, dtype=dt) for h in (hq, hkv, hkv))
+    scale = d**-0.5
+    prefill = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True)
+    for t in (0, 1, 2, 63, 64, 65, 127, 255, 256, n - 1):
+        alone = ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=scale, invariant=True)
+        if _differing(alone, prefill[t : t + 1]):
+            return Check(name, False, f"token {t} decoded alone differs from the {n}-token prefill")
+    splits = [0, 1, 4, 17, 64, 150, 257, n]
+    for s0, s1 in zip(splits, splits[1:], strict=False):
+        part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True)
+        if _differing(part, prefill[s0:s1]):
+            return Check(name, False, f"chunked prefill of tokens {s0}:{s1} differs from the {n}-token prefill")
+    positions = [0, 2, 12, 16, 63, 64, 200, n - 1]
+    slots = -(-n // ops.KEY_CHUNK) * ops.KEY_CHUNK
+    ks = torch.zeros(len(positions), slots, hkv, d, dtype=dt, device=dev)
+    vs = torch.zeros_like(ks)
+    for s, p in enumerate(positions):
+        ks[s, : p + 1], vs[s, : p + 1] = k[: p + 1], v[: p + 1]
+    for count in (1, 3, len(positions)):
+        batched = ops.decode_attention(q[positions[:count]], ks[:count], vs[:count], positions[:count], scale=scale,
+                                       invariant=True)
+        bad = _differing(batched, prefill[positions[:count]])
+        if bad:
+            return Check(name, False, f"batched decode of {count} sequences: positions "
+                                      f"{[positions[i] for i in bad]} differ from the prefill")
+    return Check(name, True)
+
+
+class _Cache:
+    """A plain KV cache for the end-to-end check (what the decoder needs, as the sampler's does it).
+
+    keys/values ``[layers, S, N, Hkv, D]`` with N whole key chunks and zeros past each sequence's end.
+    """
+
+    def __init__(self, model: Decoder, seqs: int, tokens: int) -> None:
+        cfg = model.cfg
+        slots = -(-tokens // ops.KEY_CHUNK) * ops.KEY_CHUNK
+        shape = (cfg.num_layers, seqs, slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v = torch.zeros_like(self.k)
+        self.length = [[0] * seqs for _ in range(cfg.num_layers)]
+
+    def extend(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        start = self.length[layer][seq]
+        end = start + k.shape[0]
+        self.k[layer, seq, start:end], self.v[layer, seq, start:end] = k, v
+        self.length[layer][seq] = end
+        return self.k[layer, seq, :end], self.v[layer, seq, :end], start
+
+    def stacked(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
+
+def _logprobs(model: Decoder, seqs: list[list[int]], positions: list[list[int]], lora: LoraBatch,
+              kv: _Cache | None = None) -> torch.Tensor:
+    """Target logprobs of a packed step whose targets are each token's successor (token id + 1 mod V)."""
+    batch = Packed.from_sequences(seqs)
+    batch.positions = torch.tensor([p for ps in positions for p in ps], dtype=torch.long)
+    h = model.hidden(batch, lora, kv)
+    targets = ((batch.tokens + 1) % model.cfg.vocab_size).to(h.device)
+    return model.target_logprobs(h, targets, lora)
+
+
+def _adapters(model: Decoder, rank: int, gen: torch.Generator) -> list[LoraWeights]:
+    out = []
+    for seed in (1, 2):
+        adapter = LoraWeights.init(model.cfg, LoraSpec(rank=rank, seed=seed), seed, device=model.device)
+        with torch.no_grad():
+            for b in adapter.b.values():  # a fresh B is zero; the check needs adapters that change the bits
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.02)
+        out.append(adapter)
+    return out
+
+
+def _layout(lengths: list[int], adapters: list[LoraWeights]) -> LoraBatch:
+    """Sequence s gets adapter s % 2, one segment per sequence."""
+    seg = [0]
+    for n in lengths:
+        seg.append(seg[-1] + n)
+    return LoraBatch(seg, [s % len(adapters) for s in range(len(lengths))], adapters)
+
+
+def _model_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> tuple[list[Check], torch.Tensor]:
+    """End-to-end checks; also returns the packed logprobs the fingerprint hashes."""
+    vocab = model.cfg.vocab_size
+    seqs = [torch.randint(vocab, (n,), generator=gen).tolist() for n in SEQ_LENGTHS]
+    adapters = _adapters(model, lora_rank, gen)
+    lengths = [len(s) for s in seqs]
+    with torch.no_grad():
+        packed = _logprobs(model, seqs, [list(range(n)) for n in lengths], _layout(lengths, adapters))
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        for s, seq in enumerate(seqs):
+            alone = _logprobs(model, [seq], [list(range(len(seq)))], LoraBatch([0, len(seq)], [0],
+                                                                                [adapters[s % 2]]))
+            bad = _differing(alone, packed[cu[s] : cu[s + 1]])
+            if bad:
+                detail = f"sequence of {len(seq)} tokens: tokens {bad[:4]} differ alone from the packed batch {lengths}"
+                return [Check("decoder packed vs alone", False, detail)], packed
+        checks = [Check("decoder packed vs alone", True)]
+        live = [s for s, n in enumerate(lengths) if n > DECODED]
+        cache = _Cache(model, len(live), max(lengths))
+        prefill = [seqs[s][: lengths[s] - DECODED] for s in live]
+        _logprobs(model, prefill, [list(range(len(p))) for p in prefill], _layout([len(p) for p in prefill],
+                                                                                   [adapters[s % 2] for s in live]),
+                  cache)
+        for step in range(DECODED):
+            pos = [lengths[s] - DECODED + step for s in live]
+            out = _logprobs(model, [[seqs[s][p]] for s, p in zip(live, pos, strict=True)], [[p] for p in pos],
+                            _layout([1] * len(live), [adapters[s % 2] for s in live]), cache)
+            want = torch.stack([packed[cu[s] + p] for s, p in zip(live, pos, strict=True)])
+            bad = _differing(out, want)
+            if bad:
+                checks.append(Check("decoder prefill vs decode", False,
+                                    f"decode step at positions {[pos[i] for i in bad]} differs from the packed "
+                                    f"forward"))
+                return checks, packed
+        checks.append(Check("decoder prefill vs decode", True))
+    return checks, packed
+
+
+def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(f"{model.dtype}|{model.device.type}|{sorted(tiles().items())}|".encode())
+    h.update(packed.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: int = 8,
+               seed: int = 0) -> ExactnessReport:
+    """Run every check on ``model`` at each thread count (default: 1 and torch's current count on CPU)."""
+    start = time.perf_counter()
+    if threads is None:
+        threads = sorted({1, torch.get_num_threads()}) if model.device.type == "cpu" else [torch.get_num_threads()]
+    checks: list[Check] = []
+    prints: dict[int, str] = {}
+    for n in threads:
+        with _threads(n):
+            gen = torch.Generator().manual_seed(seed)
+            op_checks = _op_checks(model, gen, lora_rank)
+            model_checks, packed = _model_checks(model, gen, lora_rank)
+        checks += [Check(f"{c.name} @{n} threads", c.ok, c.detail) for c in op_checks + model_checks]
+        prints[n] = _fingerprint(model, packed)
+    if len(set(prints.values())) > 1:
+        checks.append(Check("thread count", False, f"the canonical forward's bits differ by thread count: {prints}"))
+    failed = next((c for c in checks if not c.ok), None)
+    return ExactnessReport(
+        exact=failed is None,
+        first_failure=None if failed is None else f"{failed.name}: {failed.detail}",
+        fingerprint=prints[threads[0]],
+        device=model.device.type,
+        dtype=str(model.dtype).removeprefix("torch."),
+        threads=list(threads),
+        tiles=tiles(),
+        seconds=time.perf_counter() - start,
+        checks=checks,
+    )

@@ -1,0 +1,124 @@
+"""The exactness self-check (lathe.models.exactness): passes on this machine, catches a shape-dependent op,
+and its fingerprint is a property of the bits (same model and machine: same print; other bits: other print).
+
+The self-check itself compares rows alone vs in batches of awkward sizes at every tile position, prefill
+vs decode, at 1 and 2 threads; these tests run it on the generated tiny models in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lathe.kernels import ops
+from lathe.models import exactness
+from lathe.models.decoder import Decoder
+from lathe.models.tiny import ensure_tiny_model
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(model_cache: Path) -> Path:
+    return ensure_tiny_model(model_cache, "qwen3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_self_check_passes_on_this_machine_at_one_and_two_threads(tiny_dir: Path, dtype: torch.dtype) -> None:
+    report = exactness.self_check(Decoder.from_dir(tiny_dir, dtype=dtype), threads=[1, 2])
+    assert report.exact, report.first_failure
+    assert report.first_failure is None
+    assert report.threads == [1, 2]
+    names = {c.name.split(" @")[0].split(" ")[0] for c in report.checks}
+    assert {"linear", "lora", "rms_norm", "log_softmax", "attention", "decoder"} <= names
+    assert len(report.checks) >= 2 * 12  # every op shape, the decoder, at both thread counts
+    assert report.dtype == str(dtype).removeprefix("torch.") and report.device == "cpu"
+
+
+def test_self_check_covers_qk_norm_and_bias_models(qwen3_dir: Path) -> None:
+    report = exactness.self_check(Decoder.from_dir(qwen3_dir), threads=[2])
+    assert report.exact, report.first_failure
+
+
+def test_a_shape_dependent_matmul_is_caught_and_named(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear whose rows change with the row count (as MKL's do past a size threshold) fails the check."""
+
+    def shape_dependent(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        invariant: bool) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        y = F.linear(x, weight, bias)
+        return y * (1 + 2**-20) if rows >= 16 else y
+
+    monkeypatch.setattr(ops, "linear", shape_dependent)
+    report = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
+    assert not report.exact
+    assert report.first_failure.startswith("linear q_proj"), report.first_failure
+    assert "alone differs" in report.first_failure
+    assert "NOT exact: linear q_proj" in report.summary()
+
+
+def test_a_prefill_only_attention_change_is_caught_by_the_attention_check(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attention that rounds differently once it sees many queries breaks prefill vs decode: caught there."""
+    real = ops.attention
+
+    def drifting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        out = real(q, k, v, **kw)
+        return out * (1 + 2**-20) if q.shape[0] > 1 else out
+
+    monkeypatch.setattr(ops, "attention", drifting)
+    report = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
+    assert not report.exact
+    assert report.first_failure.startswith("attention"), report.first_failure
+
+
+def test_fingerprint_is_the_same_for_the_same_bits_and_differs_for_other_bits(tiny_dir: Path) -> None:
+    one = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
+    two = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[2])
+    assert one.fingerprint == two.fingerprint  # bits do not depend on the thread count, so neither does the print
+    bf16 = exactness.self_check(Decoder.from_dir(tiny_dir, dtype=torch.bfloat16), threads=[1])
+    assert bf16.fingerprint != one.fingerprint
+
+
+def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
+    report = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
+    d = report.to_dict()
+    assert d["exact"] is True and d["fingerprint"] == report.fingerprint
+    assert d["tiles"] == {"row_tile": ops.ROW_TILE, "attn_row_tile": ops.ATTN_ROW_TILE,
+                          "key_chunk": ops.KEY_CHUNK, "col_block_bytes": ops.COL_BLOCK_BYTES}
+    assert len(d["checks"]) == len(report.checks) and all(c["ok"] for c in d["checks"])
+
+
+def _receipt(op: str, fingerprint: str, exact: bool = True) -> object:
+    from lathe.v1 import lathe_pb2 as pb
+
+    return pb.Receipt(op=op, fingerprint=fingerprint, exact=exact)
+
+
+def test_sdk_warns_once_when_a_pool_is_not_exact() -> None:
+    from lathe.futures import ExactnessWatch
+
+    watch = ExactnessWatch()
+    watch.see(_receipt("forward_backward", "aa"))
+    with pytest.warns(RuntimeWarning, match="sampler pool that ran 'sample' did not pass"):
+        watch.see(_receipt("sample", "", exact=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.see(_receipt("sample", "", exact=False))  # once per client
+
+
+def test_sdk_warns_when_trainer_and_sampler_fingerprints_differ_and_not_when_they_match() -> None:
+    from lathe.futures import ExactnessWatch
+
+    same = ExactnessWatch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for op in ("forward_backward", "sample", "optim_step", "sample"):
+            same.see(_receipt(op, "aa"))
+    other = ExactnessWatch()
+    other.see(_receipt("forward", "aa"))
+    with pytest.warns(RuntimeWarning, match=r"trainer fingerprints \['aa'\] differ from sampler fingerprints \['bb'\]"):
+        other.see(_receipt("sample", "bb"))
