@@ -13,7 +13,8 @@ This package is the client SDK. Code written for the official ``tinker`` SDK nee
         print(fb.result().metrics["loss:sum"], opt.result().receipt)
 
 Rooms: ``types`` (the values, as Tinker names them), ``wire`` (types <-> ``lathe.v1`` messages), ``futures``
-(connection, retries, ``APIFuture``), ``service_client`` / ``training_client`` / ``rest_client`` (the clients),
+(connection, retries, ``APIFuture``), ``connect`` (where the gateway is), ``service_client`` / ``training_client`` /
+``sampling_client`` / ``rest_client`` (the clients), ``tokenizer`` (a base model's tokenizer, found locally),
 ``errors`` (one error model for client and server). The SDK talks gRPC to the gateway (``lathe.v1.Gateway``)
 and never imports torch at module level. The server side lives in ``lathe.gateway``, ``lathe.trainer``,
 ``lathe.sampler`` and ``lathe.checkpoints``.
@@ -28,6 +29,7 @@ from lathe.errors import (
     LatheError,
     NotFound,
     PermissionDenied,
+    RequestTooLarge,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
@@ -38,6 +40,7 @@ from lathe.sampling_client import SamplingClient
 from lathe.service_client import ServiceClient
 from lathe.training_client import TrainingClient
 from lathe.types import (
+    AdamOptimizerConfig,
     AdamParams,
     Checkpoint,
     CheckpointsListResponse,
@@ -45,6 +48,7 @@ from lathe.types import (
     Cursor,
     Datum,
     EncodedTextChunk,
+    Exactness,
     ForwardBackwardOutput,
     GetInfoResponse,
     GetServerCapabilitiesResponse,
@@ -56,6 +60,7 @@ from lathe.types import (
     OptimStepResponse,
     ParsedCheckpointTinkerPath,
     Receipt,
+    RequestLimits,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -70,6 +75,7 @@ from lathe.types import (
 
 __all__ = [
     "APIFuture",
+    "AdamOptimizerConfig",
     "AdamParams",
     "AlreadyExists",
     "Checkpoint",
@@ -79,6 +85,7 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "FailedPrecondition",
+    "Exactness",
     "ForwardBackwardOutput",
     "GetInfoResponse",
     "GetServerCapabilitiesResponse",
@@ -95,6 +102,8 @@ __all__ = [
     "ParsedCheckpointTinkerPath",
     "PermissionDenied",
     "Receipt",
+    "RequestLimits",
+    "RequestTooLarge",
     "ResourceExhausted",
     "RestClient",
     "RetryPolicy",

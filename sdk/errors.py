@@ -27,6 +27,12 @@ class InvalidArgument(LatheError):
     status, http_status, category = grpc.StatusCode.INVALID_ARGUMENT, 400, "user"
 
 
+class RequestTooLarge(InvalidArgument):
+    """A request body over the door's size limit (HTTP 413: not retried, as any other invalid argument)."""
+
+    http_status = 413
+
+
 class NotFound(LatheError):
     status, http_status, category = grpc.StatusCode.NOT_FOUND, 404, "user"
 

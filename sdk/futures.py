@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures as cf
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -57,6 +58,32 @@ class RetryPolicy:
             raise ValueError(f"RetryPolicy needs 0 < first_s <= max_s and budget_s >= 0, got {self}")
 
 
+class ExactnessWatch:
+    """Reads the receipt of every result a client gets and warns once (per client) when sampled logprobs
+    may not equal the trainer's bit for bit: a pool that failed its exactness self-check, or a trainer and
+    a sampler whose fingerprints differ (their bits come from different machines or settings)."""
+
+    def __init__(self) -> None:
+        self.fingerprints: dict[str, set[str]] = {"trainer": set(), "sampler": set()}
+        self.warned = False
+
+    def see(self, receipt: pb.Receipt) -> None:
+        if self.warned or not receipt.op:
+            return
+        pool = "sampler" if receipt.op == "sample" else "trainer"
+        if not receipt.exact:
+            reason = f"the {pool} pool that ran {receipt.op!r} did not pass its exactness self-check"
+        else:
+            self.fingerprints[pool].add(receipt.fingerprint)
+            trainer, sampler = self.fingerprints["trainer"], self.fingerprints["sampler"]
+            if not (trainer and sampler) or trainer & sampler:
+                return
+            reason = f"trainer fingerprints {sorted(trainer)} differ from sampler fingerprints {sorted(sampler)}"
+        self.warned = True
+        warnings.warn(f"Lathe: {reason}; sampled logprobs may not equal the trainer's bit for bit "
+                      f"(get_server_capabilities says which pool and why)", RuntimeWarning, stacklevel=2)
+
+
 class Connection:
     """One ServiceClient's link to the gateway at ``target`` (``host:port``); shared by its training and
     REST clients. Thread-safe: ``spawn`` may be called from any thread."""
@@ -72,6 +99,7 @@ class Connection:
         self._thread.start()
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GatewayStub = self.spawn(self._open()).result()
+        self.exactness = ExactnessWatch()
 
     async def _open(self) -> pb_grpc.GatewayStub:
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
@@ -86,12 +114,14 @@ class Connection:
             return asyncio.run_coroutine_threadsafe(work, self._loop)
 
     async def call(self, rpc: str, request: Message, *, timeout: float | None = None,
-                   retry_codes: frozenset[grpc.StatusCode] = RETRY_CODES) -> Any:
-        """``Gateway.<rpc>(request)`` with the API key; failures become ``lathe.errors`` exceptions."""
+                   retry_codes: frozenset[grpc.StatusCode] = RETRY_CODES, retry: RetryPolicy | None = None) -> Any:
+        """``Gateway.<rpc>(request)`` with the API key; failures become ``lathe.errors`` exceptions. ``retry``
+        overrides the connection's policy for this call (a client made with its own ``retry_config``)."""
         method = getattr(self._stub, rpc)
+        policy = retry or self.retry
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.retry.budget_s
-        delay = self.retry.first_s
+        give_up = loop.time() + policy.budget_s
+        delay = policy.first_s
         while True:
             try:
                 return await method(request, metadata=self._metadata, timeout=timeout)
@@ -100,7 +130,7 @@ class Connection:
                     raise from_rpc_error(e) from None
                 log.info("Gateway.%s at %s: %s; retrying in %.1f s", rpc, self.target, e.code().name, delay)
             await asyncio.sleep(delay)
-            delay = min(2 * delay, self.retry.max_s)
+            delay = min(2 * delay, policy.max_s)
 
     def close(self) -> None:
         """Cancel everything in flight (their futures raise CancelledError), close the channel, stop the loop."""
@@ -175,7 +205,10 @@ def server_future(conn: Connection, submit: Coroutine[Any, Any, str],
             request_id.set_exception(e)
             raise
         request_id.set_result(rid)
-        return decode(await poll(conn, rid))
+        res = await poll(conn, rid)
+        if res.HasField("receipt"):
+            conn.exactness.see(res.receipt)
+        return decode(res)
 
     try:
         return APIFuture(conn.spawn(run()), request_id)

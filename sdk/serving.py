@@ -2,7 +2,10 @@
 
 ``run(name, host, port, add_servicers)`` starts a ``grpc.aio`` server on ``host:port`` (port 0 picks
 a free port), prints exactly one ready line ``<name> listening on HOST:PORT`` (``lathe serve`` and the
-tests wait for it), and serves until SIGINT or SIGTERM, then stops gracefully.
+tests wait for it), and serves until SIGINT or SIGTERM, then stops gracefully. ``run`` serves internal
+services: it installs the shared-secret check of ``lathe.internal_auth``. Internal services take
+messages up to ``MAX_MESSAGE_BYTES`` (checkpoint bytes travel through them); the public gateway passes
+its own, much smaller ``max_receive_bytes``, and its TLS ``credentials`` when it has a certificate.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+
+from lathe.internal_auth import server_interceptors
 
 MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [
@@ -29,10 +34,16 @@ async def serve_until_stopped(
     port: int,
     add_servicers: Callable[[grpc.aio.Server], None],
     on_stop: Callable[[], Awaitable[None] | None] | None = None,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_receive_message_length", max_receive_bytes)])
     add_servicers(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
     print(f"{name}{READY_MARK}{host}:{bound}", flush=True)
     stop = asyncio.Event()
@@ -50,4 +61,6 @@ async def serve_until_stopped(
 
 def run(name: str, host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
         on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
-    asyncio.run(serve_until_stopped(name, host, port, add_servicers, on_stop))
+    """Serve an internal service: only callers holding the stack's secret get through."""
+    asyncio.run(serve_until_stopped(name, host, port, add_servicers, on_stop,
+                                    interceptors=server_interceptors(name, host)))

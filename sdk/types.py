@@ -10,7 +10,7 @@ back, and nothing here knows about gRPC. Code written against ``tinker.types`` k
   ``SaveWeightsForSamplerResponse``, ``LoadWeightsResponse``, ``CreateModelResponse``; each carries the
   ``Receipt`` of the operation that produced it (None when the server sent none).
 - Registry views: ``GetInfoResponse`` (+ ``ModelData``), ``TrainingRun``, ``Checkpoint``, the list responses
-  with their ``Cursor``, and ``GetServerCapabilitiesResponse`` (+ ``SupportedModel``).
+  with their ``Cursor``, and ``GetServerCapabilitiesResponse`` (+ ``SupportedModel``, ``RequestLimits``).
 
 torch is never imported here at module level: only ``TensorData.from_torch`` / ``to_torch`` import it, and
 a ``Datum`` recognises a torch tensor only when the caller has already imported torch.
@@ -26,6 +26,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+from lathe.errors import InvalidArgument, PermissionDenied
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +124,8 @@ class TensorData:
             self.data = self.data.reshape(-1)
         if self.shape is not None:
             self.shape = [int(d) for d in self.shape]
+            if any(d < 0 for d in self.shape):
+                raise ValueError(f"TensorData.shape = {self.shape} has a negative dimension")
             if math.prod(self.shape) != len(self.data):
                 raise ValueError(f"TensorData.shape = {self.shape} holds {math.prod(self.shape)} values, "
                                  f"but data has {len(self.data)}")
@@ -219,6 +223,57 @@ class AdamParams:
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
 
+    def check(self) -> AdamParams:
+        """Refuse what AdamW cannot use (``InvalidArgument`` naming the field and value); returns ``self``.
+
+        Every value finite; learning_rate, weight_decay, grad_clip_norm >= 0; betas in [0, 1); eps > 0 (eps 0
+        divides zero by zero on a parameter that has no gradient yet)."""
+        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or value < 0:
+                raise InvalidArgument(f"adam_params.{name} = {value!r} must be a finite number >= 0")
+        for name in ("beta1", "beta2"):
+            if getattr(self, name) >= 1:
+                raise InvalidArgument(f"adam_params.{name} = {getattr(self, name)} must be < 1")
+        if self.eps <= 0:
+            raise InvalidArgument(f"adam_params.eps = {self.eps} must be > 0")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class AdamOptimizerConfig:
+    """The optimizer family of a training run, chosen at creation (Tinker's ``optimizer=``). AdamW is the
+    only family Lathe trains with; its per-step hyperparameters are ``AdamParams``."""
+
+    type: Literal["adamw"] = "adamw"
+
+
+def check_optimizer(optimizer: object | None) -> None:
+    """Accept ``None`` (AdamW) or an AdamW config: Lathe's or tinker's, anything whose ``type`` is "adamw"."""
+    kind = "adamw" if optimizer is None else getattr(optimizer, "type", None)
+    if kind != "adamw":
+        raise InvalidArgument(f"optimizer = {optimizer!r}: Lathe trains with AdamW only "
+                              "(AdamOptimizerConfig, or None)")
+
+
+def adam_params_of(optim_params: object | None, adam_params: AdamParams | None) -> AdamParams:
+    """The ``AdamParams`` of an ``optim_step(optim_params, *, adam_params)`` call (Tinker's two spellings)."""
+    if optim_params is not None and adam_params is not None:
+        raise InvalidArgument("optim_step takes optim_params or the legacy adam_params, not both")
+    params = optim_params if optim_params is not None else adam_params
+    if not isinstance(params, AdamParams):
+        raise InvalidArgument(f"optim_params = {params!r}: Lathe trains with AdamW only; pass AdamParams")
+    return params.check()
+
+
+def check_weights_access_token(weights_access_token: str | None) -> None:
+    """Tinker's token for another account's weights: Lathe's checkpoints stay with their tenant, so none is
+    honoured and a given one is refused rather than ignored."""
+    if weights_access_token is not None:
+        raise PermissionDenied("weights_access_token: Lathe shares no weights across accounts; load your own "
+                               "checkpoints without a token")
+
 
 @dataclass(slots=True)
 class LoraConfig:
@@ -249,6 +304,8 @@ class Receipt:
     run_s: float
     dtype: str
     op: str
+    fingerprint: str = ""  # exactness fingerprint of the pool that computed it (lathe.models.exactness)
+    exact: bool = False  # that pool passed its exactness self-check
 
 
 LossFnOutput = dict[str, TensorData]
@@ -302,6 +359,8 @@ class CreateModelResponse:
 
 EPHEMERAL_TTL_S = 24 * 3600
 """Unnamed sampler snapshots (``save_weights_and_get_sampling_client()``, one per RL step) expire after a day."""
+MAX_TTL_S = 10 * 365 * 24 * 3600
+"""The longest ``ttl_seconds`` a checkpoint may ask for (ten years; 0 keeps it forever)."""
 
 StopReason = Literal["stop", "length"]
 
@@ -457,11 +516,42 @@ class CheckpointsListResponse:
 
 
 @dataclass(slots=True)
+class Exactness:
+    """A model pool's exactness self-check: ``checked`` once the pool loaded the model; ``exact`` when every
+    op was batch-invariant there; ``fingerprint`` hashes the bits of a canonical forward."""
+
+    checked: bool = False
+    exact: bool = False
+    first_failure: str = ""
+    fingerprint: str = ""
+    detail: str = ""
+
+
+@dataclass(slots=True)
 class SupportedModel:
+    """A served base model. ``logprobs_exact``: its trainer and sampler pools are both checked and exact,
+    with equal fingerprints, so sampled logprobs equal the trainer's bit for bit."""
+
     model_name: str
     max_context_length: int
+    trainer_exactness: Exactness = field(default_factory=Exactness)
+    sampler_exactness: Exactness = field(default_factory=Exactness)
+    logprobs_exact: bool = False
+
+
+@dataclass(slots=True)
+class RequestLimits:
+    """What one request may ask for; the server refuses larger ones (``InvalidArgument``) before any work."""
+
+    max_message_bytes: int
+    max_samples: int
+    max_topk_prompt_logprobs: int
+    max_stop_sequences: int
+    max_stop_chars: int
+    max_tensor_elements: int
 
 
 @dataclass(slots=True)
 class GetServerCapabilitiesResponse:
     supported_models: list[SupportedModel]
+    limits: RequestLimits | None = None  # None: the server did not say

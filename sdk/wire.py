@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import asdict, fields
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from lathe.types import (
     Cursor,
     Datum,
     EncodedTextChunk,
+    Exactness,
     ForwardBackwardOutput,
     GetInfoResponse,
     GetServerCapabilitiesResponse,
@@ -37,6 +39,7 @@ from lathe.types import (
     ModelInput,
     OptimStepResponse,
     Receipt,
+    RequestLimits,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -147,13 +150,13 @@ def error_from_proto(msg: pb.Error) -> errors.LatheError:
 def receipt_to_proto(r: Receipt) -> pb.Receipt:
     return pb.Receipt(request_id=r.request_id, model_id=r.model_id, seq_id=r.seq_id, cycle=r.cycle,
                       tokens=r.tokens, adapter_step=r.adapter_step, queued_s=r.queued_s, run_s=r.run_s,
-                      dtype=r.dtype, op=r.op)
+                      dtype=r.dtype, op=r.op, fingerprint=r.fingerprint, exact=r.exact)
 
 
 def receipt_from_proto(msg: pb.Receipt) -> Receipt:
     return Receipt(request_id=msg.request_id, model_id=msg.model_id, seq_id=msg.seq_id, cycle=msg.cycle,
                    tokens=msg.tokens, adapter_step=msg.adapter_step, queued_s=msg.queued_s, run_s=msg.run_s,
-                   dtype=msg.dtype, op=msg.op)
+                   dtype=msg.dtype, op=msg.op, fingerprint=msg.fingerprint, exact=msg.exact)
 
 
 def forward_backward_output_to_proto(out: ForwardBackwardOutput) -> pb.ForwardBackwardOutput:
@@ -269,14 +272,29 @@ def get_info_from_proto(msg: pb.ModelInfo) -> GetInfoResponse:
 
 
 def capabilities_to_proto(caps: GetServerCapabilitiesResponse) -> pb.ServerCapabilities:
-    return pb.ServerCapabilities(supported_models=[
-        pb.SupportedModel(model_name=m.model_name, max_context_length=m.max_context_length)
+    msg = pb.ServerCapabilities(supported_models=[
+        pb.SupportedModel(model_name=m.model_name, max_context_length=m.max_context_length,
+                          trainer_exactness=pb.Exactness(**asdict(m.trainer_exactness)),
+                          sampler_exactness=pb.Exactness(**asdict(m.sampler_exactness)),
+                          logprobs_exact=m.logprobs_exact)
         for m in caps.supported_models])
+    if caps.limits is not None:
+        msg.limits.CopyFrom(pb.RequestLimits(**asdict(caps.limits)))
+    return msg
 
 
 def capabilities_from_proto(msg: pb.ServerCapabilities) -> GetServerCapabilitiesResponse:
+    limits = None
+    if msg.HasField("limits"):
+        limits = RequestLimits(**{f.name: getattr(msg.limits, f.name) for f in fields(RequestLimits)})
     return GetServerCapabilitiesResponse(supported_models=[
-        SupportedModel(m.model_name, m.max_context_length) for m in msg.supported_models])
+        SupportedModel(m.model_name, m.max_context_length, _exactness(m.trainer_exactness),
+                       _exactness(m.sampler_exactness), m.logprobs_exact)
+        for m in msg.supported_models], limits=limits)
+
+
+def _exactness(msg: pb.Exactness) -> Exactness:
+    return Exactness(**{f.name: getattr(msg, f.name) for f in fields(Exactness)})
 
 
 def checkpoint_to_proto(c: Checkpoint) -> pb.CheckpointEntry:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,12 +63,13 @@ def test_result_reward_is_all_or_nothing_and_fraction_is_the_share() -> None:
     ("def clip(x, lo, hi):\n    return min(max(x, lo), hi)\n", "no function named clamp"),
     ("import sys\nsys.exit(0)\n" + CORRECT, "raised SystemExit"),
     ("def clamp(x, lo, hi):\n    data = bytearray(1 << 30)\n    return min(max(x, lo), hi)\n", "memory limit"),
-    ("import ctypes\n" + CORRECT, "blocked: ctypes"),
-    ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n" + CORRECT, "blocked: limits"),
-    ("import os\nos.fork()\n" + CORRECT, "blocked: process"),
-    ("import gc\ngc.get_objects()\n" + CORRECT, "blocked: introspection"),
-    (REBIND_EVERYTHING + "open('x', 'w')\n" + CORRECT, "blocked: file write"),
-], ids=["syntax", "no-clamp", "sys-exit", "memory-bomb", "ctypes", "raise-limits", "fork", "gc-walk",
+    ("import ctypes\n" + CORRECT, "blocked: import"),
+    ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n" + CORRECT, "blocked: resource.setrlimit"),
+    ("import os\nos.fork()\n" + CORRECT, "blocked: os.fork"),
+    ("import gc\ngc.get_objects()\n" + CORRECT, "blocked: import"),
+    ("import sys\nsys.modules['gc'].get_objects()\n" + CORRECT, "raised KeyError"),
+    (REBIND_EVERYTHING + "open('x', 'w')\n" + CORRECT, "blocked: open"),
+], ids=["syntax", "no-clamp", "sys-exit", "memory-bomb", "ctypes", "raise-limits", "fork", "gc-import", "gc-loaded",
         "rebind-globals"])
 def test_broken_or_forbidden_code_scores_zero_with_its_reason(source: str, error: str) -> None:
     assert grader.grade(source) == grader.GradeResult(0, error=error)
@@ -83,44 +86,119 @@ def test_socket_connect_is_blocked_before_it_reaches_the_listener() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         source = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n" + CORRECT
-        assert grader.grade(source) == grader.GradeResult(0, error="blocked: network")
+        assert grader.grade(source) == grader.GradeResult(0, error="blocked: import")
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             listener.accept()
 
 
-@pytest.mark.parametrize("how", [
-    "open({path!r}, 'w').write('pwned')",
-    "import os\nos.close(os.open({path!r}, os.O_WRONLY | os.O_CREAT))",
-    "import pathlib\npathlib.Path({path!r}).touch()",
+@pytest.mark.parametrize(("how", "error"), [
+    ("open({path!r}, 'w').write('pwned')", "blocked: open"),
+    ("import os\nos.close(os.open({path!r}, os.O_WRONLY | os.O_CREAT))", "blocked: open"),
+    ("import pathlib\npathlib.Path({path!r}).touch()", "blocked: import"),
 ], ids=["open", "os-open", "pathlib"])
-def test_file_write_outside_the_sandbox_is_blocked(tmp_path: Path, how: str) -> None:
+def test_file_write_outside_the_sandbox_is_blocked(tmp_path: Path, how: str, error: str) -> None:
     target = tmp_path / "pwned.txt"
     source = "def clamp(x, lo, hi):\n    " + how.format(path=str(target)).replace("\n", "\n    ") + \
         "\n    return min(max(x, lo), hi)\n"
-    assert grader.grade(source) == grader.GradeResult(0, error="blocked: file write")
+    assert grader.grade(source) == grader.GradeResult(0, error=error)
     assert not target.exists()
 
 
 def test_os_system_is_blocked(tmp_path: Path) -> None:
     target = tmp_path / "marker"
     source = f"import os\nos.system('touch {target}')\n" + CORRECT
-    assert grader.grade(source) == grader.GradeResult(0, error="blocked: process")
+    assert grader.grade(source) == grader.GradeResult(0, error="blocked: os.system")
     assert not target.exists()
 
 
 def test_child_runs_isolated_in_an_empty_temp_dir_that_is_removed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No environment (so no secret of the grader's), a fresh working directory, isolated mode, not root,
+    and hard limits on memory, CPU, file size, open files and processes."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setenv("LATHE_GRADER_SECRET", "do-not-leak")
     source = (
-        "import os, sys\n"
-        f"ok = (os.listdir('.') == [] and os.getcwd().startswith({str(tmp_path)!r}) and sys.flags.isolated\n"
-        "      and sys.flags.no_site and set(os.environ) <= {'LC_CTYPE'})\n"
+        "import os, sys, resource\n"
+        "limits = {w: resource.getrlimit(getattr(resource, 'RLIMIT_' + w)) for w in\n"
+        "          ('AS', 'CPU', 'FSIZE', 'NOFILE', 'NPROC', 'CORE')}\n"
+        f"ok = (os.getcwd().startswith({str(tmp_path)!r}) and sys.flags.isolated and sys.flags.no_site\n"
+        "      and set(os.environ) <= {'LC_CTYPE'} and os.getuid() != 0 and os.geteuid() != 0\n"
+        "      and limits == {'AS': (256 << 20,) * 2, 'CPU': (2, 2), 'FSIZE': (1 << 20,) * 2, 'NOFILE': (16, 16),\n"
+        "                     'NPROC': (0, 0), 'CORE': (0, 0)})\n"
         "def clamp(x, lo, hi):\n"
         "    return min(max(x, lo), hi) if ok else None\n"
     )
     assert grader.grade(source) == grader.GradeResult(5)
     assert list(tmp_path.iterdir()) == []
+
+
+MARKER = "/tmp/lathe-sandbox-escaped"  # what an escape below would write (each one tries a write after it)
+ESCAPE = f"\nopen({MARKER!r}, 'w').write('escaped')\n"
+
+
+@pytest.mark.parametrize(("attack", "error"), [
+    # the issue's attack: the sandbox script's frame, then its reporter's code replaced, so the hook stops ending
+    # the run
+    ("import sys\nrep = sys._getframe(1).f_locals['report']\nrep.__code__ = (lambda e, o: None).__code__",
+     "blocked: sys._getframe"),
+    ("try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    f = e.__traceback__.tb_frame.f_back",
+     "blocked: object.__getattr__"),
+    ("def g():\n    yield\nf = g().gi_frame", "blocked: object.__getattr__"),
+    ("import sys\nsys.settrace(lambda *a: None)", "blocked: sys.settrace"),
+    ("import sys\nsys.setprofile(lambda *a: None)", "blocked: sys.setprofile"),
+    ("import sys\nsys._current_frames()", "blocked: sys._current_frames"),
+    ("import __main__\n__main__.make_reporter.__code__ = (lambda *a: None).__code__",
+     "blocked: object.__getattr__"),
+    # the allow-list is the hook's own: rebinding the script's global changes nothing
+    ("import __main__\n__main__.ALLOWED_EVENTS = frozenset({'open', 'exec', 'compile'})", "blocked: open"),
+    ("import sys\nsys.addaudithook(lambda *a: None)", "blocked: sys.addaudithook"),
+], ids=["getframe-f_locals", "traceback-frame", "generator-frame", "settrace", "setprofile", "current-frames",
+        "replace-code", "rebind-allow-list", "second-hook"])
+def test_code_cannot_switch_the_sandbox_off(attack: str, error: str) -> None:
+    Path(MARKER).unlink(missing_ok=True)
+    assert grader.grade(attack + ESCAPE + CORRECT) == grader.GradeResult(0, error=error)
+    assert not Path(MARKER).exists()
+
+
+@pytest.mark.parametrize("read", [
+    "import os\nopen(f'/proc/{os.getppid()}/environ', 'rb').read()",
+    "open('/etc/passwd').read()",
+    "import os\nos.read(os.open('/etc/hostname', os.O_RDONLY), 100)",
+    "import io\nio.open_code('/etc/passwd').read()",
+    "import os\nos.listdir('/')",
+    "import os\nlist(os.scandir('/tmp'))",
+], ids=["parent-environ", "open", "os-open", "open-code", "listdir", "scandir"])
+def test_candidate_reads_no_file(read: str) -> None:
+    result = grader.grade(read + "\n" + CORRECT)
+    assert result.passed == 0 and result.error is not None and result.error.startswith("blocked: ")
+
+
+def test_honest_code_with_the_allowed_modules_passes() -> None:
+    source = (
+        "import math, functools, itertools, operator, typing, collections, numbers, cmath\n"
+        "from functools import reduce\n"
+        "def clamp(x: typing.Any, lo, hi):\n"
+        "    assert isinstance(x, numbers.Real) and not math.isnan(x) and id(x)\n"
+        "    return reduce(lambda a, f: f(a), [functools.partial(max, lo), functools.partial(min, hi)], x)\n"
+    )
+    assert grader.grade(source) == grader.GradeResult(5)
+
+
+def test_the_network_namespace_alone_keeps_the_child_off_the_host_network() -> None:
+    """Without the audit hook, a process started with the grader's prefix still reaches no listener."""
+    prefix = grader.network_namespace()
+    if not prefix:
+        pytest.skip("unshare is not available or not permitted here")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"
+        proc = subprocess.run([*prefix, sys.executable, "-I", "-c", code], capture_output=True, timeout=30)
+        assert proc.returncode != 0
+        assert b"OSError" in proc.stderr or b"Error" in proc.stderr
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
 
 
 def test_candidate_output_cannot_forge_a_result() -> None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -69,7 +70,7 @@ class FakeGateway(pb_grpc.GatewayServicer):
         if key not in self.by_seq:
             receipt = lathe.Receipt(request_id="", model_id=request.model_id, seq_id=request.seq_id, cycle=7,
                                     tokens=3, adapter_step=0, queued_s=0.5, run_s=0.25, dtype="float32",
-                                    op=rpc)
+                                    op=rpc, fingerprint="f00d", exact=True)
             value.receipt = receipt
             self.by_seq[key] = self._future(rpc, wire.result_to_proto(value))
         return pb.SubmitResponse(request_id=self.by_seq[key], model_id=request.model_id)
@@ -174,6 +175,11 @@ class FakeGateway(pb_grpc.GatewayServicer):
     def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest, context: Ctx) -> pb.Empty:
         self._enter("DeleteCheckpoint", request, context)
         return pb.Empty()
+
+    def CreateSamplingSession(self, request: pb.CreateSamplingSessionRequest, context: Ctx) -> pb.SamplingSession:
+        self._enter("CreateSamplingSession", request, context)
+        return pb.SamplingSession(sampling_session_id=f"{request.session_id}:sample:0",
+                                  base_model=request.base_model or BASE, model_path=request.model_path)
 
 
 @pytest.fixture
@@ -503,7 +509,7 @@ def test_async_api(sc: lathe.ServiceClient, gw: FakeGateway) -> None:
         assert out.metrics["loss:sum"] == 1.0 and step.receipt.seq_id == 2
         saved = await (await tc.save_state_async("a")).result_async()
         assert (await tc.get_info_async()).model_id == tc.model_id
-        tc2 = await sc.create_training_client_from_state_with_optimizer_async(saved.path, {"k": "v"})
+        tc2 = await sc.create_training_client_from_state_with_optimizer_async(saved.path, user_metadata={"k": "v"})
         assert (await sc.get_server_capabilities_async()).supported_models[0].model_name == BASE
         return tc2
 
@@ -587,3 +593,67 @@ def test_close_cancels_what_is_in_flight(fake: tuple[FakeGateway, str]) -> None:
         fut.result(timeout=10)
     with pytest.raises(lathe.FailedPrecondition, match="closed"):
         tc.optim_step(lathe.AdamParams())
+
+
+def test_rest_client_constructed_on_its_own_like_tinkers(fake: tuple[FakeGateway, str]) -> None:
+    """``RestClient(base_url=..., api_key=...)`` (what tinker 0.38 recommends) and the ``_async`` twins."""
+    gw, address = fake
+    rest = lathe.RestClient(base_url=address, api_key="tml-own")
+    try:
+        assert rest.get_training_run("sess-1:train:2", access_scope="accessible").result(timeout=10).lora_rank == 8
+
+        async def main() -> tuple[lathe.TrainingRunsResponse, lathe.TrainingRun, None]:
+            return (await rest.list_training_runs_async(limit=1),
+                    await rest.get_training_run_by_tinker_path_async("tinker://sess-1:train:3/weights/a"),
+                    await rest.delete_checkpoint_async("sess-1:train:0", "weights/c1"))
+
+        runs, run, deleted = asyncio.run(main())
+        assert [r.training_run_id for r in runs.training_runs] == ["sess-1:train:0"]
+        assert run.training_run_id == "sess-1:train:3" and deleted is None
+        with pytest.raises(lathe.InvalidArgument, match="access_scope"):
+            rest.list_training_runs(access_scope="everyone")
+    finally:
+        rest.close()
+    assert {meta["x-api-key"] for _, _, meta in gw.calls} == {"tml-own"}
+    with pytest.raises(lathe.FailedPrecondition, match="closed"):
+        rest.list_training_runs()
+
+
+def test_tinker_spellings_of_optimizer_and_sampling(sc: lathe.ServiceClient, gw: FakeGateway) -> None:
+    import tinker
+
+    tc = sc.create_lora_training_client(BASE, rank=4, optimizer=lathe.AdamOptimizerConfig())
+    sc.create_lora_training_client(BASE, rank=4, optimizer=tinker.types.AdamOptimizerConfig())
+    with pytest.raises(lathe.InvalidArgument, match="AdamW only"):
+        sc.create_lora_training_client(BASE, optimizer=tinker.types.DimuonOptimizerConfig())
+    assert tc.optim_step(lathe.AdamParams(learning_rate=0.5)).result(timeout=10).metrics["lr"] == 0.5
+    assert tc.optim_step(adam_params=lathe.AdamParams(learning_rate=0.25)).result(timeout=10).metrics["lr"] == 0.25
+    with pytest.raises(lathe.InvalidArgument, match="not both"):
+        tc.optim_step(lathe.AdamParams(), adam_params=lathe.AdamParams())
+    with pytest.raises(lathe.InvalidArgument, match="AdamW only"):
+        tc.optim_step(tinker.types.DimuonParams(learning_rate=0.1))
+    with pytest.raises(lathe.PermissionDenied, match="weights_access_token"):
+        tc.load_state("tinker://sess-1:train:0/weights/a", weights_access_token="tok")
+    with pytest.raises(lathe.InvalidArgument, match="trained on 'fake/base'"):
+        sc.create_training_client_from_state("tinker://sess-1:train:0/weights/a", base_model="other/model")
+    assert sc.create_training_client_from_state("tinker://sess-1:train:0/weights/a", base_model=BASE).model_id
+    policy = RetryPolicy(first_s=0.01, max_s=0.02, budget_s=1.0)
+    sampler = tc.create_sampling_client("tinker://sess-1:train:0/sampler_weights/s", retry_config=policy)
+    assert (sampler.model_path, sampler.get_base_model(), sampler._retry) == (
+        "tinker://sess-1:train:0/sampler_weights/s", BASE, policy)
+    with pytest.raises(lathe.NotFound, match="downloads nothing"):
+        tc.get_tokenizer()  # the fake's base model exists nowhere on this machine
+
+
+def test_get_tokenizer_reads_the_base_models_own_files(sc: lathe.ServiceClient, tiny_dir: Path, model_cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local model directory (what the cookbook passes) or a built-in name, from the catalog's cache."""
+    from tokenizers import Tokenizer
+
+    expected = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).encode("def clamp(x):").ids
+    by_dir = sc.create_sampling_client(base_model=str(tiny_dir)).get_tokenizer()
+    assert by_dir.encode("def clamp(x):", add_special_tokens=False) == expected
+    monkeypatch.setenv("LATHE_CACHE", str(model_cache))
+    by_name = sc.create_sampling_client(base_model="lathe/tiny-llama").get_tokenizer()
+    assert by_name.encode("def clamp(x):", add_special_tokens=False) == expected
+    assert by_name.decode(expected) == "def clamp(x):"

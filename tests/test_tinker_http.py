@@ -64,7 +64,8 @@ def test_a_request_encoded_by_the_sdk_decodes_to_the_same_arrays() -> None:
                         loss_fn_inputs={"target_tokens": list(range(2, 42)), "weights": sparse})
     sdk_req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
         data=[datum], loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.7}), model_id="m", seq_id=4)
-    req = forward_backward_from_proto(request_conv.forward_backward_request_to_proto(sdk_req).SerializeToString())
+    req = forward_backward_from_proto(request_conv.forward_backward_request_to_proto(sdk_req).SerializeToString(),
+                                      1 << 20)
     assert (req.model_id, req.seq_id, req.loss_fn, dict(req.loss_fn_config)) == ("m", 4, "ppo",
                                                                                  {"clip_low_threshold": 0.7})
     assert list(req.data[0].model_input.chunks[0].tokens) == list(range(1, 41))
@@ -79,11 +80,11 @@ def test_text_loss_config_and_non_text_chunks_are_refused_by_name() -> None:
     msg = ours.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="ppo")
     msg.loss_fn_config_v2["clip_low_threshold"].text = "low"
     with pytest.raises(InvalidArgument, match=r"loss_fn_config\['clip_low_threshold'\]"):
-        forward_backward_from_proto(msg.SerializeToString())
+        forward_backward_from_proto(msg.SerializeToString(), 1 << 20)
     msg = ours.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
     msg.data.add().model_input.add().image.data = b"png"
     with pytest.raises(InvalidArgument, match=r"data\[0\]\.model_input\[0\] is a image chunk"):
-        forward_backward_from_proto(msg.SerializeToString())
+        forward_backward_from_proto(msg.SerializeToString(), 1 << 20)
 
 
 def _f32(values: list[float]) -> pb.Tensor:
@@ -226,11 +227,11 @@ def test_bad_input_gets_the_status_and_body_the_sdk_expects_and_changes_nothing(
     _refused(alice.post("/no_such_endpoint"), 404, "/api/v1/no_such_endpoint")
     _refused(bob.post("/get_info", {"model_id": model}), 404, "model_id")
     _refused(bob.forward_backward(model, 2, TOKENS), 404, "model_id")
-    _refused(bob.post("/weights_info", {"tinker_path": path}), 403, "another tenant")
-    _refused(bob.http.delete(f"/training_runs/{model}/checkpoints/weights/keep"), 403, "another tenant")
+    _refused(bob.post("/weights_info", {"tinker_path": path}), 404, "not found")
+    _refused(bob.http.delete(f"/training_runs/{model}/checkpoints/weights/keep"), 404, "not found")
     bob_session = bob.ok("/create_session", {"user_metadata": {}})["session_id"]
     _refused(bob.post("/create_sampling_session", {"session_id": bob_session, "sampling_session_seq_id": 0,
-                                                   "model_path": path}), 403, "another tenant")
+                                                   "model_path": path}), 404, "not found")
 
     # nothing changed: the same runs and checkpoints, and alice's model still takes its next seq_id
     assert {who: api.http.get("/training_runs").json() for who, api in (("a", alice), ("b", bob))} == runs_before
@@ -253,3 +254,16 @@ def test_a_finished_session_takes_no_new_models(stack: Stack) -> None:
     assert api.ok(f"/sessions/{session}/finish", {"reason": {"type": "success"}, "detail": None}) == {}
     _refused(api.post("/create_model", {"session_id": session, "model_seq_id": 0, "base_model": BASE,
                                         "lora_config": {"rank": 4}}), 400, "has finished")
+
+
+def test_healthz_answers_the_sdks_health_check(stack: Stack) -> None:
+    import asyncio
+
+    from tinker._client import AsyncTinker
+
+    async def check() -> types.HealthResponse:
+        async with AsyncTinker(base_url=stack.http_url, api_key="tml-health") as client:
+            return await client.service.health_check()
+
+    assert asyncio.run(check()).status == "ok"
+    assert Api(stack.http_url, "tml-health").http.get("/healthz").json() == {"status": "ok"}

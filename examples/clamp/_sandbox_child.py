@@ -1,30 +1,49 @@
 """Sandbox child: run one untrusted candidate against the fixture arguments and report once.
 
-Started by ``grader.grade`` as ``python -I -S -B _sandbox_child.py`` in a fresh empty temp dir with
-an empty environment. Reads one JSON request from stdin::
+Started by ``grader.grade`` as ``python -I -S -B _sandbox_child.py`` (inside its own network namespace where
+``unshare`` works) in a fresh empty temp dir with an empty environment. Reads one JSON request from stdin::
 
     {"nonce": str, "source": str, "args": [[x, lo, hi], ...],
-     "limits": {"memory_bytes": int, "cpu_s": int, "file_bytes": int}}
+     "limits": {"memory_bytes": int, "cpu_s": int, "file_bytes": int, "open_files": int}}
 
 and writes exactly one JSON line ``{"nonce", "error", "outcomes"}`` to the file the parent passed as
 stdout, where ``outcomes[i]`` is ``{"value": number}`` or ``{"error": str}`` for ``args[i]`` (empty
 when ``error`` ends the run). The candidate's stdout and stderr go to /dev/null, so its prints
 cannot mix with the report.
 
-Order: read the request, lower the resource limits (soft and hard), move the report channel off
-fd 1, compile, install the audit hook, run the candidate. From then on a forbidden operation ends
-the process at once with a ``blocked: ...`` report, so candidate code cannot catch it and carry on.
-The hook and the reporter are closures built in their own frames that use no module global or
-builtin, so a candidate that rebinds those cannot switch the hook off; it can at most break the
-rest of this script, which only costs it its own reward.
+Order: import the modules candidates may use (``ALLOWED_MODULES``), read the request, lower the resource
+limits (soft and hard), give up root (to ``nobody``) if the child has it, move the report channel off fd 1,
+compile, install the guard, run the candidate. The guard is an audit hook with an allow-list: any event outside
+``ALLOWED_EVENTS`` ends the process at once with a ``blocked: <event>`` report, so candidate code cannot catch
+it and carry on. Outside the list are, among others, every file open (reads included), directory listing,
+import of a module not already loaded, socket, process and signal events, ctypes, gc heap walks, changing
+limits, and every way to a frame or a function's code (``sys._getframe``, tracebacks' and generators' frames,
+tracing and profiling hooks, reading or replacing ``__code__``). The hook lives in a closure that only the
+interpreter holds, and its allow-list is a frozenset in that closure: without frames, code objects or gc, the
+candidate has no reference to either, so it can neither rewrite the list nor switch the hook off. Rebinding
+this script's globals or the builtins can at most break the rest of this script, which costs only its reward.
 """
 
+import cmath  # noqa: F401 - ALLOWED_MODULES: loaded before the guard, so candidates may import them
+import collections  # noqa: F401
+import functools  # noqa: F401
+import itertools  # noqa: F401
 import json
+import math  # noqa: F401
+import numbers  # noqa: F401
+import operator  # noqa: F401
 import os
 import resource
 import sys
+import typing  # noqa: F401
 from collections.abc import Callable
 from typing import NoReturn
+
+ALLOWED_MODULES = ("cmath", "collections", "functools", "itertools", "math", "numbers", "operator", "typing")
+# What plain computation raises: running and compiling code (exec/eval), id(), time.sleep.
+ALLOWED_EVENTS = frozenset({"exec", "compile", "builtins.id", "time.sleep"})
+NOBODY = 65534
+BLOCKED_EXIT = 3  # the exit code when even the report of a block failed
 
 Reporter = Callable[[str | None, list[dict]], NoReturn]
 _INT64 = 1 << 63
@@ -42,37 +61,31 @@ def make_reporter(report_fd: int, nonce: str) -> Reporter:
 
 
 def install_guard(report: Reporter) -> None:
-    """Add the audit hook that ends the run on network, process, file-write, ctypes, gc or limit events.
-
-    Every open for writing is blocked, not only those outside the temp dir: ``os.open(path,
-    flags, dir_fd=fd)`` reports ``path`` without ``fd``, so "inside" cannot be decided from the event.
-    """
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    prefixes = (("socket.", "blocked: network"), ("ctypes.", "blocked: ctypes"))
-    blocked = {
-        **dict.fromkeys(("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-                         "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill"),
-                        "blocked: process"),
-        **dict.fromkeys(("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.link", "os.symlink",
-                         "os.truncate", "os.chmod", "os.chown", "os.utime", "os.chflags", "os.setxattr",
-                         "os.removexattr", "shutil.rmtree"), "blocked: file write"),
-        # Walking the heap would reach this hook's closure.
-        **dict.fromkeys(("gc.get_objects", "gc.get_referrers", "gc.get_referents"), "blocked: introspection"),
-        # Root can raise even hard limits again.
-        **dict.fromkeys(("resource.setrlimit", "resource.prlimit"), "blocked: limits"),
-    }
+    """Add the audit hook that ends the run on any event outside ``ALLOWED_EVENTS``."""
+    allowed, exit_now = ALLOWED_EVENTS, os._exit
 
     def hook(event: str, args: tuple) -> None:
-        if event == "open" and args[2] & write_flags:  # args: (path, mode, flags)
-            report("blocked: file write", [])
-        for prefix, reason in prefixes:
-            if event.startswith(prefix):
-                report(reason, [])
-        reason = blocked.get(event)
-        if reason is not None:
-            report(reason, [])
+        if event in allowed:
+            return
+        try:
+            report(f"blocked: {event}", [])
+        finally:
+            exit_now(BLOCKED_EXIT)  # reached only if a candidate broke the reporter
 
     sys.addaudithook(hook)
+
+
+def lower_limits(limits: dict) -> None:
+    """Hard resource limits, then no root: ``nobody`` cannot raise them again, read root's files or another
+    user's ``/proc/<pid>/environ``, and ``RLIMIT_NPROC`` binds it (it does not bind root)."""
+    for which, value in ((resource.RLIMIT_AS, limits["memory_bytes"]), (resource.RLIMIT_CPU, limits["cpu_s"]),
+                         (resource.RLIMIT_FSIZE, limits["file_bytes"]), (resource.RLIMIT_NOFILE, limits["open_files"]),
+                         (resource.RLIMIT_NPROC, 0), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(which, (value, value))
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
 
 
 def outcome(value: object) -> dict:
@@ -86,15 +99,12 @@ def outcome(value: object) -> dict:
 
 def main() -> None:
     request = json.loads(sys.stdin.buffer.read())
-    limits = request["limits"]
-    for which, value in ((resource.RLIMIT_AS, limits["memory_bytes"]), (resource.RLIMIT_CPU, limits["cpu_s"]),
-                         (resource.RLIMIT_FSIZE, limits["file_bytes"]), (resource.RLIMIT_NPROC, 0),
-                         (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(which, (value, value))
+    lower_limits(request["limits"])
     report_fd = os.dup(1)
     null_fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null_fd, 1)
     os.dup2(null_fd, 2)
+    os.close(null_fd)
     report = make_reporter(report_fd, request["nonce"])
     try:
         code = compile(request["source"], "<candidate>", "exec")

@@ -4,19 +4,22 @@ In: a completion (text after the prefill) or a function source. Out: a ``GradeRe
 State: one temp dir per run (the child's empty cwd, plus the report file the child writes through
 its stdout), deleted when the run ends. Candidate code never runs in this process.
 
-The sandbox (``_sandbox_child.py``): ``python -I -S -B`` (no ``PYTHON*`` variables, no user or
-script dir on ``sys.path``, no ``site``, no bytecode writes) with an empty environment, in its own
-session so a timeout kills the whole process group; inside, before the candidate runs, hard
-resource limits (address space, CPU seconds, file size, no new processes, no core dumps) and an
-audit hook that ends the run on sockets, process creation or signals, any file write or filesystem
-change, ctypes, gc heap walks, and changing the limits.
+The sandbox, in layers (what each stops and what none stops: ``SANDBOX.md``):
+
+- a fresh process, ``python -I -S -B`` (no ``PYTHON*`` variables, no user or script dir on ``sys.path``, no
+  ``site``, no bytecode writes) with an empty environment, so it inherits no secret, in a fresh empty working
+  directory, in its own session so a timeout kills the whole process group;
+- its own network namespace (``unshare --net``, with ``--user`` when not root) wherever ``unshare`` works:
+  no interface but a downed loopback, so nothing is reachable even past the audit hook;
+- hard resource limits set by the child before the candidate runs (address space, CPU seconds, file size,
+  open files, no new processes, no core dumps), and, when it runs as root, the child becomes ``nobody``,
+  which cannot raise them again, read root's files or the grader's ``/proc/<pid>/environ``;
+- an audit hook with an allow-list of events (``_sandbox_child.ALLOWED_EVENTS``) that the candidate has no
+  reference to: any other event (opening any file, importing a module not preloaded, sockets, processes,
+  signals, frames and code objects, ctypes, gc, limits) ends the run with ``blocked: <event>``.
 
 The limits are set by the child itself, not in ``preexec_fn``: ``grade_many`` spawns from threads,
 where ``preexec_fn`` may deadlock, and a limit lowered before the candidate runs binds it the same.
-
-This stops accidents and the obvious escapes of model-written code; it is not a security boundary
-against a determined adversary (``os.write`` on inherited descriptors and ``os.mkfifo``/``os.mknod``
-raise no audit event, for instance). Run the grader inside a container for hostile input.
 
 The parent trusts only the report line carrying its per-run nonce, checks its shape, and compares
 the returned values against the expected ones itself (the child never sees them).
@@ -25,10 +28,12 @@ the returned values against the expected ones itself (the child never sees them)
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +48,7 @@ from examples.clamp.task import END_OF_TURN, FIXTURES
 CHILD = Path(__file__).with_name("_sandbox_child.py")
 END_MARKERS = ("```", END_OF_TURN)
 REPORT_BYTES = 1 << 20
+OPEN_FILES = 16  # the child holds 4 descriptors; the candidate can open none (the hook refuses every open)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +99,15 @@ def grade(source: str, *, timeout_s: float = 2.0, memory_mb: int = 256) -> Grade
         "nonce": nonce,
         "source": source,
         "args": [[x, lo, hi] for x, lo, hi, _ in FIXTURES],
-        "limits": {"memory_bytes": memory_mb << 20, "cpu_s": math.ceil(timeout_s), "file_bytes": REPORT_BYTES},
+        "limits": {"memory_bytes": memory_mb << 20, "cpu_s": math.ceil(timeout_s), "file_bytes": REPORT_BYTES,
+                   "open_files": OPEN_FILES},
     }).encode()
     with tempfile.TemporaryDirectory(prefix="clamp-grade-", ignore_cleanup_errors=True) as root:
         workdir, report_path = Path(root, "work"), Path(root, "report")
         workdir.mkdir()
         with report_path.open("wb") as report_file:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", str(CHILD)], cwd=workdir, env={},
+                [*network_namespace(), sys.executable, "-I", "-S", "-B", str(CHILD)], cwd=workdir, env={},
                 stdin=subprocess.PIPE, stdout=report_file, stderr=subprocess.DEVNULL, start_new_session=True,
             )
         try:
@@ -111,6 +118,22 @@ def grade(source: str, *, timeout_s: float = 2.0, memory_mb: int = 256) -> Grade
             proc.wait()
             return GradeResult(0, error="timeout")
         return _parse_report(report_path.read_bytes()[:REPORT_BYTES], nonce, proc.returncode)
+
+
+@functools.cache
+def network_namespace() -> tuple[str, ...]:
+    """The command prefix that starts a child in a new, empty network namespace, or () where ``unshare``
+    is missing or not permitted (then only the audit hook keeps the candidate off the network)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    prefix = (unshare, "--net") if os.geteuid() == 0 else (unshare, "--user", "--net")
+    try:
+        probe = subprocess.run([*prefix, "true"], env={}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return prefix if probe.returncode == 0 else ()
 
 
 def _parse_report(data: bytes, nonce: str, returncode: int) -> GradeResult:

@@ -2,30 +2,45 @@
 
 Both doors serve one ``GatewayCore`` in one event loop. With ``--http-port`` the HTTP door starts first and
 prints ``lathe.gateway http listening on HOST:PORT``; then the gRPC door prints the gateway's ready line
-``lathe.gateway listening on HOST:PORT``.
+``lathe.gateway listening on HOST:PORT``. The ``--max-*`` flags set what one request may ask for
+(``limits.DoorLimits``; a gRPC message and an HTTP body alike are capped at ``--max-message-bytes``).
+API keys come from ``--api-keys-file`` (``auth.ApiKeys``; without one, open mode on loopback only, said on
+stderr at start); ``--tls-cert`` and ``--tls-key`` put both doors behind TLS (``tls.TlsFiles``). The internal
+services are called with the stack's shared secret (``lathe.internal_auth``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import sys
+from dataclasses import fields
 
 from lathe.serving import READY_MARK, serve_until_stopped
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
-from .auth import ApiKeys
+from .auth import KEYS_FILE_ENV, ApiKeys
 from .core import GatewayCore
 from .http_server import HttpServer
+from .limits import DoorLimits
 from .server import GatewayServicer
 from .tinker_http import TinkerHttpDoor
+from .tls import TlsFiles
 
 
 async def serve(args: argparse.Namespace) -> None:
-    keys = ApiKeys.parse(args.api_keys)
-    core = GatewayCore(args.trainer, args.checkpoints, args.sampler)
+    keys = ApiKeys.from_file(args.api_keys_file)
+    keys.require_safe(args.host)
+    if keys.open_mode:
+        print(f"lathe.gateway: OPEN MODE, no API keys configured: every key is its own tenant (loopback only; "
+              f"give --api-keys-file or {KEYS_FILE_ENV} to name tenants)", file=sys.stderr, flush=True)
+    tls = TlsFiles.from_args(args.tls_cert, args.tls_key)
+    limits = DoorLimits(**{f.name: getattr(args, f.name) for f in fields(DoorLimits)})
+    core = GatewayCore(args.trainer, args.checkpoints, args.sampler, limits)
     http = None
     if args.http_port >= 0:
-        http = await HttpServer.start(TinkerHttpDoor(core, keys).app(), args.host, args.http_port)
+        http = await HttpServer.start(TinkerHttpDoor(core, keys).app(), args.host, args.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
 
     async def stop() -> None:
@@ -35,7 +50,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     await serve_until_stopped("lathe.gateway", args.host, args.port,
                               lambda server: pb_grpc.add_GatewayServicer_to_server(GatewayServicer(core, keys), server),
-                              on_stop=stop)
+                              on_stop=stop, max_receive_bytes=limits.max_message_bytes,
+                              credentials=tls.grpc_credentials() if tls else None)
 
 
 def main() -> None:
@@ -47,7 +63,13 @@ def main() -> None:
     ap.add_argument("--trainer", required=True, help="address of the trainer pool")
     ap.add_argument("--checkpoints", required=True, help="address of the checkpoints service")
     ap.add_argument("--sampler", required=True, help="address of the sampler pool")
-    ap.add_argument("--api-keys", default="", help="KEY=TENANT,... (empty: each key is its own tenant)")
+    ap.add_argument("--api-keys-file", default=os.environ.get(KEYS_FILE_ENV, ""),
+                    help="file of KEY=TENANT lines (default: $LATHE_API_KEYS_FILE; none: open mode, loopback only)")
+    ap.add_argument("--tls-cert", default="", help="PEM certificate for both public doors (with --tls-key)")
+    ap.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    for f in fields(DoorLimits):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
+                        help=f"request limit (default {f.default})")
     asyncio.run(serve(ap.parse_args()))
 
 

@@ -7,6 +7,11 @@ samples to the sampler and checkpoint queries to the checkpoints service. It hol
 imports no torch; per-model ``seq_id`` ordering is enforced where operations are applied, in the
 trainer's sequencer, so a repeat or an early arrival is safe on every path.
 
+Every request is checked at the door before anything is registered (``limits``): a refused one leaves no
+state behind, and a submit that fails on its way in (admission or transport, e.g. a full trainer queue) is
+not remembered as the result of its ``seq_id``, so its retry runs. The idempotency map forgets a ``seq_id``
+together with its finished future, so it stays as bounded as the futures are.
+
 Ids are Tinker's: runs are ``"{session}:train:{n}"`` and sampling sessions ``"{session}:sample:{n}"``,
 where ``n`` is the client's own counter when it sends one (Tinker's SDK computes ids from it) and the
 session's next number otherwise; a repeated creation answers the first one.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,7 +29,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from lathe.errors import FailedPrecondition, InvalidArgument, LatheError, NotFound, from_rpc_error
+from lathe.errors import FailedPrecondition, Internal, InvalidArgument, LatheError, NotFound, from_rpc_error
+from lathe.internal_auth import internal_aio_channel
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.types import EPHEMERAL_TTL_S
 from lathe.v1 import checkpoints_pb2 as cpb
@@ -33,6 +40,7 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.wire import error_to_proto
 
 from .futures import Entry, FutureStore
+from .limits import DoorLimits, check_op
 
 MAX_WAIT_S = 30.0  # a long-poll is held at most this long
 CAPABILITIES_TTL_S = 30.0
@@ -64,7 +72,14 @@ class Run:
     last_checkpoint_time: float = 0.0
     last_sampler_checkpoint: str = ""
     last_sampler_checkpoint_time: float = 0.0
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once its adapter exists or failed
+    error: LatheError | None = None  # why its adapter could not be created
+
+    async def wait_ready(self) -> None:
+        """Wait until the adapter exists; raise why it could not be created if it could not."""
+        await self.ready.wait()
+        if self.error is not None:
+            raise type(self.error)(f"model {self.model_id!r} could not be created: {self.error.message}")
 
     def proto(self) -> pb.TrainingRun:
         return pb.TrainingRun(
@@ -90,15 +105,28 @@ class SamplingSession:
                                   model_path=self.model_path)
 
 
+def join_exactness(caps: pb.ServerCapabilities, sampled: pb.ServerCapabilities) -> None:
+    """Copy each model's sampler exactness into the trainer's ``caps``; a model's logprobs are exact when
+    both pools checked it, both passed and their fingerprints match (same bits on both sides)."""
+    by_name = {m.model_name: m.sampler_exactness for m in sampled.supported_models}
+    for m in caps.supported_models:
+        if m.model_name in by_name:
+            m.sampler_exactness.CopyFrom(by_name[m.model_name])
+        t, s = m.trainer_exactness, m.sampler_exactness
+        m.logprobs_exact = t.checked and s.checked and t.exact and s.exact and t.fingerprint == s.fingerprint
+
+
 class GatewayCore:
-    def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str) -> None:
-        self._channels = [grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS)
+    def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str,
+                 limits: DoorLimits | None = None) -> None:
+        self.limits = limits or DoorLimits()
+        self._channels = [internal_aio_channel(t, CHANNEL_OPTIONS)  # sends the stack's secret
                           for t in (trainer_target, checkpoints_target, sampler_target)]
         self.trainer = pb_grpc.TrainerStub(self._channels[0])
         self.checkpoints = cpb_grpc.CheckpointsStub(self._channels[1])
         self.sampler = pb_grpc.SamplerStub(self._channels[2])
         self.sampling: dict[str, SamplingSession] = {}
-        self.futures = FutureStore()
+        self.futures = FutureStore(on_drop=self._forget)
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
         self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
@@ -131,6 +159,27 @@ class GatewayCore:
         task = asyncio.create_task(runner())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _forget(self, entry: Entry) -> None:
+        """Drop the idempotency key of ``entry`` if it still names it (its result is gone, or never came)."""
+        if entry.seq_key is not None and self._by_seq.get(entry.seq_key) == entry.request_id:
+            del self._by_seq[entry.seq_key]
+
+    def _remember(self, entry: Entry, key: tuple[str, int],
+                  work: Awaitable[pb.FutureResult]) -> Awaitable[pb.FutureResult]:
+        """Map ``key`` to ``entry`` while ``work`` runs; a submission that fails (a ``LatheError`` raised on
+        the way in: admission, transport, a run that could not be created) forgets it, so a retry runs."""
+        entry.seq_key = key
+        self._by_seq[key] = entry.request_id
+
+        async def attempt() -> pb.FutureResult:
+            try:
+                return await work
+            except LatheError:
+                self._forget(entry)
+                raise
+
+        return attempt()
 
     def session(self, tenant: str, session_id: str) -> Session:
         s = self.sessions.get(session_id)
@@ -165,9 +214,15 @@ class GatewayCore:
         s.finished = s.finished or reason or "finished"
 
     async def capabilities(self) -> pb.ServerCapabilities:
+        """The trainer's models with both pools' exactness joined (cached while every model is checked)."""
         now = time.monotonic()
         if self._caps is None or now - self._caps[0] > CAPABILITIES_TTL_S:
-            self._caps = (now, await self._call(self.trainer.Capabilities, pb.TrainerCapabilitiesRequest()))
+            caps = await self._call(self.trainer.Capabilities, pb.TrainerCapabilitiesRequest())
+            sampled = await self._call(self.sampler.Capabilities, pb.TrainerCapabilitiesRequest())
+            join_exactness(caps, sampled)
+            caps.limits.CopyFrom(self.limits.proto())
+            settled = all(m.trainer_exactness.checked and m.sampler_exactness.checked for m in caps.supported_models)
+            self._caps = (now if settled else -math.inf, caps)
         return self._caps[1]
 
     async def _check_base_model(self, base_model: str) -> int:
@@ -230,18 +285,26 @@ class GatewayCore:
             base_model=saved_base, from_path=req.path, with_optimizer=req.with_optimizer), dict(req.user_metadata))
 
     async def _create_adapter(self, run: Run, req: pb.CreateAdapterRequest) -> pb.FutureResult:
+        """Create the run's adapter. Whatever happens, ``run.ready`` is set: whoever waits on the run (its
+        info, its operations) then gets the adapter or the error, never an endless wait."""
         try:
             info = await self._call(self.trainer.CreateAdapter, req)
-        except LatheError:
+            run.base_model, run.lora = info.base_model, info.lora_config
+        except LatheError as e:
+            run.error = e
             self.runs.pop(run.model_id, None)
             raise
-        run.base_model, run.lora = info.base_model, info.lora_config
-        run.ready.set()
+        except Exception as e:  # noqa: BLE001 - recorded for the waiters, then the request's own error
+            run.error = Internal(f"creating the adapter failed: {type(e).__name__}: {e}")
+            self.runs.pop(run.model_id, None)
+            raise
+        finally:
+            run.ready.set()
         return pb.FutureResult(create_model=pb.CreateModelOutput(model_id=run.model_id))
 
     async def get_info(self, tenant: str, model_id: str) -> pb.ModelInfo:
         run = self.run(tenant, model_id)
-        await run.ready.wait()
+        await run.wait_ready()
         ctx = await self._check_base_model(run.base_model)
         return pb.ModelInfo(model_id=model_id, base_model=run.base_model, lora_config=run.lora,
                             tokenizer_id=run.base_model, max_context_length=ctx)
@@ -261,16 +324,16 @@ class GatewayCore:
         known = self._by_seq.get((model_id, seq_id))
         if known is not None:
             return pb.SubmitResponse(request_id=known, model_id=model_id)
+        check_op(op)
         entry = self.futures.create(tenant)
-        self._by_seq[(model_id, seq_id)] = entry.request_id
         run.last_request_time = time.time()
         trainer_op = pb.TrainerOp(model_id=model_id, seq_id=seq_id, request_id=entry.request_id, tenant=tenant,
                                   **op)
-        self._spawn(entry, work(run, trainer_op))
+        self._spawn(entry, self._remember(entry, (model_id, seq_id), work(run, trainer_op)))
         return pb.SubmitResponse(request_id=entry.request_id, model_id=model_id)
 
     async def _run_op(self, run: Run, op: pb.TrainerOp) -> pb.FutureResult:
-        await run.ready.wait()
+        await run.wait_ready()
         res: pb.TrainerResult = await self._call(self.trainer.Run, op)
         out = pb.FutureResult(receipt=res.receipt)
         kind = res.WhichOneof("result")
@@ -309,6 +372,8 @@ class GatewayCore:
 
     def list_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[Run], int]:
         """A page of the tenant's training runs, oldest first (``limit`` 0: 20), and how many there are."""
+        if limit < 0 or offset < 0:
+            raise InvalidArgument(f"limit and offset must be >= 0, got limit={limit} offset={offset}")
         mine = sorted((r for r in self.runs.values() if r.tenant == tenant), key=lambda r: r.created_at)
         return mine[offset:offset + (limit or 20)], len(mine)
 
@@ -368,14 +433,14 @@ class GatewayCore:
         key = (rec.sampling_session_id, req.seq_id)
         if req.seq_id and key in self._by_seq:
             return pb.SubmitResponse(request_id=self._by_seq[key])
+        self.limits.check_sample(req)
         entry = self.futures.create(tenant)
-        if req.seq_id:
-            self._by_seq[key] = entry.request_id
         full = pb.SampleRequest()
         full.CopyFrom(req)
         full.tenant, full.base_model, full.model_path = tenant, rec.base_model, rec.model_path
         full.model_version, full.request_id = rec.version, entry.request_id
-        self._spawn(entry, self._run_sample(full))
+        work = self._run_sample(full)
+        self._spawn(entry, self._remember(entry, key, work) if req.seq_id else work)
         return pb.SubmitResponse(request_id=entry.request_id)
 
     async def _run_sample(self, req: pb.SampleRequest) -> pb.FutureResult:

@@ -1,4 +1,9 @@
-"""Futures: request id -> eventual result, awaited by long-poll, never by a busy loop."""
+"""Futures: request id -> eventual result, awaited by long-poll, never by a busy loop.
+
+Memory is bounded: at most ``max_pending_per_tenant`` results outstanding per tenant, and the ``keep_done``
+most recent finished ones remembered (oldest dropped first; ``on_drop`` hears of each, so what refers to
+it can go too). A request still running is never dropped.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lathe.errors import NotFound, ResourceExhausted
@@ -21,13 +27,21 @@ class Entry:
     created: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: pb.FutureResult | None = None
+    seq_key: tuple[str, int] | None = None  # the (model or sampling session, seq_id) it answers, if any
 
 
 class FutureStore:
-    def __init__(self, max_pending_per_tenant: int = 4096) -> None:
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
+    def __init__(self, max_pending_per_tenant: int = 4096, keep_done: int = KEEP_DONE,
+                 on_drop: Callable[[Entry], None] | None = None) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._done: OrderedDict[str, None] = OrderedDict()  # finished request ids, oldest first
         self._pending: dict[str, int] = {}
         self.max_pending_per_tenant = max_pending_per_tenant
+        self.keep_done = keep_done
+        self._on_drop = on_drop
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def create(self, tenant: str) -> Entry:
         if self._pending.get(tenant, 0) >= self.max_pending_per_tenant:
@@ -46,14 +60,13 @@ class FutureStore:
         entry.result = result
         entry.done.set()
         self._pending[entry.tenant] -= 1
-        self._trim()
-
-    def _trim(self) -> None:
-        while len(self._entries) > KEEP_DONE:
-            oldest = next(iter(self._entries.values()))
-            if oldest.result is None:
-                break
-            self._entries.popitem(last=False)
+        if not self._pending[entry.tenant]:
+            del self._pending[entry.tenant]
+        self._done[entry.request_id] = None
+        while len(self._done) > self.keep_done:
+            dropped = self._entries.pop(self._done.popitem(last=False)[0])
+            if self._on_drop is not None:
+                self._on_drop(dropped)
 
     def get(self, request_id: str, tenant: str) -> Entry:
         entry = self._entries.get(request_id)

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import uvicorn
 from starlette.types import ASGIApp
 
+from .tls import TlsFiles
+
 GRACE_S = 2.0  # how long stop() lets open requests (long-polls included) finish
 KEEP_ALIVE_S = 75  # idle connections stay open longer than the SDK's 10 s heartbeat, so its pool reuses them
 
@@ -25,17 +27,18 @@ class _Embedded(uvicorn.Server):
 
 
 class HttpServer:
-    """``await HttpServer.start(app, host, port)``; ``port`` is the bound one."""
+    """``await HttpServer.start(app, host, port, tls)``; ``port`` is the bound one; HTTPS when ``tls`` is given."""
 
     def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
         self._server, self._task, self.port = server, task, port
 
     @classmethod
-    async def start(cls, app: ASGIApp, host: str, port: int) -> HttpServer:
+    async def start(cls, app: ASGIApp, host: str, port: int, tls: TlsFiles | None = None) -> HttpServer:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((host, port), family=family)
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=int(GRACE_S))
+                                timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=int(GRACE_S),
+                                ssl_certfile=tls and tls.cert, ssl_keyfile=tls and tls.key)
         server = _Embedded(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:

@@ -6,7 +6,8 @@ one core call and answers in Tinker's shapes. Model operations answer a future `
 once; ``/retrieve_future`` long-polls the core and answers the result (protobuf for forward/backward and
 sampling outputs, JSON otherwise), ``{"type": "try_again"}`` when nothing came within the wait, or
 ``{"error", "category"}`` when the operation failed. A rejected call answers the core error's HTTP status
-with the same ``{"error", "category"}`` body, never an empty one.
+with the same ``{"error", "category"}`` body, never an empty one. A body longer than the core's
+``limits.max_message_bytes`` is refused with 413 before it is read to its end.
 
 State of its own: only what an HTTP request said that its result does not carry (the sampling session an
 ephemeral save binds, the prompt-logprob window of a sample), kept by request id for the latest requests.
@@ -26,14 +27,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lathe.errors import Internal, InvalidArgument, LatheError, NotFound
+from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, RequestTooLarge
 from lathe.v1 import lathe_pb2 as pb
 
 from . import tinker_json as tj
 from .auth import ApiKeys
 from .core import MAX_WAIT_S, GatewayCore
 from .futures import KEEP_DONE
-from .json_fields import Fields
+from .json_fields import INT32_MAX, Fields
 from .tinker_proto import (
     PROTO_CONTENT_TYPE,
     forward_backward_from_proto,
@@ -75,8 +76,8 @@ def _query_int(request: Request, name: str, default: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit():
-        raise InvalidArgument(f"query parameter {name} = {raw!r} must be a non-negative integer")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 10 and int(raw) <= INT32_MAX):
+        raise InvalidArgument(f"query parameter {name} = {raw[:32]!r} must be an integer in [0, {INT32_MAX}]")
     return int(raw)
 
 
@@ -90,6 +91,7 @@ class TinkerHttpDoor:
 
     def app(self) -> Starlette:
         routes = [
+            ("GET", "/healthz", self.healthz),
             ("POST", "/client/config", self.client_config),
             ("POST", "/client/dynamic_config", self.dynamic_config),
             ("POST", "/create_session", self.create_session),
@@ -135,9 +137,22 @@ class TinkerHttpDoor:
 
         return endpoint
 
-    @staticmethod
-    async def _fields(request: Request) -> Fields:
-        return Fields.parse(await request.body())
+    async def _body(self, request: Request) -> bytes:
+        """The request body, read no further than the size limit."""
+        cap = self.core.limits.max_message_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > cap:
+            raise RequestTooLarge(f"the request body has {declared} bytes, over the limit of {cap} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise RequestTooLarge(f"the request body is over the limit of {cap} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _fields(self, request: Request) -> Fields:
+        return Fields.parse(await self._body(request))
 
     def _note(self, request_id: str, note: _Note) -> None:
         self._notes[request_id] = note
@@ -149,6 +164,10 @@ class TinkerHttpDoor:
         return {"request_id": sub.request_id, "model_id": sub.model_id or None}
 
     # ---- client and session ----
+
+    async def healthz(self, request: Request, tenant: str) -> dict[str, Any]:
+        """Tinker's readiness probe: the door is up and the caller's key is accepted."""
+        return {"status": "ok"}
 
     async def client_config(self, request: Request, tenant: str) -> dict[str, Any]:
         return CLIENT_CONFIG
@@ -196,7 +215,7 @@ class TinkerHttpDoor:
         encoding = request.headers.get("content-encoding", "identity")
         if encoding != "identity":
             raise InvalidArgument(f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed")
-        req = forward_backward_from_proto(await request.body())
+        req = forward_backward_from_proto(await self._body(request), self.core.limits.max_tensor_elements)
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
 
     async def optim_step(self, request: Request, tenant: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from lathe.types import SamplingParams
 from lathe.v1 import lathe_pb2 as pb
 
 from .core import Run
-from .json_fields import Fields
+from .json_fields import INT32_MAX, Fields
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
 # Request fields the sampler has no counterpart for, each with the value that asks for nothing.
@@ -31,7 +31,7 @@ def iso(seconds: float) -> str | None:
 
 
 def lora_config(f: Fields) -> pb.LoraConfig:
-    return pb.LoraConfig(rank=f.get("rank", int, 32), seed=f.get("seed", int, None),
+    return pb.LoraConfig(rank=f.get("rank", int, 32, int_max=INT32_MAX), seed=f.get("seed", int, None),
                          train_mlp=f.get("train_mlp", bool, True), train_attn=f.get("train_attn", bool, True),
                          train_unembed=f.get("train_unembed", bool, True))
 
@@ -59,8 +59,9 @@ def _prompt(f: Fields) -> list[int]:
             raise InvalidArgument(f"{chunk.path('type')} = {kind!r}: this server serves text models, whose "
                                   "prompts are encoded_text chunks")
         ids = chunk.get("tokens", list)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidArgument(f"{chunk.path('tokens')} must be a list of token ids (integers)")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in ids):
+            raise InvalidArgument(f"{chunk.path('tokens')} must be a list of token ids (integers in "
+                                  f"[0, {INT32_MAX}])")
         tokens += ids
     return tokens
 
@@ -69,9 +70,9 @@ def _sampling_params(f: Fields) -> pb.SamplingParams:
     stop = f.get("stop", object, None)
     if not (stop is None or isinstance(stop, str | list)):
         raise InvalidArgument(f"{f.path('stop')} must be a string, a list of strings or a list of token ids")
-    params = SamplingParams(max_tokens=f.get("max_tokens", int, None), seed=f.get("seed", int, None), stop=stop,
-                            temperature=f.get("temperature", float, 1.0), top_k=f.get("top_k", int, -1),
-                            top_p=f.get("top_p", float, 1.0))
+    params = SamplingParams(max_tokens=f.get("max_tokens", int, None, int_max=INT32_MAX),
+                            seed=f.get("seed", int, None), stop=stop, temperature=f.get("temperature", float, 1.0),
+                            top_k=f.get("top_k", int, -1, int_max=INT32_MAX), top_p=f.get("top_p", float, 1.0))
     try:
         return wire.sampling_params_to_proto(params)
     except ValueError as e:
@@ -85,9 +86,9 @@ def sample_request(f: Fields) -> tuple[pb.SampleRequest, int | None]:
             raise InvalidArgument(f"{name} is not supported by this server; leave it at {off!r}")
     req = pb.SampleRequest(sampling_session_id=f.get("sampling_session_id", str), seq_id=f.get("seq_id", int, 0),
                            prompt=_prompt(f.sub("prompt")), params=_sampling_params(f.sub("sampling_params")),
-                           num_samples=f.get("num_samples", int, 1), prompt_logprobs=f.get("prompt_logprobs", bool,
-                                                                                            False),
-                           topk_prompt_logprobs=f.get("topk_prompt_logprobs", int, 0))
+                           num_samples=f.get("num_samples", int, 1, int_max=INT32_MAX),
+                           prompt_logprobs=f.get("prompt_logprobs", bool, False),
+                           topk_prompt_logprobs=f.get("topk_prompt_logprobs", int, 0, int_max=INT32_MAX))
     last_n = f.get("prompt_logprobs_last_n", int, None)
     if last_n is not None and not (req.prompt_logprobs or req.topk_prompt_logprobs):
         raise InvalidArgument("prompt_logprobs_last_n needs prompt_logprobs")
@@ -132,5 +133,8 @@ def model_info(info: pb.ModelInfo) -> dict[str, Any]:
 
 
 def capabilities(caps: pb.ServerCapabilities) -> dict[str, Any]:
+    """Tinker's shape, plus ``limits`` (what one request may ask for), which Tinker's SDK ignores."""
+    limits = {f.name: getattr(caps.limits, f.name) for f in caps.limits.DESCRIPTOR.fields}
     return {"supported_models": [{"model_name": m.model_name, "max_context_length": m.max_context_length,
-                                  "trainable": True, "sampleable": True} for m in caps.supported_models]}
+                                  "trainable": True, "sampleable": True} for m in caps.supported_models],
+            "limits": limits}

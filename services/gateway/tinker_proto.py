@@ -4,7 +4,9 @@ In: a ``ForwardBackwardRequest`` body becomes the core's ``ForwardBackwardReques
 ids, sparse CSR tensors densified, ``loss_fn_config_v2`` preferred over the old map). Out: the trainer's
 per-datum ``logprobs`` become one batched ``ArrayRecord``, and a sampler result becomes a ``SampleResponse``
 (dense top-k matrices, NaN where no prompt logprob was computed). Every array is raw little-endian bytes;
-anything the door cannot serve is an ``InvalidArgument`` naming the field.
+anything the door cannot serve is an ``InvalidArgument`` naming the field. Shapes are checked before any
+array is built (no negative dimension, at most ``MAX_DIMS``), and a request's tensors may hold at most
+``max_elements`` values once dense: a sparse tensor of shape ``[1, 10**10]`` is refused, not densified.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ TOPK_EMPTY_ID, TOPK_EMPTY_LOGPROB = 0, -99999.0  # Tinker's filler for positions
 _DTYPES: dict[int, str] = {tp.DTYPE_FLOAT32: "float32", tp.DTYPE_INT64: "int64", tp.DTYPE_INT32: "int32"}
 _PROTO_DTYPES = {name: code for code, name in _DTYPES.items()}
 _STOP_REASONS = {"stop": tp.STOP_REASON_STOP, "length": tp.STOP_REASON_LENGTH}
+MAX_DIMS = 8  # as the trainer's check of a tensor (lathe.trainer.validate)
 
 
 def _array(data: bytes, dtype: str, where: str) -> np.ndarray:
@@ -33,19 +36,39 @@ def _array(data: bytes, dtype: str, where: str) -> np.ndarray:
     return np.frombuffer(data, dtype=item)
 
 
-def _tensor(t: tp.Tensor, where: str) -> pb.Tensor:
+class _Budget:
+    """How many more tensor values a request may hold once dense."""
+
+    def __init__(self, max_elements: int) -> None:
+        self.max_elements = self.left = max_elements
+
+    def take(self, n: int, where: str) -> None:
+        if n > self.left:
+            raise InvalidArgument(f"{where} holds {n} values once dense; a request may hold at most "
+                                  f"{self.max_elements} in its loss_fn_inputs ({self.left} left)")
+        self.left -= n
+
+
+def _tensor(t: tp.Tensor, where: str, budget: _Budget) -> pb.Tensor:
     dtype = _DTYPES.get(t.dtype)
     if dtype is None:
-        raise InvalidArgument(f"{where}.dtype = {tp.DType.Name(t.dtype)} is not one of "
-                              f"{[tp.DType.Name(c) for c in _DTYPES]}")
+        name = tp.DType.Name(t.dtype) if t.dtype in tp.DType.values() else str(t.dtype)
+        raise InvalidArgument(f"{where}.dtype = {name} is not one of {[tp.DType.Name(c) for c in _DTYPES]}")
     shape = list(t.shape)
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise InvalidArgument(f"{where}.shape = {shape} is not a shape (at most {MAX_DIMS} dimensions, "
+                              "none negative)")
     if t.WhichOneof("encoding") != "sparse_csr":
+        budget.take(len(t.dense) // np.dtype(dtype).itemsize, where)
         return pb.Tensor(data=t.dense, dtype=dtype, shape=shape)
+    if len(shape) != 2:
+        raise InvalidArgument(f"{where}.sparse_csr needs a 2-D shape, got {shape}")
+    budget.take(math.prod(shape), where)
     csr = t.sparse_csr
     values = _array(csr.values, dtype, f"{where}.sparse_csr.values")
     crow = _array(csr.crow_indices, "int64", f"{where}.sparse_csr.crow_indices")
     col = _array(csr.col_indices, "int64", f"{where}.sparse_csr.col_indices")
-    if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or \
+    if len(crow) != shape[0] + 1 or len(col) != len(values) or \
             (crow.size and (crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0))) or \
             np.any((col < 0) | (col >= shape[1])):
         raise InvalidArgument(f"{where}.sparse_csr is not a valid CSR layout of shape {shape}")
@@ -77,18 +100,21 @@ def _loss_config(req: tp.ForwardBackwardRequest) -> dict[str, float]:
     return config
 
 
-def forward_backward_from_proto(body: bytes) -> pb.ForwardBackwardRequest:
-    """Decode a ``/forward_backward`` body for ``GatewayCore.submit``."""
+def forward_backward_from_proto(body: bytes, max_elements: int) -> pb.ForwardBackwardRequest:
+    """Decode a ``/forward_backward`` body for ``GatewayCore.submit``; its tensors may hold at most
+    ``max_elements`` values once dense."""
     req = tp.ForwardBackwardRequest()
     try:
         req.ParseFromString(body)
     except DecodeError as e:
         raise InvalidArgument(f"the request body is not a valid tinker_public.ForwardBackwardRequest: {e}") from None
     data = []
+    budget = _Budget(max_elements)
     for i, d in enumerate(req.data):
         where = f"data[{i}]"
         chunk = pb.ModelInputChunk(tokens=_tokens(d, where))
-        inputs = {name: _tensor(t, f"{where}.loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
+        inputs = {name: _tensor(t, f"{where}.loss_fn_inputs[{name!r}]", budget)
+                  for name, t in d.loss_fn_inputs.items()}
         data.append(pb.Datum(model_input=pb.ModelInput(chunks=[chunk]), loss_fn_inputs=inputs))
     return pb.ForwardBackwardRequest(model_id=req.model_id, seq_id=req.seq_id, data=data, loss_fn=req.loss_fn,
                                      loss_fn_config=_loss_config(req), forward_only=req.forward_only)

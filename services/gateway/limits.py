@@ -1,0 +1,62 @@
+"""What one request may ask for at the gateway's doors, checked before anything is built, queued or sent on.
+
+Both doors share these checks (``GatewayCore`` calls them), so a request too large or out of range is an
+``InvalidArgument`` naming the field and the limit on either door, before a list of ``num_samples`` ids, a
+densified tensor or a queued operation exists. The gRPC door also caps a message at ``max_message_bytes``
+(grpcio refuses larger ones with RESOURCE_EXHAUSTED) and the HTTP door a body (413). The limits are
+reported in ``get_server_capabilities``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lathe.errors import InvalidArgument
+from lathe.types import MAX_TTL_S
+from lathe.v1 import lathe_pb2 as pb
+from lathe.wire import adam_params_from_proto
+
+
+@dataclass(frozen=True, slots=True)
+class DoorLimits:
+    max_message_bytes: int = 64 << 20
+    max_samples: int = 128
+    max_topk_prompt_logprobs: int = 20
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 256
+    max_tensor_elements: int = 16 << 20  # as many values as a full message holds float32s
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def proto(self) -> pb.RequestLimits:
+        return pb.RequestLimits(**asdict(self))
+
+    def check_sample(self, req: pb.SampleRequest) -> None:
+        """Counts and sizes of a sample request (the sampler checks the rest against its model)."""
+        if not 1 <= req.num_samples <= self.max_samples:
+            raise InvalidArgument(f"num_samples = {req.num_samples} must be in [1, {self.max_samples}]")
+        if not 0 <= req.topk_prompt_logprobs <= self.max_topk_prompt_logprobs:
+            raise InvalidArgument(f"topk_prompt_logprobs = {req.topk_prompt_logprobs} must be in "
+                                  f"[0, {self.max_topk_prompt_logprobs}]")
+        p = req.params
+        for name, values in (("stop_strings", p.stop_strings), ("stop_token_ids", p.stop_token_ids)):
+            if len(values) > self.max_stop_sequences:
+                raise InvalidArgument(f"params.{name} has {len(values)} entries, over the limit of "
+                                      f"{self.max_stop_sequences}")
+        for j, s in enumerate(p.stop_strings):
+            if len(s) > self.max_stop_chars:
+                raise InvalidArgument(f"params.stop_strings[{j}] has {len(s)} characters, over the limit of "
+                                      f"{self.max_stop_chars}")
+
+
+def check_op(op: dict[str, object]) -> None:
+    """The parameters of one ordered operation that need no model to check: AdamW's and a save's TTL."""
+    step = op.get("optim_step")
+    if isinstance(step, pb.OptimStepRequest):
+        adam_params_from_proto(step.adam_params).check()
+    save = op.get("save")
+    if isinstance(save, pb.SaveRequest) and not 0 <= save.ttl_seconds <= MAX_TTL_S:
+        raise InvalidArgument(f"ttl_seconds = {save.ttl_seconds} must be in [0, {MAX_TTL_S}] (0: keep forever)")
