@@ -13,13 +13,15 @@ import signal
 import threading
 from pathlib import Path
 
+from lathe.checkpoint_cli import add_commands
 from lathe.stack import Stack, StackConfig
 
 
 def _serve(args: argparse.Namespace) -> None:
     cfg = StackConfig(gateway_port=args.port, http_port=args.http_port, models=args.models, store_root=args.store,
                       cache_root=args.cache, trainer_threads=args.threads, trainer_dtype=args.dtype,
-                      invariant=not args.no_invariant, api_keys=args.api_keys, log_dir=args.log_dir)
+                      invariant=not args.no_invariant, api_keys_file=args.api_keys_file, log_dir=args.log_dir,
+                      tls_cert=args.tls_cert, tls_key=args.tls_key)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -43,14 +45,20 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=8500, help="gateway port on 127.0.0.1 (0: any free port)")
     serve.add_argument("--http-port", type=int, default=8501, help="Tinker HTTP port (0: any free, -1: off)")
     serve.add_argument("--models", default="lathe/tiny-llama,HuggingFaceTB/SmolLM2-135M-Instruct")
-    serve.add_argument("--store", type=Path, default=Path(".cache/lathe/store"), help="checkpoint directory")
+    serve.add_argument("--store", default=".cache/lathe/store",
+                       help="checkpoints: a directory, s3://bucket[/prefix] (endpoint and keys from LATHE_S3_* "
+                            "variables, never argv) or s3-local (a SeaweedFS under --cache)")
     serve.add_argument("--cache", type=Path, default=Path(".cache/lathe"), help="model cache directory")
     serve.add_argument("--threads", type=int, default=0, help="trainer torch threads (0: all cores)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     serve.add_argument("--no-invariant", action="store_true")
-    serve.add_argument("--api-keys", default="", help="KEY=TENANT,... (empty: each key is its own tenant)")
+    serve.add_argument("--api-keys-file", type=Path, default=None,
+                       help="file of KEY=TENANT lines (default: none, open mode: each key is its own tenant)")
+    serve.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate for the gateway's doors")
+    serve.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     serve.add_argument("--log-dir", type=Path, default=None, help="write each service's stderr here")
     serve.set_defaults(fn=_serve)
+    add_commands(sub)
     args = ap.parse_args(argv)
     args.fn(args)
 

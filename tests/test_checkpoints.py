@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
 from lathe.checkpoints.paths import CheckpointPath
-from lathe.checkpoints.service import CheckpointService
+from lathe.checkpoints.service import CheckpointService, tenant_segment
 from lathe.checkpoints.store import LocalDirStore, ObjectStore, open_store
 from lathe.errors import AlreadyExists, Internal, InvalidArgument, NotFound, PermissionDenied
 
@@ -41,12 +42,19 @@ class CrashingStore:
         self._tick()
         self.inner.put(key, data)
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        self._tick()
+        self.inner.put_stream(key, chunks)
+
     def delete(self, key: str) -> None:
         self._tick()
         self.inner.delete(key)
 
     def get(self, key: str) -> bytes:
         return self.inner.get(key)
+
+    def get_stream(self, key: str) -> Iterator[bytes]:
+        return self.inner.get_stream(key)
 
     def keys(self, prefix: str) -> list[str]:
         return self.inner.keys(prefix)
@@ -104,7 +112,7 @@ def test_get_detects_a_corrupted_file(svc: CheckpointService, store: LocalDirSto
 def test_manifest_records_sha256_of_each_file(svc: CheckpointService, store: LocalDirStore) -> None:
     files = files_v(1)
     put(svc, files)
-    manifest = json.loads(store.get(f"manifests/{RUN}/weights/ckpt1.json"))
+    manifest = json.loads(store.get(f"manifests/{tenant_segment('alice')}/{RUN}/weights/ckpt1.json"))
     assert manifest["tenant"] == "alice"
     assert {n: f["sha256"] for n, f in manifest["files"].items()} == {
         n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
@@ -226,8 +234,8 @@ def test_a_racing_save_of_the_same_name_is_rechecked_at_commit(store: LocalDirSt
     class RacingStore(CrashingStore):
         """While the first save uploads its first file, a second save of the same name commits."""
 
-        def put(self, key: str, data: bytes) -> None:
-            super().put(key, data)
+        def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+            super().put_stream(key, chunks)
             if self.mutations == 1:
                 put(svc, files_v(2))
 
@@ -265,13 +273,16 @@ def test_an_expired_name_can_be_saved_again_without_overwrite(svc: CheckpointSer
 
 # ---- tenants ----
 
-def test_another_tenants_checkpoint_is_permission_denied(svc: CheckpointService) -> None:
+def test_another_tenants_checkpoint_is_not_found_as_a_missing_one_is(svc: CheckpointService) -> None:
     put(svc, files_v(1))
+    missing = f"tinker://{RUN}/weights/never-saved"
     for call in (svc.get, svc.stat, svc.delete):
-        with pytest.raises(PermissionDenied, match=PATH):
+        with pytest.raises(NotFound) as theirs:
             call("mallory", PATH)
-    with pytest.raises(PermissionDenied, match=RUN):
-        svc.list("mallory", RUN)
+        with pytest.raises(NotFound) as absent:
+            call("mallory", missing)
+        assert str(theirs.value) == str(absent.value).replace(missing, PATH)  # no existence oracle
+    assert svc.list("mallory", RUN).total_count == 0
     with pytest.raises(PermissionDenied, match=RUN):
         put(svc, files_v(2), tenant="mallory", name="squat")
     with pytest.raises(PermissionDenied, match=RUN):
@@ -326,7 +337,8 @@ def test_path_round_trip() -> None:
     ({"files": {"../x": b""}}, "file name '../x'"),
     ({"metadata_json": "[1]"}, "must be a JSON object"),
     ({"metadata_json": "{"}, "not valid JSON"),
-    ({"ttl_seconds": -1}, "ttl_seconds must be >= 0"),
+    ({"ttl_seconds": -1}, "ttl_seconds = -1 must be in [0, "),
+    ({"ttl_seconds": 2**62}, "ttl_seconds = 4611686018427387904 must be in [0, "),
 ])
 def test_put_validates_its_arguments(svc: CheckpointService, kw: dict, message: str) -> None:
     args = {"tenant": "alice", "run_id": RUN, "kind": "weights", "name": "n", "files": {"f": b"x"}} | kw

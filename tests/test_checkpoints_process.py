@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lathe.checkpoints.client import CheckpointsClient
-from lathe.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from lathe.errors import AlreadyExists, InvalidArgument, NotFound
 
 READY_TIMEOUT_S = 30.0
 RUN = "sess-9:train:0"
@@ -70,7 +70,7 @@ def test_process_serves_checkpoints_and_stops_on_sigterm(server: tuple[subproces
 
         with pytest.raises(AlreadyExists, match=path):
             client.put(tenant="alice", run_id=RUN, kind="sampler_weights", name="s1", files=files)
-        with pytest.raises(PermissionDenied, match=path):
+        with pytest.raises(NotFound, match=f"{path} not found"):
             client.get(tenant="bob", path=path)
         with pytest.raises(NotFound, match="nope"):
             client.stat(tenant="alice", path=f"tinker://{RUN}/weights/nope")

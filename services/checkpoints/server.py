@@ -1,22 +1,26 @@
 """The gRPC door of the checkpoints room: ``lathe.v1.Checkpoints`` messages in, ``CheckpointService`` calls.
 
 Handlers only translate: store I/O is blocking, so each call runs in a worker thread, and a core
-``LatheError`` becomes the call's status code with the core's message.
+``LatheError`` becomes the call's status code with the core's message. The streamed calls bridge
+the call's async message stream and the core's blocking chunk iterators one chunk at a time, so a
+checkpoint never sits whole in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
-from lathe.errors import LatheError
+from lathe.errors import InvalidArgument, LatheError, Unavailable
+from lathe.internal_auth import server_interceptors
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
@@ -25,6 +29,7 @@ from .service import CheckpointInfo, CheckpointService
 from .store import open_store
 
 log = logging.getLogger("lathe.checkpoints")
+CHUNK_TIMEOUT_S = 300.0  # the longest wait for the next message of a PutStream
 T = TypeVar("T")
 
 
@@ -39,6 +44,35 @@ def _info(info: CheckpointInfo) -> cpb.CheckpointInfo:
     return cpb.CheckpointInfo(**asdict(info))
 
 
+def _blocking(messages: AsyncIterator[cpb.PutCheckpointChunk], loop: asyncio.AbstractEventLoop
+              ) -> Iterator[cpb.PutCheckpointChunk]:
+    """The messages of a client stream, for a worker thread (each ``next`` waits on the event loop)."""
+    while True:
+        try:
+            yield asyncio.run_coroutine_threadsafe(anext(messages), loop).result(timeout=CHUNK_TIMEOUT_S)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Unavailable(f"PutStream: no message for {CHUNK_TIMEOUT_S:.0f} s; nothing was saved") from None
+
+
+def _file_chunks(messages: Iterator[cpb.PutCheckpointChunk]) -> Iterator[tuple[str, Iterator[bytes]]]:
+    """(file name, chunks) per file of a PutStream after its header, up to its ``done``; a stream that ends
+    without ``done`` (the client went away) raises, so that a truncated checkpoint never commits."""
+    def chunks() -> Iterator[cpb.FileChunk]:
+        for m in messages:
+            part = m.WhichOneof("part")
+            if part == "done":
+                return
+            if part != "chunk":
+                raise InvalidArgument(f"PutStream: only the first message may be a header; got {part!r} later")
+            yield m.chunk
+        raise Unavailable("PutStream ended without its final 'done' message; nothing was saved")
+
+    for name, group in itertools.groupby(chunks(), key=lambda c: c.file):
+        yield name, (c.data for c in group)
+
+
 class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
     def __init__(self, service: CheckpointService) -> None:
         self.service = service
@@ -49,6 +83,27 @@ class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
                            metadata_json=request.metadata_json, ttl_seconds=request.ttl_seconds,
                            overwrite=request.overwrite)
         return _info(info)
+
+    async def PutStream(self, request_iterator: AsyncIterator[cpb.PutCheckpointChunk],
+                        context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header" or first.header.files:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "PutStream must start with a header: a PutCheckpointRequest with no files")
+        h = first.header
+        files = _file_chunks(_blocking(request_iterator, asyncio.get_running_loop()))
+        info = await _call(context, self.service.put_stream, tenant=h.tenant, run_id=h.run_id, kind=h.kind,
+                           name=h.name, files=files, metadata_json=h.metadata_json, ttl_seconds=h.ttl_seconds,
+                           overwrite=h.overwrite)
+        return _info(info)
+
+    async def GetStream(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[cpb.GetCheckpointChunk]:
+        info, sizes, chunks = await _call(context, self.service.get_stream, request.tenant, request.path)
+        yield cpb.GetCheckpointChunk(header=cpb.GetCheckpointHeader(info=_info(info), file_sizes=sizes))
+        while (item := await _call(context, next, chunks, None)) is not None:
+            name, data = item
+            yield cpb.GetCheckpointChunk(chunk=cpb.FileChunk(file=name, data=data))
 
     async def Get(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext) -> cpb.GetCheckpointResponse:
         info, files = await _call(context, self.service.get, request.tenant, request.path)
@@ -110,12 +165,12 @@ async def serve(port: int, root: Path | str, host: str = "127.0.0.1", *, sweep_i
     """Start a checkpoints server on ``host:port`` (0 = a free port) over the store at ``root``.
 
     ``root`` is a directory or a store URL (see ``lathe.checkpoints.store.open_store``). Messages up
-    to 1 GiB pass both ways.
+    to 1 GiB pass both ways. Only callers holding the stack's secret get through (``lathe.internal_auth``).
     """
     if sweep_interval_s <= 0:
         raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
     service = CheckpointService(open_store(root))
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=server_interceptors("lathe.checkpoints", host))
     cpb_grpc.add_CheckpointsServicer_to_server(CheckpointsServicer(service), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -1,38 +1,45 @@
 """The checkpoints core: put / get / stat / list / delete / sweep over an ``ObjectStore``. No gRPC here.
 
-Layout in the store (one checkpoint = one manifest + one generation of files)::
+Layout in the store (one checkpoint = one manifest + one generation of files), per tenant and run::
 
-    manifests/<run_id>/<kind>/<name>.json            the commit point: owner, times, metadata, files
-    blobs/<run_id>/<kind>/<name>/<generation>/<file>  the files of one save, never rewritten
+    manifests/<tenant>/<run_id>/<kind>/<name>.json            the commit point: owner, times, metadata, files
+    blobs/<tenant>/<run_id>/<kind>/<name>/<generation>/<file>  the files of one save, never rewritten
 
-A save writes every file under a fresh ``generation`` (``<unix ms>-<random hex>``), then writes the
-manifest that names it. The manifest write is atomic, so readers, which always start from the
-manifest, see the previous checkpoint or the new one, never a half-written one; a crash before it
-leaves only unreferenced files, which ``sweep_expired`` removes once they are older than
-``staging_grace_s``. An overwrite swaps the manifest, then deletes the old generation. Readers check
-every file's size and sha256 against the manifest.
+where ``<tenant>`` is ``t-`` and 32 hex digits of the tenant name's sha256 (any tenant name is a safe
+key segment, and a tenant's objects share one prefix). A save streams every file, hashing it on the
+way, under a fresh ``generation`` (``<unix ms>-<random hex>``), then writes the manifest that names
+it. The manifest write is atomic, so readers, which always start from the manifest, see the previous
+checkpoint or the new one, never a half-written one; a crash or store outage before it leaves only
+unreferenced files, which ``sweep_expired`` removes once they are older than ``staging_grace_s``. An
+overwrite swaps the manifest, then deletes the old generation. Readers check every file's size and
+sha256 against the manifest as it streams past.
 
 Ownership: a checkpoint belongs to the tenant that saved it, and a run id to the tenant whose
-checkpoints it holds. Another tenant's checkpoint or run is ``PermissionDenied``; a missing,
-deleted or expired one is ``NotFound``.
+checkpoints it holds. Another tenant's checkpoint answers ``NotFound`` with the very message a missing
+one gets, and listing another tenant's run answers as a run with no checkpoints, so no answer tells
+whether someone else's checkpoint exists. (Saving into another tenant's run is ``PermissionDenied``: only
+the trainer saves, into the run it serves for that tenant.) A TTL is at most ``MAX_TTL_S``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 
 from lathe.errors import AlreadyExists, Internal, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from lathe.types import MAX_TTL_S
 
 from .paths import CheckpointPath, check_part
 from .store import ObjectStore
 
 MANIFEST_FORMAT = 1
+READ_ATTEMPTS = 3  # whole-checkpoint reads that a concurrent overwrite may restart
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +88,7 @@ class _Manifest:
         return CheckpointPath(self.info.run_id, self.info.kind, self.info.name)
 
     def blob_prefix(self) -> str:
-        return _blob_prefix(self.path, self.generation)
+        return _blob_prefix(self.info.tenant, self.path, self.generation)
 
     def to_json(self) -> bytes:
         doc = {"format": MANIFEST_FORMAT, "generation": self.generation, **asdict(self.info),
@@ -101,12 +108,39 @@ class _Manifest:
             raise Internal(f"checkpoint manifest {key!r} is unreadable: {e}") from None
 
 
-def _manifest_key(p: CheckpointPath) -> str:
-    return f"manifests/{p.run_id}/{p.kind}/{p.name}.json"
+def tenant_segment(tenant: str) -> str:
+    """The key segment of ``tenant``'s objects."""
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
 
-def _blob_prefix(p: CheckpointPath, generation: str) -> str:
-    return f"blobs/{p.run_id}/{p.kind}/{p.name}/{generation}/"
+def _manifest_key(tenant: str, p: CheckpointPath) -> str:
+    return f"manifests/{tenant_segment(tenant)}/{p.run_id}/{p.kind}/{p.name}.json"
+
+
+def _blob_prefix(tenant: str, p: CheckpointPath, generation: str) -> str:
+    return f"blobs/{tenant_segment(tenant)}/{p.run_id}/{p.kind}/{p.name}/{generation}/"
+
+
+class _Replaced(Unavailable):
+    """A checkpoint was replaced or deleted while it was being read (reading it again may succeed)."""
+
+
+class _Tally:
+    """Size and sha256 of the chunks that pass through ``feed``."""
+
+    __slots__ = ("sha", "size")
+
+    def __init__(self) -> None:
+        self.sha, self.size = hashlib.sha256(), 0
+
+    def feed(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            self.sha.update(chunk)
+            self.size += len(chunk)
+            yield chunk
+
+    def file(self) -> _File:
+        return _File(self.size, self.sha.hexdigest())
 
 
 def _generation_time(generation: str) -> float | None:
@@ -136,17 +170,29 @@ class CheckpointService:
         self.staging_grace_s = staging_grace_s
         self._commit = threading.Lock()
 
-    # ---- the five calls ----
+    # ---- the calls ----
 
     def put(self, *, tenant: str, run_id: str, kind: str, name: str, files: Mapping[str, bytes],
             metadata_json: str = "", ttl_seconds: int = 0, overwrite: bool = False) -> CheckpointInfo:
         """Save ``files`` as ``tinker://<run_id>/<kind>/<name>``, visible only once all are stored."""
-        _check_tenant(tenant)
         path = CheckpointPath(run_id, kind, name)
         if not files:
             raise InvalidArgument(f"files is empty: checkpoint {path} needs at least one file")
         for file_name in files:
             check_part("file name", file_name)
+        return self.put_stream(tenant=tenant, run_id=run_id, kind=kind, name=name,
+                               files=((n, (data,)) for n, data in sorted(files.items())),
+                               metadata_json=metadata_json, ttl_seconds=ttl_seconds, overwrite=overwrite)
+
+    def put_stream(self, *, tenant: str, run_id: str, kind: str, name: str,
+                   files: Iterable[tuple[str, Iterable[bytes]]], metadata_json: str = "", ttl_seconds: int = 0,
+                   overwrite: bool = False) -> CheckpointInfo:
+        """``put`` for files that arrive as (file name, chunks) pairs, each consumed once, in order: every
+        file streams into the store while it is hashed, so no file needs to be in memory whole. If the
+        stream fails (or the store does), nothing becomes visible and the files stored so far are removed
+        (or, if the store is down, left for the sweep)."""
+        _check_tenant(tenant)
+        path = CheckpointPath(run_id, kind, name)
         if metadata_json:
             try:
                 is_object = isinstance(json.loads(metadata_json), dict)
@@ -154,18 +200,38 @@ class CheckpointService:
                 raise InvalidArgument(f"metadata_json of {path} is not valid JSON: {e}") from None
             if not is_object:
                 raise InvalidArgument(f"metadata_json of {path} must be a JSON object, got {metadata_json[:64]!r}")
-        if ttl_seconds < 0:
-            raise InvalidArgument(f"ttl_seconds must be >= 0 (0 = keep forever), got {ttl_seconds}")
+        if not 0 <= ttl_seconds <= MAX_TTL_S:
+            raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [0, {MAX_TTL_S}] (0: keep forever)")
 
         started = self.clock()
         self._check_writable(tenant, path, overwrite)  # fail fast, before uploading anything
         generation = f"{int(started * 1000):013d}-{secrets.token_hex(4)}"
-        prefix = _blob_prefix(path, generation)
-        entries = {}
-        for file_name, data in sorted(files.items()):
-            self.store.put(prefix + file_name, data)
-            entries[file_name] = _File(len(data), hashlib.sha256(data).hexdigest())
+        prefix = _blob_prefix(tenant, path, generation)
+        entries: dict[str, _File] = {}
+        try:
+            for file_name, chunks in files:
+                check_part("file name", file_name)
+                if file_name in entries:
+                    raise InvalidArgument(f"file name {file_name!r} appears twice in checkpoint {path}")
+                tally = _Tally()
+                entries[file_name] = _File(-1, "")  # claimed: removed on failure even if half-written
+                self.store.put_stream(prefix + file_name, tally.feed(chunks))
+                entries[file_name] = tally.file()
+        except BaseException:
+            for file_name in entries:
+                with contextlib.suppress(Exception):  # best effort: the sweep collects what is left
+                    self.store.delete(prefix + file_name)
+            raise
+        if not entries:
+            raise InvalidArgument(f"files is empty: checkpoint {path} needs at least one file")
+        # not under the cleanup above: a manifest write that fails may still have landed
+        return self._commit_manifest(tenant, path, generation, entries, started, metadata_json, ttl_seconds,
+                                     overwrite)
 
+    def _commit_manifest(self, tenant: str, path: CheckpointPath, generation: str, entries: dict[str, _File],
+                         started: float, metadata_json: str, ttl_seconds: int, overwrite: bool) -> CheckpointInfo:
+        """Write the manifest naming ``generation`` (the commit point), then collect the one it replaced."""
+        run_id, kind, name = path.run_id, path.kind, path.name
         with self._commit:
             old = self._check_writable(tenant, path, overwrite)
             now = self.clock()
@@ -176,23 +242,36 @@ class CheckpointService:
                                   size_bytes=sum(f.size for f in entries.values()), created_at=now,
                                   expires_at=now + ttl_seconds if ttl_seconds else 0.0,
                                   metadata_json=metadata_json)
-            self.store.put(_manifest_key(path), _Manifest(info, generation, entries).to_json())
+            self.store.put(_manifest_key(tenant, path), _Manifest(info, generation, entries).to_json())
         if old is not None:
             self._delete_files(old)
         return info
 
     def get(self, tenant: str, path: str) -> tuple[CheckpointInfo, dict[str, bytes]]:
-        """The checkpoint's info and files, each verified against the manifest's size and sha256."""
-        p = self._parse(tenant, path)
-        m = self._visible(tenant, p)
-        while True:
+        """The checkpoint's info and files, each verified against the manifest's size and sha256 (read
+        again, up to ``READ_ATTEMPTS`` times, if a concurrent overwrite replaces it meanwhile)."""
+        for attempt in range(READ_ATTEMPTS):
+            info, sizes, chunks = self.get_stream(tenant, path)
+            buffers = {n: bytearray() for n in sizes}
             try:
-                return m.info, {n: self._read_file(m, n) for n in sorted(m.files)}
-            except KeyError as e:
-                latest = self._visible(tenant, p)
-                if latest.generation == m.generation:
-                    raise Internal(f"checkpoint {p}: stored file {e.args[0]!r} is missing") from None
-                m = latest  # replaced by a concurrent overwrite while we read: read the new one
+                for file_name, chunk in chunks:
+                    buffers[file_name] += chunk
+            except _Replaced:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise
+                continue
+            return info, {n: bytes(b) for n, b in buffers.items()}
+        raise AssertionError("unreachable")
+
+    def get_stream(self, tenant: str, path: str
+                   ) -> tuple[CheckpointInfo, dict[str, int], Iterator[tuple[str, bytes]]]:
+        """The checkpoint's info, its file sizes, and its files as (file name, chunk) pairs, file by file.
+
+        Each file is verified as its last chunk passes: a corrupt or missing object raises ``Internal``
+        naming its key, so a consumer must not use a file before the iterator has moved past it.
+        """
+        m = self._visible(tenant, self._parse(tenant, path))
+        return m.info, {n: f.size for n, f in sorted(m.files.items())}, self._stream_files(m)
 
     def stat(self, tenant: str, path: str) -> CheckpointInfo:
         return self._visible(tenant, self._parse(tenant, path)).info
@@ -201,7 +280,7 @@ class CheckpointService:
         p = self._parse(tenant, path)
         with self._commit:
             m = self._visible(tenant, p)
-            self.store.delete(_manifest_key(p))
+            self.store.delete(_manifest_key(tenant, p))
         self._delete_files(m)
 
     def list(self, tenant: str, run_id: str = "", limit: int = 0, offset: int = 0) -> CheckpointList:
@@ -211,9 +290,7 @@ class CheckpointService:
             check_part("run_id", run_id, run_id=True)
         if limit < 0 or offset < 0:
             raise InvalidArgument(f"limit and offset must be >= 0, got limit={limit} offset={offset}")
-        manifests = list(self._manifests(run_id))
-        if run_id and any(m.info.tenant != tenant for m in manifests):
-            raise PermissionDenied(f"run {run_id!r} belongs to another tenant")
+        manifests = list(self._manifests(tenant, run_id))
         now = self.clock()
         mine = sorted((m.info for m in manifests if m.info.tenant == tenant and self._live(m, now)),
                       key=lambda i: (i.created_at, i.path))
@@ -224,16 +301,16 @@ class CheckpointService:
         now = self.clock()
         expired = 0
         referenced: set[str] = set()  # blob prefixes of the generations that live manifests name
-        for m in self._manifests(""):
+        for m in self._manifests("", ""):
             if self._live(m, now):
                 referenced.add(m.blob_prefix())
                 continue
             with self._commit:
-                latest = self._read_manifest(m.path)
+                latest = self._read_manifest(m.info.tenant, m.path)
                 if latest is not None and latest.generation != m.generation:  # replaced since listed
                     referenced.add(latest.blob_prefix())
                     continue
-                self.store.delete(_manifest_key(m.path))
+                self.store.delete(_manifest_key(m.info.tenant, m.path))
             self._delete_files(m)
             expired += 1
         orphans = 0
@@ -255,52 +332,65 @@ class CheckpointService:
     def _live(self, m: _Manifest, now: float) -> bool:
         return not m.info.expires_at or now < m.info.expires_at
 
-    def _read_manifest(self, p: CheckpointPath) -> _Manifest | None:
-        key = _manifest_key(p)
+    def _read_manifest(self, tenant: str, p: CheckpointPath) -> _Manifest | None:
+        key = _manifest_key(tenant, p)
         try:
-            return _Manifest.from_json(key, self.store.get(key))
+            m = _Manifest.from_json(key, self.store.get(key))
         except KeyError:
             return None
+        return m if m.info.tenant == tenant else None
 
-    def _manifests(self, run_id: str) -> Iterator[_Manifest]:
-        """Every manifest (live or expired) of one run, or of all runs when ``run_id`` is empty."""
-        for key in self.store.keys(f"manifests/{run_id}/" if run_id else "manifests/"):
+    def _manifests(self, tenant: str, run_id: str) -> Iterator[_Manifest]:
+        """Every manifest (live or expired) of ``tenant`` (all tenants when empty) in one run (all when empty)."""
+        prefix = "manifests/" + (f"{tenant_segment(tenant)}/" if tenant else "") + (f"{run_id}/" if run_id else "")
+        for key in self.store.keys(prefix):
             try:
-                yield _Manifest.from_json(key, self.store.get(key))
+                m = _Manifest.from_json(key, self.store.get(key))
             except KeyError:  # deleted since it was listed
                 continue
+            if not tenant or m.info.tenant == tenant:
+                yield m
 
     def _visible(self, tenant: str, p: CheckpointPath) -> _Manifest:
-        """The live manifest at ``p`` if ``tenant`` owns it; NotFound / PermissionDenied otherwise."""
-        m = self._read_manifest(p)
+        """The live manifest at ``p`` if ``tenant`` owns it; ``NotFound`` otherwise, the same for a missing
+        checkpoint and for another tenant's (only its owner learns that it expired)."""
+        m = self._read_manifest(tenant, p)
         if m is None:
             raise NotFound(f"checkpoint {p} not found")
-        owned = m.info.tenant == tenant
         if not self._live(m, self.clock()):
-            raise NotFound(f"checkpoint {p} expired at unix time {m.info.expires_at:.0f}" if owned
-                           else f"checkpoint {p} not found")
-        if not owned:
-            raise PermissionDenied(f"checkpoint {p} belongs to another tenant")
+            raise NotFound(f"checkpoint {p} expired at unix time {m.info.expires_at:.0f}")
         return m
 
     def _check_writable(self, tenant: str, p: CheckpointPath, overwrite: bool) -> _Manifest | None:
         """The manifest a save to ``p`` would replace (None if none), after the ownership and overwrite rules."""
-        owner = next((m.info.tenant for m in self._manifests(p.run_id)), None)
-        if owner is not None and owner != tenant:
-            raise PermissionDenied(f"run {p.run_id!r} belongs to another tenant; cannot save {p}")
-        old = self._read_manifest(p)
+        mine = tenant_segment(tenant)
+        for key in self.store.keys("manifests/"):  # a run holds the checkpoints of one tenant only
+            _, owner, run_id, _ = key.split("/", 3)
+            if run_id == p.run_id and owner != mine:
+                raise PermissionDenied(f"run {p.run_id!r} belongs to another tenant; cannot save {p}")
+        old = self._read_manifest(tenant, p)
         if old is not None and self._live(old, self.clock()) and not overwrite:
             raise AlreadyExists(f"checkpoint {p} already exists; save with overwrite=true to replace it")
         return old
 
-    def _read_file(self, m: _Manifest, name: str) -> bytes:
-        data = self.store.get(m.blob_prefix() + name)
-        want = m.files[name]
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != want.size or digest != want.sha256:
-            raise Internal(f"checkpoint {m.info.path}: file {name!r} is corrupt ({len(data)} bytes, sha256 "
-                           f"{digest[:12]}..., the manifest says {want.size} bytes, {want.sha256[:12]}...)")
-        return data
+    def _stream_files(self, m: _Manifest) -> Iterator[tuple[str, bytes]]:
+        for name, want in sorted(m.files.items()):
+            key = m.blob_prefix() + name
+            tally = _Tally()
+            try:
+                for chunk in tally.feed(self.store.get_stream(key)):
+                    yield name, chunk
+            except KeyError:
+                latest = self._read_manifest(m.info.tenant, m.path)
+                if latest is None or latest.generation != m.generation:
+                    raise _Replaced(f"checkpoint {m.info.path} was replaced or deleted while it was read; "
+                                    "read it again") from None
+                raise Internal(f"checkpoint {m.info.path}: stored object {key!r} is missing") from None
+            got = tally.file()
+            if got != want:
+                raise Internal(f"checkpoint {m.info.path}: object {key!r} (file {name!r}) is corrupt ({got.size} "
+                               f"bytes, sha256 {got.sha256[:12]}..., the manifest says {want.size} bytes, "
+                               f"{want.sha256[:12]}...)")
 
     def _delete_files(self, m: _Manifest) -> None:
         prefix = m.blob_prefix()

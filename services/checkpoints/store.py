@@ -3,12 +3,14 @@
 An ``ObjectStore`` maps keys to immutable blobs, with S3's semantics: ``put`` replaces a whole object
 atomically (a reader sees the old bytes or the new ones, never a part), ``get`` of a missing key
 raises ``KeyError``, ``keys`` is a flat listing by key prefix, ``delete`` of a missing key is a no-op.
+``put_stream`` and ``get_stream`` move one object as a sequence of chunks, so that no object larger
+than memory ever needs to sit in one buffer (checkpoint files travel this way).
 Keys are relative, ``/``-separated, and no segment is empty or starts with ``.`` (so a backend may
 keep private temp files under dot names and no key can climb out of its root).
 
 Backends are picked by URL scheme through ``STORES``: ``file://`` (or a bare directory) is
-``LocalDirStore``; an S3 backend (``s3://bucket/prefix`` with the ``minio`` client: put_object,
-get_object, list_objects(recursive=True), remove_object, stat_object) registers itself the same way.
+``LocalDirStore``; ``s3://bucket/prefix`` is ``lathe.checkpoints.s3.S3Store`` (imported only when
+used, so that ``minio`` is needed only by S3 deployments).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
+
+CHUNK_BYTES = 4 << 20
+"""The size of the chunks ``get_stream`` yields (and checkpoint bytes travel in between services)."""
 
 
 class ObjectStore(Protocol):
@@ -29,8 +34,18 @@ class ObjectStore(Protocol):
         """Create or replace ``key`` atomically."""
         ...
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        """Create or replace ``key`` atomically with the concatenation of ``chunks`` (consumed once, in
+        order); if iterating ``chunks`` raises, nothing is stored and the error propagates."""
+        ...
+
     def get(self, key: str) -> bytes:
         """The bytes at ``key``; ``KeyError(key)`` when there is none."""
+        ...
+
+    def get_stream(self, key: str) -> Iterator[bytes]:
+        """The bytes at ``key`` in chunks of at most ``CHUNK_BYTES``; ``KeyError(key)`` (at the first
+        ``next``) when there is none."""
         ...
 
     def keys(self, prefix: str) -> list[str]:
@@ -75,6 +90,9 @@ class LocalDirStore:
         return self.root.joinpath(*check_key(key))
 
     def put(self, key: str, data: bytes) -> None:
+        self.put_stream(key, (data,))
+
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
         path = self._path(key)
         for attempt in range(3):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +104,8 @@ class LocalDirStore:
                     raise
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                for chunk in chunks:
+                    f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -101,6 +120,15 @@ class LocalDirStore:
             return self._path(key).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise KeyError(key) from None
+
+    def get_stream(self, key: str) -> Iterator[bytes]:
+        try:
+            f = self._path(key).open("rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise KeyError(key) from None
+        with f:
+            while chunk := f.read(CHUNK_BYTES):
+                yield chunk
 
     def keys(self, prefix: str) -> list[str]:
         directory = prefix.rpartition("/")[0]
@@ -138,8 +166,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-STORES: dict[str, Callable[[str], ObjectStore]] = {"file": LocalDirStore.from_url}
-"""Store backends by URL scheme; a backend module adds its own entry."""
+def _s3_store(url: str) -> ObjectStore:
+    from .s3 import S3Store
+
+    return S3Store.from_url(url)
+
+
+STORES: dict[str, Callable[[str], ObjectStore]] = {"file": LocalDirStore.from_url, "s3": _s3_store}
+"""Store backends by URL scheme (each opens a store from its URL)."""
 
 
 def open_store(location: str | Path) -> ObjectStore:
