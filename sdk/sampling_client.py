@@ -4,7 +4,8 @@ A sampling client is bound, when it is created, to one sampling session on the g
 checkpoint (``tinker://<run>/sampler_weights/<name>``, pinned to the version that existed then, so it never
 silently serves a newer adapter) or a base model. Each ``sample`` is a server-side future; every returned
 sequence names the policy version that produced it. Requests carry a per-client ``seq_id`` so a retried
-submit is answered once; sampling requests need no ordering among themselves.
+submit is answered once; sampling requests need no ordering among themselves. A client made with its own
+``retry_config`` (a ``RetryPolicy``) retries its submits by that policy instead of its connection's.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+from typing import Any
 
 from lathe import wire
-from lathe.futures import APIFuture, Connection, server_future
+from lathe.futures import APIFuture, Connection, RetryPolicy, server_future
+from lathe.tokenizer import load_tokenizer
 from lathe.types import ModelInput, SampleResponse, SamplingParams
 from lathe.v1 import lathe_pb2 as pb
 
@@ -22,8 +25,9 @@ from lathe.v1 import lathe_pb2 as pb
 class SamplingClient:
     """Made by ``ServiceClient.create_sampling_client`` or ``TrainingClient.save_weights_and_get_sampling_client``."""
 
-    def __init__(self, conn: Connection, session: pb.SamplingSession) -> None:
+    def __init__(self, conn: Connection, session: pb.SamplingSession, retry: RetryPolicy | None = None) -> None:
         self._conn = conn
+        self._retry = retry
         self.sampling_session_id = session.sampling_session_id
         self.base_model = session.base_model
         self.model_path = session.model_path or None
@@ -51,7 +55,18 @@ class SamplingClient:
         return self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
 
     async def _submit(self, request: pb.SampleRequest) -> str:
-        return (await self._conn.call("Sample", request)).request_id
+        return (await self._conn.call("Sample", request, retry=self._retry)).request_id
+
+    def get_base_model(self) -> str:
+        """The base model this client samples from (known since creation: never waits on the server)."""
+        return self.base_model
+
+    async def get_base_model_async(self) -> str:
+        return self.base_model
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer (a ``transformers`` tokenizer; see ``lathe.tokenizer``)."""
+        return load_tokenizer(self.base_model)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """The policy's logprob of every prompt token given the ones before it (None for the first)."""

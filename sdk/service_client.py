@@ -3,42 +3,40 @@
 Owns the ``Connection`` to the gateway (see ``lathe.futures``) and the session: created lazily by the first
 call that needs one (``CreateSession``, with the client's ``user_metadata``), then kept alive by a heartbeat
 every ``HEARTBEAT_S`` seconds until ``close()``. Creates ``TrainingClient``s (waiting for the model to exist
-and reading its info) and ``RestClient``s, which share its connection. This is the only place that reads the
-environment: ``LATHE_BASE_URL`` and ``LATHE_API_KEY`` when the arguments are not given.
+and reading its info) and ``RestClient``s, which share its connection. Where the gateway is found (arguments,
+else ``LATHE_BASE_URL`` / ``LATHE_API_KEY``) is ``lathe.connect``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any, Self
 
 from lathe import wire
-from lathe.errors import LatheError
-from lathe.futures import APIFuture, Connection, RetryPolicy, call_future, poll
+from lathe.connect import DEFAULT_BASE_URL, grpc_target, open_connection
+from lathe.errors import InvalidArgument, LatheError
+from lathe.futures import APIFuture, RetryPolicy, call_future, poll
 from lathe.rest_client import RestClient
 from lathe.sampling_client import SamplingClient
 from lathe.training_client import TrainingClient
-from lathe.types import CreateModelResponse, GetServerCapabilitiesResponse, LoraConfig
+from lathe.types import (
+    AdamOptimizerConfig,
+    CreateModelResponse,
+    GetServerCapabilitiesResponse,
+    LoraConfig,
+    check_optimizer,
+    check_weights_access_token,
+)
 from lathe.v1 import lathe_pb2 as pb
+
+__all__ = ["DEFAULT_BASE_URL", "HEARTBEAT_S", "ServiceClient", "grpc_target"]
 
 log = logging.getLogger("lathe")
 
-DEFAULT_BASE_URL = "127.0.0.1:8500"  # where `lathe serve` listens by default
 HEARTBEAT_S = 10.0
-
-
-def grpc_target(base_url: str) -> str:
-    """``host:port`` from ``"host:port"`` or ``"grpc://host:port"``."""
-    scheme, sep, rest = base_url.strip().partition("://")
-    target = (rest if sep else scheme).rstrip("/")
-    if (sep and scheme != "grpc") or not target or "/" in target:
-        raise ValueError(f"base_url {base_url!r} is not a gateway address of the form host:port or "
-                         "grpc://host:port (Lathe's SDK speaks gRPC; the HTTP door is for the tinker SDK)")
-    return target
 
 
 class ServiceClient:
@@ -49,8 +47,7 @@ class ServiceClient:
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
                  user_metadata: dict[str, str] | None = None, retry: RetryPolicy | None = None) -> None:
-        target = grpc_target(base_url or os.environ.get("LATHE_BASE_URL") or DEFAULT_BASE_URL)
-        self._conn = Connection(target, api_key or os.environ.get("LATHE_API_KEY"), retry or RetryPolicy())
+        self._conn = open_connection(base_url, api_key, retry)
         self._user_metadata = dict(user_metadata or {})
         # Touched only on the connection's loop:
         self._session: asyncio.Task[str] | None = None
@@ -97,15 +94,27 @@ class ServiceClient:
         return TrainingClient(self._conn, wire.get_info_from_proto(info), self._sampling_client)
 
     def _lora(self, base_model: str, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
-              train_unembed: bool, user_metadata: dict[str, str] | None) -> Coroutine[Any, Any, TrainingClient]:
+              train_unembed: bool, user_metadata: dict[str, str] | None, optimizer: AdamOptimizerConfig | None
+              ) -> Coroutine[Any, Any, TrainingClient]:
+        check_optimizer(optimizer)
         lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
                           train_unembed=train_unembed)
         return self._new_training_client("CreateModel", pb.CreateModelRequest(
             base_model=base_model, lora_config=wire.lora_config_to_proto(lora), user_metadata=user_metadata or {}))
 
-    def _from_state(self, path: str, with_optimizer: bool, user_metadata: dict[str, str] | None
-                    ) -> Coroutine[Any, Any, TrainingClient]:
-        return self._new_training_client("CreateModelFromState", pb.CreateModelFromStateRequest(
+    async def _from_state(self, path: str, with_optimizer: bool, base_model: str | None,
+                          user_metadata: dict[str, str] | None, weights_access_token: str | None,
+                          optimizer: AdamOptimizerConfig | None) -> TrainingClient:
+        """``base_model`` (Tinker's override of the checkpoint's) must be the checkpoint's own: Lathe knows no
+        other model compatible with an adapter."""
+        check_weights_access_token(weights_access_token)
+        check_optimizer(optimizer)
+        if base_model is not None:
+            run = await self.create_rest_client().get_training_run_by_tinker_path(path)
+            if run.base_model != base_model:
+                raise InvalidArgument(f"base_model = {base_model!r}, but {path} was trained on {run.base_model!r}; "
+                                      "Lathe loads a checkpoint only onto its own base model")
+        return await self._new_training_client("CreateModelFromState", pb.CreateModelFromStateRequest(
             path=path, with_optimizer=with_optimizer, user_metadata=user_metadata or {}))
 
     def _run(self, work: Coroutine[Any, Any, Any]) -> APIFuture[Any]:
@@ -113,55 +122,70 @@ class ServiceClient:
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    user_metadata: dict[str, str] | None = None) -> TrainingClient:
-        """A new LoRA adapter on ``base_model``; returns once the server has created it."""
+                                    user_metadata: dict[str, str] | None = None,
+                                    optimizer: AdamOptimizerConfig | None = None) -> TrainingClient:
+        """A new LoRA adapter on ``base_model``; returns once the server has created it. ``optimizer``: None
+        or ``AdamOptimizerConfig()`` (AdamW, Lathe's only optimizer)."""
         return self._run(self._lora(base_model, rank, seed, train_mlp, train_attn, train_unembed,
-                                    user_metadata)).result()
+                                    user_metadata, optimizer)).result()
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
                                                 train_mlp: bool = True, train_attn: bool = True,
                                                 train_unembed: bool = True,
-                                                user_metadata: dict[str, str] | None = None) -> TrainingClient:
+                                                user_metadata: dict[str, str] | None = None,
+                                                optimizer: AdamOptimizerConfig | None = None) -> TrainingClient:
         return await self._run(self._lora(base_model, rank, seed, train_mlp, train_attn, train_unembed,
-                                          user_metadata))
+                                          user_metadata, optimizer))
 
-    def create_training_client_from_state(self, path: str, user_metadata: dict[str, str] | None = None
-                                          ) -> TrainingClient:
+    def create_training_client_from_state(self, path: str, base_model: str | None = None,
+                                          user_metadata: dict[str, str] | None = None,
+                                          weights_access_token: str | None = None,
+                                          optimizer: AdamOptimizerConfig | None = None) -> TrainingClient:
         """A new training run starting from the weights saved at ``path``; its optimizer starts over."""
-        return self._run(self._from_state(path, False, user_metadata)).result()
+        return self._run(self._from_state(path, False, base_model, user_metadata, weights_access_token,
+                                          optimizer)).result()
 
-    async def create_training_client_from_state_async(self, path: str, user_metadata: dict[str, str] | None = None
+    async def create_training_client_from_state_async(self, path: str, base_model: str | None = None,
+                                                      user_metadata: dict[str, str] | None = None,
+                                                      weights_access_token: str | None = None,
+                                                      optimizer: AdamOptimizerConfig | None = None
                                                       ) -> TrainingClient:
-        return await self._run(self._from_state(path, False, user_metadata))
+        return await self._run(self._from_state(path, False, base_model, user_metadata, weights_access_token,
+                                                optimizer))
 
-    def create_training_client_from_state_with_optimizer(self, path: str,
-                                                         user_metadata: dict[str, str] | None = None
+    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
+                                                         user_metadata: dict[str, str] | None = None,
+                                                         weights_access_token: str | None = None
                                                          ) -> TrainingClient:
         """A new training run starting from the weights and optimizer state saved at ``path``."""
-        return self._run(self._from_state(path, True, user_metadata)).result()
+        return self._run(self._from_state(path, True, base_model, user_metadata, weights_access_token,
+                                          None)).result()
 
     async def create_training_client_from_state_with_optimizer_async(
-            self, path: str, user_metadata: dict[str, str] | None = None) -> TrainingClient:
-        return await self._run(self._from_state(path, True, user_metadata))
+            self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
+            weights_access_token: str | None = None) -> TrainingClient:
+        return await self._run(self._from_state(path, True, base_model, user_metadata, weights_access_token, None))
 
     # ---- sampling clients ----
 
-    async def _sampling_client(self, model_path: str | None = None, base_model: str | None = None
-                               ) -> SamplingClient:
+    async def _sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                               retry: RetryPolicy | None = None) -> SamplingClient:
         if not (model_path or base_model):
             raise ValueError("create_sampling_client needs model_path (tinker://...) or base_model")
         session = await self._conn.call("CreateSamplingSession", pb.CreateSamplingSessionRequest(
-            session_id=await self._session_id(), model_path=model_path or "", base_model=base_model or ""))
-        return SamplingClient(self._conn, session)
+            session_id=await self._session_id(), model_path=model_path or "", base_model=base_model or ""),
+            retry=retry)
+        return SamplingClient(self._conn, session, retry)
 
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None
-                               ) -> SamplingClient:
-        """A client bound to the sampler checkpoint at ``model_path`` as it is now, or to ``base_model``."""
-        return self._run(self._sampling_client(model_path, base_model)).result()
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                               retry_config: RetryPolicy | None = None) -> SamplingClient:
+        """A client bound to the sampler checkpoint at ``model_path`` as it is now, or to ``base_model``;
+        ``retry_config`` replaces the connection's retry policy for its calls."""
+        return self._run(self._sampling_client(model_path, base_model, retry_config)).result()
 
-    async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None
-                                           ) -> SamplingClient:
-        return await self._run(self._sampling_client(model_path, base_model))
+    async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
+                                           retry_config: RetryPolicy | None = None) -> SamplingClient:
+        return await self._run(self._sampling_client(model_path, base_model, retry_config))
 
     # ---- registry ----
 

@@ -20,17 +20,19 @@ import numbers
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from google.protobuf.message import Message
 
 from lathe import wire
-from lathe.errors import FailedPrecondition, LatheError
-from lathe.futures import APIFuture, Connection, server_future
+from lathe.errors import FailedPrecondition, InvalidArgument, LatheError
+from lathe.futures import APIFuture, Connection, RetryPolicy, server_future
 from lathe.sampling_client import SamplingClient
+from lathe.tokenizer import load_tokenizer
 from lathe.types import (
     EPHEMERAL_TTL_S,
+    MAX_TTL_S,
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -40,6 +42,8 @@ from lathe.types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     TensorData,
+    adam_params_of,
+    check_weights_access_token,
 )
 from lathe.v1 import lathe_pb2 as pb
 
@@ -90,7 +94,7 @@ class TrainingClient:
     """Created by ``ServiceClient.create_lora_training_client`` / ``create_training_client_from_state*``."""
 
     def __init__(self, conn: Connection, info: GetInfoResponse,
-                 sampling_client: Callable[[str], Awaitable[SamplingClient]]) -> None:
+                 sampling_client: Callable[..., Awaitable[SamplingClient]]) -> None:
         self.model_id = info.model_id
         self._conn = conn
         self._sampling_client = sampling_client
@@ -161,14 +165,18 @@ class TrainingClient:
                                             forward_only=forward_only)
         return self._submit("ForwardBackward", request, ForwardBackwardOutput)
 
-    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn
+    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn, *,
+                                loss_type_input: Literal["logprobs"] | None = None
                                 ) -> APIFuture[ForwardBackwardOutput]:
         """Tinker's custom loss, with no user code on the server (1.5x the FLOPs of a plain step).
 
         A forward returns each datum's target logprobs; ``loss_fn(data, logprobs) -> (loss, metrics)`` runs
         here in torch; then a ``cross_entropy`` forward_backward with ``weights = -dloss/dlogprobs`` puts
         exactly that gradient into the adapter. Datums need ``target_tokens``; other inputs are the loss's.
+        ``loss_type_input``: what ``loss_fn`` reads, ``"logprobs"`` (the default and only kind, as in Tinker).
         """
+        if loss_type_input not in (None, "logprobs"):
+            raise InvalidArgument(f"loss_type_input = {loss_type_input!r}; custom losses read 'logprobs'")
         forward = self.forward([_ce_datum(d, None) for d in data], "cross_entropy")
         custom: dict[str, Any] = {}
 
@@ -190,13 +198,19 @@ class TrainingClient:
 
         return APIFuture(self._conn.spawn(combine()))
 
-    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: CustomLossFn
+    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: CustomLossFn, *,
+                                            loss_type_input: Literal["logprobs"] | None = None
                                             ) -> APIFuture[ForwardBackwardOutput]:
-        return self.forward_backward_custom(data, loss_fn)
+        return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
 
-    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
-        """One AdamW update of the adapter with the gradients accumulated since the last step."""
-        request = pb.OptimStepRequest(model_id=self.model_id, adam_params=wire.adam_params_to_proto(adam_params))
+    def optim_step(self, optim_params: AdamParams | None = None, *, adam_params: AdamParams | None = None
+                   ) -> APIFuture[OptimStepResponse]:
+        """One AdamW update of the adapter with the gradients accumulated since the last step.
+
+        ``optim_params`` (or Tinker's legacy keyword ``adam_params``) is an ``AdamParams``. Raises
+        ``InvalidArgument`` at once for anything else and for hyperparameters AdamW cannot use."""
+        request = pb.OptimStepRequest(model_id=self.model_id,
+                                      adam_params=wire.adam_params_to_proto(adam_params_of(optim_params, adam_params)))
         return self._submit("OptimStep", request, OptimStepResponse)
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
@@ -212,29 +226,45 @@ class TrainingClient:
         return self._submit("Save", self._save_request(name, "sampler_weights", ttl_seconds, False, user_metadata),
                             SaveWeightsForSamplerResponse)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: RetryPolicy | None = None
+                                             ) -> SamplingClient:
         """Save the adapter for sampling (under ``name``, or an ephemeral name) and bind a client to it."""
         path = self.save_weights_for_sampler(*_sampler_name(name)).result().path
-        return self._conn.spawn(self._sampling_client(path)).result()
+        return self.create_sampling_client(path, retry_config)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None,
+                                                         retry_config: RetryPolicy | None = None) -> SamplingClient:
         path = (await self.save_weights_for_sampler(*_sampler_name(name))).path
-        return await asyncio.wrap_future(self._conn.spawn(self._sampling_client(path)))
+        return await self.create_sampling_client_async(path, retry_config)
+
+    def create_sampling_client(self, model_path: str, retry_config: RetryPolicy | None = None) -> SamplingClient:
+        """A client bound to the sampler checkpoint at ``model_path`` (``tinker://...``) as it is now;
+        ``retry_config`` replaces the connection's retry policy for its calls."""
+        return self._conn.spawn(self._sampling_client(model_path, retry=retry_config)).result()
+
+    async def create_sampling_client_async(self, model_path: str, retry_config: RetryPolicy | None = None
+                                           ) -> SamplingClient:
+        return await asyncio.wrap_future(self._conn.spawn(self._sampling_client(model_path, retry=retry_config)))
 
     def _save_request(self, name: str, kind: str, ttl_seconds: int | None, overwrite: bool,
                       user_metadata: dict[str, str] | None) -> pb.SaveRequest:
+        if ttl_seconds is not None and not 0 <= ttl_seconds <= MAX_TTL_S:
+            raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [0, {MAX_TTL_S}] (0: keep forever)")
         return pb.SaveRequest(model_id=self.model_id, name=name, kind=kind, ttl_seconds=ttl_seconds or 0,
                               overwrite=overwrite, user_metadata=user_metadata or {})
 
-    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:
         """Replace the adapter's weights with a saved state's; the optimizer starts over."""
-        return self._load(path, with_optimizer=False)
+        return self._load(path, weights_access_token, with_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None
+                                  ) -> APIFuture[LoadWeightsResponse]:
         """Replace the adapter's weights and optimizer state with a saved state's."""
-        return self._load(path, with_optimizer=True)
+        return self._load(path, weights_access_token, with_optimizer=True)
 
-    def _load(self, path: str, *, with_optimizer: bool) -> APIFuture[LoadWeightsResponse]:
+    def _load(self, path: str, weights_access_token: str | None, *, with_optimizer: bool
+              ) -> APIFuture[LoadWeightsResponse]:
+        check_weights_access_token(weights_access_token)
         request = pb.LoadRequest(model_id=self.model_id, path=path, with_optimizer=with_optimizer)
         return self._submit("Load", request, LoadWeightsResponse)
 
@@ -242,6 +272,10 @@ class TrainingClient:
         """The model's base model, tokenizer and LoRA config, fetched when the client was created (as in
         Tinker, this never waits on the server)."""
         return self._info
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer (a ``transformers`` tokenizer; see ``lathe.tokenizer``)."""
+        return load_tokenizer(self._info.model_data.tokenizer_id or self._info.model_data.model_name)
 
     # ---- async variants (Tinker's): coroutines returning the same futures ----
 
@@ -254,22 +288,26 @@ class TrainingClient:
                                      ) -> APIFuture[ForwardBackwardOutput]:
         return self.forward_backward(data, loss_fn, loss_fn_config)
 
-    async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
-        return self.optim_step(adam_params)
+    async def optim_step_async(self, optim_params: AdamParams | None = None, *,
+                               adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        return self.optim_step(optim_params, adam_params=adam_params)
 
-    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
-                               ) -> APIFuture[SaveWeightsResponse]:
-        return self.save_state(name, ttl_seconds, overwrite)
+    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                               user_metadata: dict[str, str] | None = None) -> APIFuture[SaveWeightsResponse]:
+        return self.save_state(name, ttl_seconds, overwrite, user_metadata)
 
-    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None
+    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None,
+                                             user_metadata: dict[str, str] | None = None
                                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        return self.save_weights_for_sampler(name, ttl_seconds)
+        return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
 
-    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        return self.load_state(path)
+    async def load_state_async(self, path: str, weights_access_token: str | None = None
+                               ) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(path, weights_access_token)
 
-    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        return self.load_state_with_optimizer(path)
+    async def load_state_with_optimizer_async(self, path: str, weights_access_token: str | None = None
+                                              ) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path, weights_access_token)
 
     async def get_info_async(self) -> GetInfoResponse:
         return self._info
