@@ -4,12 +4,13 @@ One SmolLM2-135M decoder layer (hidden 576, intermediate 1536, 9 query / 3 KV he
 and its LM head (vocab 49152), random weights, each case timed in both modes:
   layer forward, training-style: 8 sequences x 256 tokens packed, autograd recording
   LM head + log_softmax over those 2048 tokens, 256 rows at a time (as the trainer chunks them)
-  layer decode step: 32 sequences, one new token each against a 256-token KV cache
-  LM head + log_softmax of the 32 decoded tokens
-  and, to split the layer figures, attention alone for the 8x256 prefill and the 32 decode calls
+  layer decode step: 32 sequences, one new token each against a 256-token KV cache (batched decode
+  attention, as the sampler runs it), and the same for a single sequence
+  LM head + log_softmax of the 32 decoded tokens, and of one
+  and, to split the layer figures, attention alone for the 8x256 prefill and the 32-sequence decode
 Prints the median wall time of --repeats runs (after --warmup) per mode and the ratio invariant/plain.
 
-Run it alone: other processes on the same cores distort these timings badly (ENVIRONMENT.md).
+Run it alone: other processes on the same cores distort these timings badly.
 Run: python bench/bench_invariance.py [--repeats 5 --warmup 1 --threads 2 --dtypes fp32 bf16]
 """
 
@@ -124,15 +125,14 @@ def train_forward(layer: Layer, x: torch.Tensor, invariant: bool) -> torch.Tenso
 
 
 def decode_step(layer: Layer, x: torch.Tensor, cache: torch.Tensor, invariant: bool) -> torch.Tensor:
-    """One token for each of the B sequences; cache [2, B, decode_cache + 1, Hkv, D], last slot new."""
-    s, t = layer.s, cache.shape[2] - 1
+    """One token for each of the B sequences at position decode_cache, through ``ops.decode_attention`` (the
+    sampler's pure-decode path); cache [2, B, N, Hkv, D] with N whole key chunks, zeros past the token."""
+    s, t = layer.s, layer.s.decode_cache
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = cache
+        keys, values = cache[:, : q.shape[0]]
         keys[:, t], values[:, t] = k, v
-        scale = s.head_dim**-0.5
-        rows = zip(q.split(1), keys, values, strict=True)
-        return torch.cat([ops.attention(*qkv, q_offset=t, scale=scale, invariant=invariant) for qkv in rows])
+        return ops.decode_attention(q, keys, values, [t] * q.shape[0], scale=s.head_dim**-0.5, invariant=invariant)
 
     return layer.forward(x, attend, invariant)
 
@@ -158,8 +158,9 @@ def cases(s: Shapes, dtype: torch.dtype) -> dict[str, Callable[[bool], object]]:
     tokens = s.train_sequences * s.train_length
     x_train = torch.randn(tokens, s.hidden, generator=gen).to(dtype)
     x_decode = torch.randn(s.decode_sequences, s.hidden, generator=gen).to(dtype)
-    cache_shape = (2, s.decode_sequences, s.decode_cache + 1, s.kv_heads, s.head_dim)
-    cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    slots = -(-(s.decode_cache + 1) // ops.KEY_CHUNK) * ops.KEY_CHUNK
+    cache = torch.randn(2, s.decode_sequences, slots, s.kv_heads, s.head_dim, generator=gen).to(dtype)
+    cache[:, :, s.decode_cache + 1 :] = 0  # spare slots hold zeros, as in the sampler's cache
 
     def train(invariant: bool) -> object:
         return train_forward(train_layer, x_train, invariant)
@@ -172,13 +173,21 @@ def cases(s: Shapes, dtype: torch.dtype) -> dict[str, Callable[[bool], object]]:
         with torch.no_grad():
             return decode_step(infer_layer, x_decode, cache, invariant)
 
+    def decode_one(invariant: bool) -> object:
+        with torch.no_grad():
+            return decode_step(infer_layer, x_decode[:1], cache, invariant)
+
+    def decode_one_head(invariant: bool) -> object:
+        with torch.no_grad():
+            return infer_layer.logprobs(x_decode[:1], invariant)
+
     def decode_head(invariant: bool) -> object:
         with torch.no_grad():
             return infer_layer.logprobs(x_decode, invariant)
 
     scale = s.head_dim**-0.5
     q_train = torch.randn(s.train_length, s.heads, s.head_dim, generator=gen).to(dtype)
-    q_decode = torch.randn(s.decode_sequences, 1, s.heads, s.head_dim, generator=gen).to(dtype)
+    q_decode = torch.randn(s.decode_sequences, s.heads, s.head_dim, generator=gen).to(dtype)
 
     def prefill_attention(invariant: bool) -> object:
         with torch.no_grad():
@@ -190,15 +199,16 @@ def cases(s: Shapes, dtype: torch.dtype) -> dict[str, Callable[[bool], object]]:
 
     def decode_attention(invariant: bool) -> object:
         with torch.no_grad():
-            t = s.decode_cache
-            rows = zip(q_decode, cache[0], cache[1], strict=True)
-            return [ops.attention(*qkv, q_offset=t, scale=scale, invariant=invariant) for qkv in rows]
+            positions = [s.decode_cache] * s.decode_sequences
+            return ops.decode_attention(q_decode, cache[0], cache[1], positions, scale=scale, invariant=invariant)
 
     return {
         f"layer forward {s.train_sequences}x{s.train_length} (autograd on)": train,
         f"LM head + log_softmax, {tokens} tokens": train_head,
         f"layer decode step, {s.decode_sequences} seqs, cache {s.decode_cache}": decode,
         f"LM head + log_softmax, {s.decode_sequences} tokens": decode_head,
+        f"layer decode step, 1 seq, cache {s.decode_cache}": decode_one,
+        "LM head + log_softmax, 1 token": decode_one_head,
         f"attention only, {s.train_sequences}x{s.train_length} prefill": prefill_attention,
         f"attention only, {s.decode_sequences} decodes, cache {s.decode_cache}": decode_attention,
     }

@@ -13,7 +13,7 @@ random non-zero B), same fixed prompts, greedy decoding with EOS off so every se
 Each figure is the median of ``--repeats`` timed runs after one warm-up run. Also printed: how many
 greedy tokens Lathe and transformers agree on (a check that both run the same model and adapters).
 
-Run it alone (other processes on the same cores distort CPU timings badly; see ENVIRONMENT.md):
+Run it alone (other processes on the same cores distort CPU timings badly):
   python bench/bench_sampling.py                 SmolLM2-135M-Instruct (imported once into --cache-root)
   python bench/bench_sampling.py --model tiny    the tiny test model (a smoke run)
 """

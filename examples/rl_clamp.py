@@ -112,7 +112,7 @@ def run(sc: lathe.ServiceClient, cfg: RlConfig) -> dict:
         groups = [f.result() for f in futures]
         texts = [[tok.decode(s.tokens, skip_special_tokens=False) for s in g.sequences] for g in groups]
         grades = grader.grade_many([grader.extract_function(t, task.PREFILL) for ts in texts for t in ts])
-        data, sampled, plens, constant = [], [], [], 0
+        data, sampled, plens, constant, flat = [], [], [], 0, []
         for gi, (prompt_ids, g) in enumerate(zip(rendered, groups, strict=True)):
             gr = grades[gi * cfg.group_size:(gi + 1) * cfg.group_size]
             rewards = [x.fraction for x in gr]
@@ -121,27 +121,32 @@ def run(sc: lathe.ServiceClient, cfg: RlConfig) -> dict:
             for s, adv, x, text in zip(g.sequences, grader.center(rewards), gr, texts[gi], strict=True):
                 trajectories.append({"step": step, "policy_version": s.policy_version, "reward": x.fraction,
                                      "passed_all": x.reward, "error": x.error, "completion": text})
+                flat.append((prompt_ids, s))
                 if adv != 0.0:
                     data.append(rl_datum(prompt_ids, s.tokens, s.logprobs, adv))
                     sampled.append(s.logprobs)
                     plens.append(len(prompt_ids))
         mean_reward = float(np.mean([x.fraction for x in grades]))
         pass_rate = float(np.mean([x.reward for x in grades]))
-        kl, max_diff, exact = math.nan, math.nan, None
         receipts += [receipt_dict(g.receipt) for g in groups]
         if data:
             fb = tc.forward_backward(data, "importance_sampling")
             opt = tc.optim_step(adam)
             out = fb.result()
             receipts += [receipt_dict(out.receipt), receipt_dict(opt.result().receipt)]
-            kl, max_diff = sampler_trainer_gap(sampled, out, plens)
-            exact = pools_exact([g.receipt for g in groups] + [out.receipt])
+        else:  # every group constant: nothing to train on, but the policy's logprobs are still compared
+            data = [rl_datum(prompt_ids, s.tokens, s.logprobs, 0.0) for prompt_ids, s in flat]
+            sampled, plens = [s.logprobs for _, s in flat], [len(prompt_ids) for prompt_ids, _ in flat]
+            out = tc.forward(data, "importance_sampling").result()
+            receipts.append(receipt_dict(out.receipt))
+        kl, max_diff = sampler_trainer_gap(sampled, out, plens)
+        exact = pools_exact([g.receipt for g in groups] + [out.receipt])
         history.append({"step": step, "reward": mean_reward, "pass_rate": pass_rate, "constant_groups": constant,
                         "sampler_trainer_kl": kl, "max_abs_dlogprob": max_diff, "pools_exact": exact,
                         "datums": len(data),
                         "sampler_path": sampler.model_path, "seconds": time.monotonic() - t0})
         bar.set_postfix(reward=f"{mean_reward:.2f}", pass_all=f"{pass_rate:.2f}")
-        pools = {True: "exact", False: "NOT exact", None: "-"}[exact]
+        pools = "exact" if exact else "NOT exact"
         tqdm.write(f"step {step + 1:3d}  reward {mean_reward:.3f}  pass {pass_rate:.3f}  constant groups "
                    f"{constant}/{len(groups)}  KL {kl:.2e}  max|dlp| {max_diff:.2e}  pools {pools}  "
                    f"sampler {sampler.model_path}")

@@ -4,7 +4,7 @@ Trainer and sampler run the same decoder through these ops. With ``invariant=Tru
 token's) result has the same bits whatever the batch: how many rows there are, what the other rows
 hold, padding, and whether the token is computed in a prefill or decoded alone against a KV cache.
 That is what makes the logprob the sampler reports bitwise equal to the one the trainer computes
-(DESIGN.md section 3). With ``invariant=False`` each op is the plain, fastest torch call; values agree
+(docs/exactness.md). With ``invariant=False`` each op is the plain, fastest torch call; values agree
 with the invariant mode to rounding, bits do not. The mode is an argument, never global state.
 
     linear(x, weight, bias) -> y

@@ -1,4 +1,4 @@
-"""The SDK and the gateway never import torch (DESIGN.md §5): checked in a fresh interpreter, over every
+"""The SDK and the gateway never import torch: checked in a fresh interpreter, over every
 module of the ``lathe`` SDK package (``sdk/``) and of ``lathe.gateway`` (``services/gateway/``), so that a
 module added later is checked too."""
 
