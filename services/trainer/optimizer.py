@@ -18,20 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lathe.errors import InvalidArgument
 from lathe.types import AdamParams  # the SDK's dataclass: one definition of the hyperparameters
-
-
-def check_adam(hp: AdamParams) -> AdamParams:
-    """Refuse hyperparameters AdamW cannot use, naming the field; returns ``hp``."""
-    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-        value = getattr(hp, name)
-        if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(f"adam_params.{name} = {value} must be a finite number >= 0")
-    for name in ("beta1", "beta2"):
-        if getattr(hp, name) >= 1:
-            raise InvalidArgument(f"adam_params.{name} = {getattr(hp, name)} must be < 1")
-    return hp
 
 
 @dataclass(slots=True)
