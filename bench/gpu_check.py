@@ -1,7 +1,7 @@
 """The GPU check: one run on a machine with an NVIDIA GPU, from a plain checkout, writing one report.
 
     python bench/gpu_check.py --out bench/gpu_report          the full check (an H200: about 5 minutes)
-    python bench/gpu_check.py --smoke --out /tmp/gpu-smoke     tiny shapes; runs on a CPU-only machine too
+    python bench/gpu_check.py --smoke --out bench/gpu_smoke      tiny shapes; runs on a CPU-only machine too
 
 No install and no network: the ``lathe`` packages are found in this checkout through the mapping of
 pyproject.toml's ``[tool.setuptools.package-dir]`` (an import finder, nothing written). ``lathe`` itself

@@ -10,6 +10,7 @@ import math
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def test_child_runs_isolated_in_an_empty_temp_dir_that_is_removed(
     assert list(tmp_path.iterdir()) == []
 
 
-MARKER = "/tmp/lathe-sandbox-escaped"  # what an escape below would write (each one tries a write after it)
+MARKER = str(Path(tempfile.gettempdir()) / "lathe-sandbox-escaped")  # what an escape below would write
 ESCAPE = f"\nopen({MARKER!r}, 'w').write('escaped')\n"
 
 
