@@ -2,14 +2,17 @@
 
     lathe serve [--port 8500] [--models lathe/tiny-llama,HuggingFaceTB/SmolLM2-135M-Instruct]
 
-starts the embedded stack (checkpoints, trainer, gateway: each its own process and gRPC server on
-loopback), prints where the gateway listens, and stops every child cleanly on Ctrl-C.
+starts the embedded stack (checkpoints, trainer, sampler, gateway: each its own process and gRPC server on
+loopback), prints where the gateway listens, and stops every child cleanly on Ctrl-C. A child that dies is
+started again on its own port (``--restart-budget`` times per ten minutes, each one printed); past the
+budget the stack stops and the command exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -21,21 +24,21 @@ def _serve(args: argparse.Namespace) -> None:
     cfg = StackConfig(gateway_port=args.port, http_port=args.http_port, models=args.models, store_root=args.store,
                       cache_root=args.cache, trainer_threads=args.threads, trainer_dtype=args.dtype,
                       invariant=not args.no_invariant, api_keys_file=args.api_keys_file, log_dir=args.log_dir,
-                      tls_cert=args.tls_cert, tls_key=args.tls_key)
+                      tls_cert=args.tls_cert, tls_key=args.tls_key, restart_budget=args.restart_budget,
+                      quotas_file=args.quotas, db_url=args.db or f"sqlite:///{args.cache.resolve()}/control.db")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with Stack(cfg) as stack:
+    with Stack(cfg, say=lambda line: print(f"lathe serve: {line}", flush=True)) as stack:
         for s in stack.services:
             print(f"  {s.name:<12} pid {s.proc.pid:<8} {s.address}", flush=True)
         http = f" and {stack.http_url} (Tinker HTTP, official SDK)" if args.http_port >= 0 else ""
         print(f"Lathe gateway listening on {stack.gateway} (gRPC, Lathe SDK){http}  (Ctrl-C to stop)", flush=True)
-        while not stop.wait(0.5):
-            dead = [s.name for s in stack.services if s.proc.poll() is not None]
-            if dead:
-                print(f"service(s) {dead} exited; stopping", flush=True)
-                break
+        while stack.failure is None and not stop.wait(0.5):
+            pass
     print("Lathe stopped", flush=True)
+    if stack.failure is not None:
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,6 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate for the gateway's doors")
     serve.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     serve.add_argument("--log-dir", type=Path, default=None, help="write each service's stderr here")
+    serve.add_argument("--quotas", type=Path, default=None,
+                       help="per-tenant quotas: a JSON or .toml file {default: {...}, tenants: {NAME: {...}}}")
+    serve.add_argument("--db", default="",
+                       help="control-plane database: sqlite:///FILE or postgresql+psycopg://... (default: "
+                            "<cache>/control.db, so sessions, runs and results survive a restart of lathe serve)")
+    serve.add_argument("--restart-budget", type=int, default=3,
+                       help="restarts of a service that dies, per service per 10 minutes (0: stop at the first)")
     serve.set_defaults(fn=_serve)
     add_commands(sub)
     args = ap.parse_args(argv)

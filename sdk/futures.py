@@ -12,7 +12,8 @@ Owns, per ``ServiceClient``:
   (or the ``lathe.errors`` exception of an ``Error`` result).
 
 Calls that fail with UNAVAILABLE are retried with capped exponential backoff within the policy's budget;
-a submit is retried as the same request (same ``seq_id``), which the gateway treats as idempotent.
+a submit is retried as the same request (same ``seq_id``), which the gateway treats as idempotent. A failed
+TLS handshake (an untrusted certificate, TLS against a plaintext door) is not retried: it says so at once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from lathe.errors import FailedPrecondition, from_rpc_error
+from lathe.errors import FailedPrecondition, Unavailable, from_rpc_error
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
@@ -85,11 +86,13 @@ class ExactnessWatch:
 
 
 class Connection:
-    """One ServiceClient's link to the gateway at ``target`` (``host:port``); shared by its training and
-    REST clients. Thread-safe: ``spawn`` may be called from any thread."""
+    """One ServiceClient's link to the gateway at ``target`` (``host:port``), over TLS when ``credentials`` are
+    given; shared by its training and REST clients. Thread-safe: ``spawn`` may be called from any thread."""
 
-    def __init__(self, target: str, api_key: str | None, retry: RetryPolicy) -> None:
+    def __init__(self, target: str, api_key: str | None, retry: RetryPolicy,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target = target
+        self._credentials = credentials
         self.retry = retry
         self._metadata = (("x-api-key", api_key),) if api_key else ()
         self._lock = threading.Lock()  # orders spawn against close
@@ -102,7 +105,10 @@ class Connection:
         self.exactness = ExactnessWatch()
 
     async def _open(self) -> pb_grpc.GatewayStub:
-        self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(self.target, self._credentials, options=CHANNEL_OPTIONS)
         return pb_grpc.GatewayStub(self._channel)
 
     def spawn(self, work: Coroutine[Any, Any, T]) -> cf.Future[T]:
@@ -126,6 +132,11 @@ class Connection:
             try:
                 return await method(request, metadata=self._metadata, timeout=timeout)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and "handshake failed" in (e.details() or "").lower():
+                    raise Unavailable(  # a client setting, not a passing outage: retrying would only fail again
+                        f"the TLS handshake with the gateway at {self.target} failed, so nothing was sent: its "
+                        "certificate must chain to root_certificates (or a system CA) and name this host, and a "
+                        f"plaintext gateway needs grpc:// (gRPC said: {e.details()})") from None
                 if e.code() not in retry_codes or loop.time() + delay > give_up:
                     raise from_rpc_error(e) from None
                 log.info("Gateway.%s at %s: %s; retrying in %.1f s", rpc, self.target, e.code().name, delay)

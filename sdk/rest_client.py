@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from google.protobuf.message import Message
@@ -50,12 +51,15 @@ def _check_scope(access_scope: str) -> None:
 
 
 class RestClient:
-    """``RestClient(base_url=..., api_key=...)``, or ``ServiceClient.create_rest_client()``."""
+    """``RestClient(base_url=..., api_key=...)`` (with ``tls`` / ``root_certificates`` as ``ServiceClient``), or
+    ``ServiceClient.create_rest_client()``."""
 
     def __init__(self, _conn: Connection | None = None, *, base_url: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, tls: bool | None = None,
+                 root_certificates: bytes | str | Path | None = None) -> None:
         self._owns_conn = _conn is None
-        self._conn = _conn if _conn is not None else open_connection(base_url, api_key)
+        self._conn = _conn if _conn is not None else open_connection(base_url, api_key, tls=tls,
+                                                                     root_certificates=root_certificates)
 
     def __repr__(self) -> str:
         return f"<RestClient {self._conn.target}>"

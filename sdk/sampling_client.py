@@ -18,7 +18,7 @@ from typing import Any
 from lathe import wire
 from lathe.futures import APIFuture, Connection, RetryPolicy, server_future
 from lathe.tokenizer import load_tokenizer
-from lathe.types import ModelInput, SampleResponse, SamplingParams
+from lathe.types import ModelInput, SampleResponse, SamplingParams, TensorData
 from lathe.v1 import lathe_pb2 as pb
 
 
@@ -38,21 +38,39 @@ class SamplingClient:
         return f"<SamplingClient {self.model_path or self.base_model}>"
 
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
-        """``num_samples`` completions of ``prompt``, each with per-token logprobs and its stop reason."""
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               target_prompt_logprobs: TensorData | None = None, prompt_alt_tokens_k: int = 0,
+               prompt_logprobs_last_n: int | None = None) -> APIFuture[SampleResponse]:
+        """``num_samples`` completions of ``prompt``, each with per-token logprobs and its stop reason.
+
+        Options, as Tinker defines them (every logprob at temperature 1, from the rows the tokens are drawn from):
+        ``topk_sample_logprobs`` k: the k best (id, logprob) of each sampled token's row
+        (``SampledSequence.topk_logprobs``); ``prompt_logprobs_last_n`` n: score only the last n prompt tokens
+        (needs ``include_prompt_logprobs``; also applies to ``topk_prompt_logprobs``);
+        ``target_prompt_logprobs``: int64 ids ``[len(prompt) - 1, K]``, cell ``[i, j]`` scored at prompt position
+        ``i + 1`` and -1 asking for nothing; ``prompt_alt_tokens_k`` k: k draws, with replacement and at the
+        request's temperature, at every prompt position after the first (``SampleResponse.prompt_alt_tokens``).
+        """
         with self._lock:
             seq = next(self._seq)
         request = pb.SampleRequest(
             sampling_session_id=self.sampling_session_id, seq_id=seq, prompt=prompt.to_ints(),
             params=wire.sampling_params_to_proto(sampling_params), num_samples=num_samples,
-            prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs)
+            prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+            target_prompt_logprobs=(wire.tensor_to_proto(target_prompt_logprobs)
+                                    if target_prompt_logprobs is not None else None))
         return server_future(self._conn, self._submit(request),
                              functools.partial(wire.result_from_proto, kind=SampleResponse))
 
     async def sample_async(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
-                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0
+                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+                           topk_sample_logprobs: int = 0, target_prompt_logprobs: TensorData | None = None,
+                           prompt_alt_tokens_k: int = 0, prompt_logprobs_last_n: int | None = None
                            ) -> APIFuture[SampleResponse]:
-        return self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
+        return self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs,
+                           topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k, prompt_logprobs_last_n)
 
     async def _submit(self, request: pb.SampleRequest) -> str:
         return (await self._conn.call("Sample", request, retry=self._retry)).request_id
@@ -68,13 +86,17 @@ class SamplingClient:
         """The base model's tokenizer (a ``transformers`` tokenizer; see ``lathe.tokenizer``)."""
         return load_tokenizer(self.base_model)
 
-    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
-        """The policy's logprob of every prompt token given the ones before it (None for the first)."""
-        fut = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+    def compute_logprobs(self, prompt: ModelInput, prompt_logprobs_last_n: int | None = None
+                         ) -> APIFuture[list[float | None]]:
+        """The policy's logprob of every prompt token given the ones before it (None for the first, and for
+        every token before the last ``prompt_logprobs_last_n`` when that is set)."""
+        fut = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                          prompt_logprobs_last_n=prompt_logprobs_last_n)
         return APIFuture(self._conn.spawn(_prompt_logprobs(fut)))
 
-    async def compute_logprobs_async(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
-        return self.compute_logprobs(prompt)
+    async def compute_logprobs_async(self, prompt: ModelInput, prompt_logprobs_last_n: int | None = None
+                                     ) -> APIFuture[list[float | None]]:
+        return self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
 
 async def _prompt_logprobs(fut: APIFuture[SampleResponse]) -> list[float | None]:

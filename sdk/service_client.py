@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -43,11 +44,14 @@ class ServiceClient:
     """``ServiceClient(base_url, api_key, *, user_metadata)``; use it as a context manager or ``close()`` it.
 
     ``retry`` sets how long calls that find the gateway UNAVAILABLE are retried (default: up to 120 s each).
+    TLS: a ``grpcs://`` (or ``https://``) ``base_url`` or ``tls=True``; ``root_certificates`` (PEM bytes or a
+    file path) to trust a private CA (see ``lathe.connect``).
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 user_metadata: dict[str, str] | None = None, retry: RetryPolicy | None = None) -> None:
-        self._conn = open_connection(base_url, api_key, retry)
+                 user_metadata: dict[str, str] | None = None, retry: RetryPolicy | None = None,
+                 tls: bool | None = None, root_certificates: bytes | str | Path | None = None) -> None:
+        self._conn = open_connection(base_url, api_key, retry, tls=tls, root_certificates=root_certificates)
         self._user_metadata = dict(user_metadata or {})
         # Touched only on the connection's loop:
         self._session: asyncio.Task[str] | None = None

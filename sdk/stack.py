@@ -4,6 +4,12 @@
 stops them in reverse order (SIGTERM, then SIGKILL after a grace period). ``lathe serve``, the demo
 and the end-to-end tests all use it. Torch-free: it only spawns ``python -m lathe.<service>``.
 
+Supervision: each child's first start may pick any free port; the stack pins the port its ready line
+reports, so ``restart`` (and the supervisor thread, after a crash) starts it again with the same
+arguments on the same address, and the services that call it reconnect without being told. The
+supervisor restarts a child at most ``restart_budget`` times per ``restart_window_s``, then stops the
+stack and says why; ``stop`` sets the stack stopping first, so its own SIGTERMs are never taken for crashes.
+
 Each stack makes a fresh shared secret and hands it to its children in their environment (never argv), so
 trainer, sampler and checkpoints answer the stack's own services only (``lathe.internal_auth``).
 """
@@ -16,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +34,7 @@ if TYPE_CHECKING:
     from lathe.checkpoints.seaweed import LocalS3
 
 READY_TIMEOUT_S = 180.0
+SUPERVISE_POLL_S = 0.1  # how often the supervisor looks at its children
 LOCAL_S3 = "s3-local"
 
 
@@ -45,43 +53,93 @@ class StackConfig:
     trainer_dtype: str = "float32"
     invariant: bool = True
     api_keys_file: Path | None = None  # KEY=TENANT lines (None: open mode, every key its own tenant)
+    quotas_file: Path | None = None  # per-tenant quotas, JSON or .toml (None: the gateway's defaults)
     tls_cert: Path | None = None  # PEM certificate and key: both public doors serve TLS
     tls_key: Path | None = None
     trainer_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.trainer`
     log_dir: Path | None = None
+    # the gateway's control-plane database (sqlite:///FILE, postgresql+psycopg://...); "": a SQLite file of this
+    # stack's own under cache_root/control, so a restarted gateway finds its sessions, runs and futures
+    db_url: str = ""
+    gateways: int = 1  # gateway replicas over the one control-plane database (the first on the ports above)
+    supervise: bool = True  # restart a child that exits while the stack runs
+    restart_budget: int = 3  # restarts per child within restart_window_s; one more exit stops the stack
+    restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"the embedded stack listens on loopback only, not {self.host!r}")
+        if self.gateways < 1:
+            raise ValueError(f"gateways = {self.gateways} must be >= 1")
+        if self.restart_budget < 0 or self.restart_window_s <= 0:
+            raise ValueError(f"restart_budget = {self.restart_budget} must be >= 0 and restart_window_s = "
+                             f"{self.restart_window_s} > 0")
 
 
 @dataclass(slots=True)
 class Service:
+    """One child of the stack: the flags it runs with, its current process and what that process printed.
+
+    ``ports`` maps each port flag (``--port``, and the gateway's ``--http-port``) to its port: 0 (any free
+    port) until the first process binds one, then the bound port, so that a restart serves the same address.
+    """
+
     name: str
-    proc: subprocess.Popen
-    address: str
+    args: list[str]
+    ports: dict[str, int]
+    proc: subprocess.Popen | None = None
     lines: list[str] = field(default_factory=list)
+    addresses: dict[str, str] = field(default_factory=dict)  # port flag -> HOST:PORT from the ready lines
+    restarts: list[float] = field(default_factory=list)  # monotonic times of the supervisor's restarts
+
+    @property
+    def address(self) -> str:
+        return self.addresses.get("--port", "")
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
 
 class Stack:
-    def __init__(self, cfg: StackConfig) -> None:
+    """The children, started in order and stopped in reverse. With ``StackConfig.supervise`` a thread watches
+    them: a child that exits while the stack runs is started again on its own ports, at most
+    ``restart_budget`` times per ``restart_window_s``; past that the stack stops itself and ``failure`` says
+    why. ``say`` receives one line per thing that happened (default: stderr)."""
+
+    def __init__(self, cfg: StackConfig, say: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.services: list[Service] = []
         self.internal_token = new_token()  # the secret the children share (tests use it to probe them)
         self.local_s3: LocalS3 | None = None  # the stack's own S3 server (store_root "s3-local")
+        self.say = say or (lambda line: print(f"lathe stack: {line}", file=sys.stderr, flush=True))
+        self.failure: str | None = None  # why the supervisor stopped the stack (None: it did not)
+        self._lock = threading.RLock()  # one start, kill, restart or stop at a time
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     @property
     def gateway(self) -> str:
-        return self.services[-1].address
+        return self.service("gateway").address
 
     @property
     def http_url(self) -> str:
         """Base URL of the gateway's Tinker HTTP door, for ``tinker.ServiceClient(base_url=...)``."""
-        for line in self.services[-1].lines:
-            head, mark, address = line.partition(READY_MARK)
-            if mark and head == "lathe.gateway http":
-                return f"{'https' if self.cfg.tls_cert else 'http'}://{address.strip()}"
-        raise RuntimeError("the gateway serves no HTTP door (StackConfig.http_port = -1)")
+        address = self.service("gateway").addresses.get("--http-port")
+        if address is None:
+            raise RuntimeError("the gateway serves no HTTP door (StackConfig.http_port = -1)")
+        return f"{'https' if self.cfg.tls_cert else 'http'}://{address}"
+
+    @property
+    def gateways(self) -> list[str]:
+        """Every gateway replica's gRPC address (``StackConfig.gateways``), the first one first."""
+        return [s.address for s in self.services if s.name == "gateway"]
+
+    def service(self, name: str) -> Service:
+        for s in self.services:
+            if s.name == name:
+                return s
+        raise KeyError(f"the stack has no service {name!r} (it has {[s.name for s in self.services]})")
 
     def start(self) -> Stack:
         c = self.cfg
@@ -96,16 +154,43 @@ class Stack:
             trainer = self._spawn("trainer", [*self._pool_args(ckpt.address, c.trainer_threads), *c.trainer_args])
             sampler = self._spawn("sampler", self._pool_args(ckpt.address, c.sampler_threads))
             gw_args = ["--trainer", trainer.address, "--checkpoints", ckpt.address, "--sampler", sampler.address,
-                       "--port", str(c.gateway_port), "--http-port", str(c.http_port)]
+                       "--db", c.db_url or f"sqlite:///{Path(c.cache_root).resolve()}/control/{os.urandom(6).hex()}.db"]
             if c.api_keys_file:
                 gw_args += ["--api-keys-file", str(c.api_keys_file)]
+            if c.quotas_file:
+                gw_args += ["--quotas", str(c.quotas_file)]
             if c.tls_cert or c.tls_key:
                 gw_args += ["--tls-cert", str(c.tls_cert or ""), "--tls-key", str(c.tls_key or "")]
-            self._spawn("gateway", gw_args, port=None)
+            self._spawn("gateway", gw_args, {"--port": c.gateway_port, "--http-port": c.http_port})
+            for _ in range(c.gateways - 1):
+                self._spawn("gateway", gw_args, {"--port": 0, "--http-port": min(c.http_port, 0)})
         except BaseException:
             self.stop()
             raise
+        if c.supervise:
+            self._supervisor = threading.Thread(target=self._supervise, name="stack-supervisor", daemon=True)
+            self._supervisor.start()
         return self
+
+    def kill(self, name: str) -> int:
+        """SIGKILL the child ``name`` (a crash, as far as anyone can tell) and wait for it; its exit code.
+        With supervision on, the supervisor starts it again as after any other crash."""
+        with self._lock:
+            proc = self.service(name).proc
+            assert proc is not None
+            proc.kill()
+            return proc.wait()
+
+    def restart(self, name: str) -> str:
+        """Start the child ``name`` again, with its arguments and on its ports, unless it runs (the supervisor
+        may have been first); returns its address once it serves."""
+        with self._lock:
+            s = self.service(name)
+            if self._stopping.is_set():
+                raise RuntimeError(f"the stack is stopped; cannot restart {name}")
+            if not s.running:
+                self._launch(s)
+            return s.address
 
     def _pool_args(self, checkpoints: str, threads: int) -> list[str]:
         """Flags of a model pool (trainer or sampler): both must serve the same models, dtype and op mode."""
@@ -118,37 +203,81 @@ class Stack:
             args.append("--no-invariant")
         return args
 
-    def _spawn(self, name: str, args: list[str], port: int | None = 0) -> Service:
-        cmd = [sys.executable, "-m", f"lathe.{name}", "--host", self.cfg.host, *args]
-        if port is not None:
-            cmd += ["--port", str(port)]
-        stderr = None
-        if self.cfg.log_dir is not None:
+    def _spawn(self, name: str, args: list[str], ports: dict[str, int] | None = None) -> Service:
+        s = Service(name, args, ports or {"--port": 0})
+        self.services.append(s)
+        self._launch(s)
+        return s
+
+    def _launch(self, s: Service) -> None:
+        """Start ``s``'s process and wait (bounded) for its ready line; pins the ports it bound."""
+        cmd = [sys.executable, "-m", f"lathe.{s.name}", "--host", self.cfg.host, *s.args]
+        for flag, port in s.ports.items():
+            cmd += [flag, str(port)]
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **self._environ(), "PYTHONUNBUFFERED": "1"}
+        if self.cfg.log_dir is None:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+        else:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
-                                env={"OMP_WAIT_POLICY": "PASSIVE", **self._environ(), "PYTHONUNBUFFERED": "1"})
-        service = Service(name, proc, "")
-        self.services.append(service)
+            with open(self.cfg.log_dir / f"{s.name}.log", "ab") as log:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env)
+        lines: list[str] = []
+        addresses: dict[str, str] = {}
+        s.proc, s.lines, s.addresses = proc, lines, addresses
         ready = threading.Event()
+        flags = {f"lathe.{s.name}": "--port", f"lathe.{s.name} http": "--http-port"}
 
         def drain() -> None:
             assert proc.stdout is not None
             for line in proc.stdout:
-                service.lines.append(line.rstrip("\n"))
+                lines.append(line.rstrip("\n"))
                 head, mark, address = line.partition(READY_MARK)
-                if mark and head == f"lathe.{name}" and not ready.is_set():
-                    service.address = address.strip()
-                    ready.set()
+                if mark and head in flags and not ready.is_set():
+                    addresses[flags[head]] = address.strip()
+                    if flags[head] == "--port":
+                        ready.set()
 
-        threading.Thread(target=drain, name=f"{name}-stdout", daemon=True).start()
+        threading.Thread(target=drain, name=f"{s.name}-stdout", daemon=True).start()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.wait(0.05):
             if proc.poll() is not None:
-                raise RuntimeError(f"lathe.{name} exited with code {proc.returncode} before it was ready")
+                raise RuntimeError(f"lathe.{s.name} exited with code {proc.returncode} before it was ready")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"lathe.{name} was not ready within {READY_TIMEOUT_S:.0f} s")
-        return service
+                proc.kill()
+                proc.wait()
+                raise TimeoutError(f"lathe.{s.name} was not ready within {READY_TIMEOUT_S:.0f} s")
+        for flag, address in addresses.items():
+            s.ports[flag] = int(address.rpartition(":")[2])
+
+    def _supervise(self) -> None:
+        """Poll the children until the stack stops; start again each one that exited, or stop the stack."""
+        while not self._stopping.wait(SUPERVISE_POLL_S):
+            for s in list(self.services):
+                with self._lock:
+                    if s.running or self._stopping.is_set() or self._revive(s):
+                        continue
+                self.stop()
+                return
+
+    def _revive(self, s: Service) -> bool:
+        """Restart ``s`` after it exited, within the restart budget; False when the budget is spent."""
+        assert s.proc is not None
+        code, now, c = s.proc.returncode, time.monotonic(), self.cfg
+        s.restarts[:] = [t for t in s.restarts if now - t < c.restart_window_s]
+        if len(s.restarts) >= c.restart_budget:
+            self.failure = (f"{s.name} exited with code {code} after {len(s.restarts)} restart(s) in "
+                            f"{c.restart_window_s:.0f} s (the budget is {c.restart_budget}); stopping the stack")
+            self.say(self.failure)
+            return False
+        s.restarts.append(now)
+        attempt = f"({len(s.restarts)}/{c.restart_budget})"
+        try:
+            self._launch(s)
+        except (RuntimeError, TimeoutError) as e:
+            self.say(f"{s.name} exited with code {code}; restart {attempt} failed: {e}")
+        else:
+            self.say(f"{s.name} exited with code {code}; restarted on {s.address} {attempt}")
+        return True
 
     def _environ(self) -> dict[str, str]:
         """This process's environment with the stack's secret in place of any other."""
@@ -159,18 +288,23 @@ class Stack:
         return env
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for s in reversed(self.services):
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-                try:
-                    s.proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    s.proc.kill()
-                    s.proc.wait(timeout=grace_s)
-        self.services.clear()
-        if self.local_s3 is not None:
-            self.local_s3.stop()
-            self.local_s3 = None
+        """Stop the supervisor, then every child in reverse order (SIGTERM, SIGKILL after ``grace_s``)."""
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join()
+        with self._lock:
+            for s in reversed(self.services):
+                if s.proc is not None and s.proc.poll() is None:
+                    s.proc.send_signal(signal.SIGTERM)
+                    try:
+                        s.proc.wait(timeout=grace_s)
+                    except subprocess.TimeoutExpired:
+                        s.proc.kill()
+                        s.proc.wait(timeout=grace_s)
+            self.services.clear()
+            if self.local_s3 is not None:
+                self.local_s3.stop()
+                self.local_s3 = None
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -361,6 +361,15 @@ EPHEMERAL_TTL_S = 24 * 3600
 """Unnamed sampler snapshots (``save_weights_and_get_sampling_client()``, one per RL step) expire after a day."""
 MAX_TTL_S = 10 * 365 * 24 * 3600
 """The longest ``ttl_seconds`` a checkpoint may ask for (ten years; 0 keeps it forever)."""
+RECOVERY_KIND, RECOVERY_NAME = "recovery", "latest"
+"""A trainer's own recovery snapshot of a run (``lathe.trainer.recovery``): one per run, overwritten in place,
+never listed among the run's checkpoints; the gateway rebuilds a run from it after a trainer restart."""
+
+
+def recovery_path(model_id: str) -> str:
+    """``tinker://<model_id>/recovery/latest``: where the trainer keeps the run's recovery snapshot."""
+    return f"tinker://{model_id}/{RECOVERY_KIND}/{RECOVERY_NAME}"
+
 
 StopReason = Literal["stop", "length"]
 
@@ -387,16 +396,30 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float] | None = None
     policy_version: str = ""
+    topk_logprobs: list[list[tuple[int, float]] | None] | None = None  # topk_sample_logprobs: per token, best first
+
+
+@dataclass(slots=True)
+class PromptAltTokens:
+    """``prompt_alt_tokens_k`` draws: row ``i`` holds ``k`` alternatives to prompt token ``i + 1``, drawn with
+    replacement at the request's temperature, and the policy's logprob of each."""
+
+    tokens: TensorData  # int64 [len(prompt) - 1, k]
+    logprobs: TensorData  # float32 [len(prompt) - 1, k]
 
 
 @dataclass(slots=True)
 class SampleResponse:
-    """``prompt_logprobs[0]`` is None (nothing predicts the first token); ``topk_prompt_logprobs[i]`` is
-    a list of (token id, logprob), best first."""
+    """``prompt_logprobs[0]`` is None (nothing predicts the first token), and so is every position before
+    the last ``prompt_logprobs_last_n``; ``topk_prompt_logprobs[i]`` is a list of (token id, logprob), best
+    first (None where not scored). ``target_prompt_logprobs``: float32, shaped like the request's ids, 0.0
+    where the request had -1."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    target_prompt_logprobs: TensorData | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
     receipt: Receipt | None = None
 
 
@@ -433,7 +456,8 @@ class GetInfoResponse:
 
 
 CheckpointType = Literal["training", "sampler"]
-_KIND_TO_TYPE: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+CHECKPOINT_TYPES: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+"""A checkpoint's kind (the middle part of its ``tinker://`` path) -> Tinker's ``checkpoint_type``."""
 
 
 @dataclass(slots=True)
@@ -448,11 +472,11 @@ class ParsedCheckpointTinkerPath:
     @classmethod
     def from_tinker_path(cls, tinker_path: str) -> ParsedCheckpointTinkerPath:
         parts = tinker_path.removeprefix("tinker://").split("/")
-        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in _KIND_TO_TYPE \
+        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in CHECKPOINT_TYPES \
                 or not parts[0] or not parts[2]:
             raise ValueError(f"invalid tinker path {tinker_path!r}; expected "
                              "tinker://<run>/<weights|sampler_weights>/<name>")
-        return cls(tinker_path, parts[0], _KIND_TO_TYPE[parts[1]], f"{parts[1]}/{parts[2]}")
+        return cls(tinker_path, parts[0], CHECKPOINT_TYPES[parts[1]], f"{parts[1]}/{parts[2]}")
 
 
 @dataclass(slots=True)
@@ -549,6 +573,7 @@ class RequestLimits:
     max_stop_sequences: int
     max_stop_chars: int
     max_tensor_elements: int
+    max_sample_tokens: int = 0  # num_samples x (prompt + max_tokens) of one sample; 0: the server did not say
 
 
 @dataclass(slots=True)

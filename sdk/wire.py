@@ -38,6 +38,7 @@ from lathe.types import (
     ModelData,
     ModelInput,
     OptimStepResponse,
+    PromptAltTokens,
     Receipt,
     RequestLimits,
     SampledSequence,
@@ -187,22 +188,42 @@ def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
+def _topk_from_proto(entries: Any) -> list[list[tuple[int, float]] | None] | None:  # repeated TopkLogprobs
+    return [list(zip(t.token_ids, t.logprobs, strict=True)) or None for t in entries] if entries else None
+
+
+def _topk_to_proto(entries: list[list[tuple[int, float]] | None] | None) -> list[pb.TopkLogprobs]:
+    return [pb.TopkLogprobs(token_ids=[t for t, _ in e or []], logprobs=[lp for _, lp in e or []])
+            for e in entries or []]
+
+
 def sample_response_from_proto(msg: pb.SampleOutput, receipt: Receipt | None = None) -> SampleResponse:
     seqs = [SampledSequence(stop_reason=s.stop_reason, tokens=list(s.tokens), logprobs=list(s.logprobs),
-                            policy_version=s.policy_version) for s in msg.sequences]
+                            policy_version=s.policy_version, topk_logprobs=_topk_from_proto(s.topk_logprobs))
+            for s in msg.sequences]
     prompt = [None if math.isnan(x) else x for x in msg.prompt_logprobs] if msg.prompt_logprobs else None
-    topk = ([list(zip(t.token_ids, t.logprobs, strict=True)) or None for t in msg.topk_prompt_logprobs]
-            if msg.topk_prompt_logprobs else None)
-    return SampleResponse(sequences=seqs, prompt_logprobs=prompt, topk_prompt_logprobs=topk, receipt=receipt)
+    alt = msg.prompt_alt_tokens
+    return SampleResponse(
+        sequences=seqs, prompt_logprobs=prompt, topk_prompt_logprobs=_topk_from_proto(msg.topk_prompt_logprobs),
+        target_prompt_logprobs=(tensor_from_proto(msg.target_prompt_logprobs)
+                                if msg.HasField("target_prompt_logprobs") else None),
+        prompt_alt_tokens=(PromptAltTokens(tensor_from_proto(alt.tokens), tensor_from_proto(alt.logprobs))
+                           if msg.HasField("prompt_alt_tokens") else None),
+        receipt=receipt)
 
 
 def sample_response_to_proto(r: SampleResponse) -> pb.SampleOutput:
+    alt = r.prompt_alt_tokens
     return pb.SampleOutput(
         sequences=[pb.SampledSequence(stop_reason=s.stop_reason, tokens=s.tokens, logprobs=s.logprobs or [],
-                                      policy_version=s.policy_version) for s in r.sequences],
+                                      policy_version=s.policy_version, topk_logprobs=_topk_to_proto(s.topk_logprobs))
+                   for s in r.sequences],
         prompt_logprobs=[math.nan if x is None else x for x in r.prompt_logprobs or []],
-        topk_prompt_logprobs=[pb.TopkLogprobs(token_ids=[t for t, _ in e or []], logprobs=[lp for _, lp in e or []])
-                              for e in r.topk_prompt_logprobs or []])
+        topk_prompt_logprobs=_topk_to_proto(r.topk_prompt_logprobs),
+        target_prompt_logprobs=(tensor_to_proto(r.target_prompt_logprobs)
+                                if r.target_prompt_logprobs is not None else None),
+        prompt_alt_tokens=(pb.PromptAltTokens(tokens=tensor_to_proto(alt.tokens),
+                                              logprobs=tensor_to_proto(alt.logprobs)) if alt is not None else None))
 
 
 # Result type -> (FutureResult oneof field, payload decoder, payload encoder). Sampling adds its row here.

@@ -1,6 +1,7 @@
 """tinker-cookbook 0.6.1's offline recipes, unchanged, against Lathe's HTTP door with a local tiny model directory
 and the role_colon renderer: supervised learning on the bundled conversations, then RL on the arithmetic env
-(the math_rl command line, and the RL trainer with a KL penalty) starting from the supervised checkpoint.
+(the math_rl command line with its default loss, and the RL trainer with a KL penalty) starting from the
+supervised checkpoint.
 
 Each recipe runs in its own process, as a user would run it, and is judged by the metrics it writes."""
 
@@ -91,10 +92,12 @@ def test_supervised_recipe_on_bundled_conversations_lowers_the_nll(supervised: t
     assert state.startswith("tinker://") and state.endswith("/weights/final")
 
 
-def test_math_rl_arithmetic_recipe_trains_on_policy(stack: Stack, tiny_dir: Path, supervised: tuple[list[dict], str],
-                                                   tmp_path: Path) -> None:
+def test_math_rl_arithmetic_recipe_trains_on_policy_with_its_default_loss(
+        stack: Stack, tiny_dir: Path, supervised: tuple[list[dict], str], tmp_path: Path) -> None:
+    """The command line's default loss is ``stable_reinforce``: samples recorded with ``record_stability_info``,
+    datums that name them (provenance)."""
     metrics = run(["-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={tiny_dir}",
-                   "renderer_name=role_colon", "loss_fn=importance_sampling", f"base_url={stack.http_url}",
+                   "renderer_name=role_colon", f"base_url={stack.http_url}",
                    "group_size=2", "groups_per_batch=4", "max_tokens=5", "max_steps=2", "eval_every=0", "save_every=0",
                    "lora_rank=8", f"load_checkpoint_path={supervised[1]}", f"log_path={tmp_path}",
                    "behavior_if_log_dir_exists=delete"], tmp_path)
@@ -104,6 +107,7 @@ def test_math_rl_arithmetic_recipe_trains_on_policy(stack: Stack, tiny_dir: Path
         assert m["tokens/trained"] > 0
         assert m["optim/kl_sample_train_v1"] == 0.0  # the sampler's logprobs are the trainer's, bit for bit
     assert final_state(tmp_path).endswith("/weights/final")
+    assert json.loads((tmp_path / "config.json").read_text())["loss_fn"] == "stable_reinforce"
 
 
 def test_rl_with_a_kl_penalty_pulls_the_policy_back_toward_the_base(stack: Stack, tiny_dir: Path,

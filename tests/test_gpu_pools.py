@@ -29,9 +29,9 @@ from lathe.sampler.kv import SeqCache
 from lathe.sampler.sampling import Rule, choose, generator
 from lathe.sampler.step import Item, run_step
 from lathe.trainer.bank import Adapter
+from lathe.trainer.ops import Example
 from lathe.trainer.optimizer import AdamState
 from lathe.trainer.step import Job, JobResult, run_jobs
-from lathe.trainer.validate import Example
 
 BASE = "lathe/tiny-llama"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -218,6 +218,7 @@ def test_engines_keep_their_state_on_the_pool_device(model_cache: Path, tiny_dir
     gradients, moments and paged copies stay fp32 on the device; a sampler pool on the device samples."""
     pb = _protos()
     from lathe.sampler.engine import SamplerConfig, SamplerEngine
+    from lathe.trainer import intake
     from lathe.trainer.engine import TrainerConfig, TrainerEngine
 
     catalog = ModelCatalog.from_spec(BASE, model_cache)
@@ -231,14 +232,16 @@ def test_engines_keep_their_state_on_the_pool_device(model_cache: Path, tiny_dir
     data = [pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=list(range(3, 20)))]),
                      loss_fn_inputs={"target_tokens": pb.Tensor(data=torch.arange(4, 21).numpy().tobytes(),
                                                                 dtype="int64", shape=[17])})]
-    futures = [eng.submit(pb.TrainerOp(model_id="a", seq_id=1, tenant="t", request_id="r1",
-                                       forward_backward=pb.ForwardBackwardRequest(model_id="a", seq_id=1, data=data,
-                                                                                  loss_fn="cross_entropy"))),
-               eng.submit(pb.TrainerOp(model_id="a", seq_id=2, tenant="t", request_id="r2",
-                                       optim_step=pb.OptimStepRequest(model_id="a", seq_id=2, adam_params=adam)))]
+    ops = [pb.TrainerOp(model_id="a", seq_id=1, tenant="t", request_id="r1",
+                        forward_backward=pb.ForwardBackwardRequest(model_id="a", seq_id=1, data=data,
+                                                                   loss_fn="cross_entropy")),
+           pb.TrainerOp(model_id="a", seq_id=2, tenant="t", request_id="r2",
+                        optim_step=pb.OptimStepRequest(model_id="a", seq_id=2, adam_params=adam))]
+    futures = [intake.submit(eng, op) for op in ops]
     while not all(f.done() for f in futures):
         eng.run_cycle()
-    assert [f.result().WhichOneof("result") for f in futures] == ["forward_backward", "optim_step"]
+    assert [intake.result_to_proto(f.result()).WhichOneof("result") for f in futures] == [
+        "forward_backward", "optim_step"]
     before = {n: t.detach().cpu().clone() for n, t in eng.bank.get("a").weights.named_parameters().items()}
     eng.bank.get("b")
     eng.bank.evict({"b"})  # pages "a" out

@@ -220,7 +220,7 @@ def test_counts_and_sizes_are_refused_before_anything_is_allocated(stack: Stack)
     limits = door.call("GetServerCapabilities", pb.GetServerCapabilitiesRequest()).limits
     assert {f.name: getattr(limits, f.name) for f in limits.DESCRIPTOR.fields} == caps == {
         "max_message_bytes": 64 * MIB, "max_samples": 128, "max_topk_prompt_logprobs": 20, "max_stop_sequences": 16,
-        "max_stop_chars": 256, "max_tensor_elements": 16 * MIB}
+        "max_stop_chars": 256, "max_tensor_elements": 16 * MIB, "max_sample_tokens": 128 * 8192}
     big = b"{" + b" " * (64 * MIB) + b"}"
     r = http.http.post("/create_session", content=big, headers={"content-type": "application/json"})
     http.refused(r, 413, r"the request body has 67108866 bytes, over the limit of 67108864 bytes")

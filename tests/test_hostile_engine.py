@@ -16,8 +16,10 @@ from lathe.errors import InvalidArgument, ResourceExhausted, Unavailable
 from lathe.gateway.core import GatewayCore, Run
 from lathe.models.catalog import ModelCatalog
 from lathe.trainer import engine as engine_mod
+from lathe.trainer import intake
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
+from tests.test_trainer_engine import submit
 
 torch.set_num_threads(1)
 BASE = "lathe/tiny-llama"
@@ -68,23 +70,25 @@ TOKENS = [5, 17, 42, 9, 33, 120, 7, 88, 64, 3, 19]
 
 def test_a_bug_while_checking_one_request_fails_it_alone(model_cache: Path, tiny_dir: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any exception in _begin (here: one the checks did not foresee) answers that request; the thread lives."""
-    real = engine_mod.check_request
+    """Any exception in the intake's checks (here: one they did not foresee) answers that request at once,
+    before it is queued; its seq_id is passed over and the cycle thread lives."""
+    real = intake.check_request
 
     def flaky(data, loss_fn, loss_fn_config, limits):  # noqa: ANN001, ANN202 - check_request's signature
         if loss_fn == "ppo":
             raise ValueError("cannot reshape array of size 6 into shape (-2,-3)")
         return real(data, loss_fn, loss_fn_config, limits)
 
-    monkeypatch.setattr(engine_mod, "check_request", flaky)
+    monkeypatch.setattr(intake, "check_request", flaky)
     eng = _engine(model_cache)
     eng.start()
     try:
         _create(eng, "a")
-        bad = eng.submit(_fb("a", 1, [_datum(TOKENS)], loss_fn="ppo")).result(timeout=WAIT_S)
-        assert bad.error.code == "Internal" and "ValueError: cannot reshape" in bad.error.message
-        assert bad.receipt.seq_id == 1
-        ok = [eng.submit(_fb("a", 2, [_datum(TOKENS)])), eng.submit(_opt("a", 3))]
+        bad = submit(eng, _fb("a", 1, [_datum(TOKENS)], loss_fn="ppo")).result(timeout=WAIT_S)
+        assert bad.error.code == "Internal" and bad.error.message == (
+            "checking seq_id 1 failed: ValueError: cannot reshape array of size 6 into shape (-2,-3)")
+        assert not bad.HasField("receipt")  # refused at the intake: it never reached a cycle
+        ok = [submit(eng, _fb("a", 2, [_datum(TOKENS)])), submit(eng, _opt("a", 3))]
         assert [f.result(timeout=WAIT_S).WhichOneof("result") for f in ok] == ["forward_backward", "optim_step"]
         assert eng.alive
     finally:
@@ -95,7 +99,7 @@ def test_a_dead_cycle_thread_answers_unavailable_instead_of_hanging(model_cache:
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     eng = _engine(model_cache)
     _create(eng, "a")
-    waiting = eng.submit(_opt("a", 2))  # waits for seq 1
+    waiting = submit(eng, _opt("a", 2))  # waits for seq 1
 
     def die() -> int:
         raise SystemExit("simulated death of the cycle thread")  # not an Exception: passes every guard
@@ -103,13 +107,13 @@ def test_a_dead_cycle_thread_answers_unavailable_instead_of_hanging(model_cache:
     monkeypatch.setattr(eng, "run_cycle", die)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's death is the point here
     eng.start()
-    head = eng.submit(_opt("a", 1))
+    head = submit(eng, _opt("a", 1))
     for fut in (head, waiting):
         res = fut.result(timeout=WAIT_S)
         assert res.error.code == "Unavailable" and "cycle thread stopped" in res.error.message
     assert not eng.alive
     with pytest.raises(Unavailable, match="not ready"):
-        eng.submit(_opt("a", 3))
+        submit(eng, _opt("a", 3))
     with pytest.raises(Unavailable, match="not ready"):
         eng.capabilities()
     with pytest.raises(Unavailable, match="not ready"):
@@ -131,10 +135,10 @@ def test_creating_an_adapter_mid_cycle_never_pages_out_the_cycles_own(model_cach
         return real(model, jobs)
 
     monkeypatch.setattr(engine_mod, "run_jobs", with_intruder)
-    futs = [eng.submit(_fb("a", 1, [_datum(TOKENS)])), eng.submit(_opt("a", 2))]
+    futs = [submit(eng, _fb("a", 1, [_datum(TOKENS)])), submit(eng, _opt("a", 2))]
     eng.run_cycle()
     monkeypatch.setattr(engine_mod, "run_jobs", real)
-    ref_futs = [ref.submit(_fb("a", 1, [_datum(TOKENS)])), ref.submit(_opt("a", 2))]
+    ref_futs = [submit(ref, _fb("a", 1, [_datum(TOKENS)])), submit(ref, _opt("a", 2))]
     ref.run_cycle()
     assert [f.result(timeout=WAIT_S).WhichOneof("result") for f in futs + ref_futs] == [
         "forward_backward", "optim_step"] * 2
@@ -149,13 +153,13 @@ def test_one_tenant_fills_only_its_own_share_of_the_queue(model_cache: Path, tin
     _create(eng, "a", tenant="alice")
     _create(eng, "b", tenant="bob")
     for seq in (2, 3, 4):  # far ahead of seq 1, which never comes
-        eng.submit(_opt("a", seq, tenant="alice"))
+        submit(eng, _opt("a", seq, tenant="alice"))
     with pytest.raises(ResourceExhausted, match="this tenant has 3 operations waiting"):
-        eng.submit(_opt("a", 5, tenant="alice"))
-    assert eng.submit(_opt("a", 4, tenant="alice")).done() is False  # a repeat takes no new place
+        submit(eng, _opt("a", 5, tenant="alice"))
+    assert submit(eng, _opt("a", 4, tenant="alice")).done() is False  # a repeat takes no new place
     for seq in (2, 3, 4):  # bob is not blocked by alice's queue
-        eng.submit(_opt("b", seq, tenant="bob"))
-    head = eng.submit(_opt("a", 1, tenant="alice"))  # the operation a run waits for is always let in
+        submit(eng, _opt("b", seq, tenant="bob"))
+    head = submit(eng, _opt("a", 1, tenant="alice"))  # the operation a run waits for is always let in
     while not head.done():
         eng.run_cycle()
     assert head.result().WhichOneof("result") == "optim_step"
@@ -173,7 +177,7 @@ def test_bad_loss_configs_and_rl_datums_are_refused_by_name(model_cache: Path, t
         d.loss_fn_inputs["advantages"].CopyFrom(_tensor([1.0] * n, "float32"))
         op = _fb("rl", seq, [d], loss_fn=loss_fn)
         op.forward_backward.loss_fn_config.update(config)
-        fut = eng.submit(op)
+        fut = submit(eng, op)
         eng.run_cycle()
         res = fut.result(timeout=WAIT_S)
         return res.error.code + ": " + res.error.message if res.WhichOneof("result") == "error" else "ok"

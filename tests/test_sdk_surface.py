@@ -27,9 +27,9 @@ _NO_CONSOLE = "Lathe has no web console"
 _NO_TELEMETRY = "Lathe sends no client telemetry"
 _NO_PROJECTS = "Lathe has tenants (API keys), not projects"
 _NO_SHARING = "Lathe's checkpoints stay with their tenant: no publishing, copying or cross-account access"
-_NO_STABILITY = "record_stability_info (StableReinforce sampling records) is not served yet"
+_NO_STABILITY = ("Lathe's SDK does not take record_stability_info yet (the HTTP door accepts it: every Lathe "
+                 "sample already carries its exact record)")
 _NO_CUSTOM_GRAPH = "server-side custom losses (create_custom_loss graphs) are not served yet"
-_NO_SAMPLE_OPTIONS = "this sampling option is not served yet (issue 11, Sampling)"
 _NO_SESSIONS_API = "the sessions registry (listing, search, traces) is not exposed by Lathe's gRPC API yet"
 _NO_BILLING = "Lathe keeps no billing or audit records"
 
@@ -58,16 +58,6 @@ KNOWN_GAPS: dict[str, str] = {
     "TrainingClient.save_weights_external": "no external (encrypted, downloadable) weight exports yet",
     "TrainingClient.save_weights_external_async": "no external (encrypted, downloadable) weight exports yet",
     # SamplingClient
-    "SamplingClient.compute_logprobs(prompt_logprobs_last_n)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.compute_logprobs_async(prompt_logprobs_last_n)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample(topk_sample_logprobs)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample(target_prompt_logprobs)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample(prompt_alt_tokens_k)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample(prompt_logprobs_last_n)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample_async(topk_sample_logprobs)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample_async(target_prompt_logprobs)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample_async(prompt_alt_tokens_k)": _NO_SAMPLE_OPTIONS,
-    "SamplingClient.sample_async(prompt_logprobs_last_n)": _NO_SAMPLE_OPTIONS,
     "SamplingClient.create": "tinker's internal constructor (takes its client holder); use create_sampling_client",
     "SamplingClient.from_sampler_handle": "sampler handles (a sampler shared by a string) are not served",
     "SamplingClient.get_sampler_handle": "sampler handles (a sampler shared by a string) are not served",

@@ -22,8 +22,10 @@ from lathe.gateway.tinker_proto import (
     sample_response_to_proto,
 )
 from lathe.stack import Stack
+from lathe.types import TensorData
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import tinker_public_pb2 as ours
+from lathe.wire import tensor_to_proto
 
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
@@ -87,6 +89,38 @@ def test_text_loss_config_and_non_text_chunks_are_refused_by_name() -> None:
         forward_backward_from_proto(msg.SerializeToString(), 1 << 20)
 
 
+_TARGET_RUNS = [types.PromptProvenanceSpan(sequence_id="r:0", offset=1, length=2),
+                types.SampledProvenanceSpan(sequence_id="r:0", length=2)]
+
+
+@pytest.mark.parametrize(("input_runs", "error"), [
+    (None, r"data\[0\] has no provenance"),
+    ([types.SampledProvenanceSpan(sequence_id="r:0", length=3)],
+     r"data\[0\]\.model_input_spans covers 3 positions but the field has 4"),
+    ([types.PromptProvenanceSpan(sequence_id="r:0", length=2),
+      types.SampledProvenanceSpan(sequence_id="r:0", length=2)], None),
+])
+def test_stable_reinforce_datums_must_name_their_sampled_sequences(input_runs: list | None, error: str | None) -> None:
+    """The door checks that provenance runs tile the input and the targets; other losses do not need them."""
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={
+        "target_tokens": [6, 7, 8, 9], "logprobs": [0.0, 0.0, -1.0, -2.0], "advantages": [0.0, 0.0, 1.0, 1.0]},
+        model_input_spans=input_runs, loss_fn_input_spans=input_runs and _TARGET_RUNS)
+    for loss_fn in ("stable_reinforce", "importance_sampling"):
+        body = request_conv.forward_backward_request_to_proto(types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn), model_id="m",
+            seq_id=1)).SerializeToString()
+        if error and loss_fn == "stable_reinforce":
+            with pytest.raises(InvalidArgument, match=error):
+                forward_backward_from_proto(body, 1 << 20)
+        else:
+            decoded = forward_backward_from_proto(body, 1 << 20).data[0]
+            assert decoded.loss_fn_inputs.keys() == datum.loss_fn_inputs.keys()
+
+
+def _tensor(values: np.ndarray) -> pb.Tensor:
+    return tensor_to_proto(TensorData.from_numpy(values))
+
+
 def _f32(values: list[float]) -> pb.Tensor:
     return pb.Tensor(data=np.asarray(values, "<f4").tobytes(), dtype="float32", shape=[len(values)])
 
@@ -100,17 +134,33 @@ def test_outputs_read_back_with_the_sdks_own_decoders() -> None:
     assert [o["logprobs"].tolist() for o in got.loss_fn_outputs] == lps
     assert [o["logprobs"].shape for o in got.loss_fn_outputs] == [[2], [1], [3]]
 
+    top = [pb.TopkLogprobs(token_ids=[i, i + 1], logprobs=[-0.5, -1.0]) for i in range(3)]
+    target = np.asarray([[-0.5, 0.0], [0.0, 0.0], [-1.5, -2.5]], np.float32)
+    alt_tokens, alt_lps = np.asarray([[4, 4], [5, 6], [7, 8]]), np.asarray([[-1, -1], [-2, -3], [-4, -5]], np.float32)
     sample = pb.SampleOutput(
-        sequences=[pb.SampledSequence(tokens=[7, 8], logprobs=[-0.5, -1.25], stop_reason="length"),
+        sequences=[pb.SampledSequence(tokens=[7, 8], logprobs=[-0.5, -1.25], stop_reason="length",
+                                      topk_logprobs=top[:2]),
                    pb.SampledSequence(tokens=[9], logprobs=[-2.0], stop_reason="stop")],
-        prompt_logprobs=[float("nan"), -1.5, -0.75, -2.25],
-        topk_prompt_logprobs=[pb.TopkLogprobs()] + [pb.TopkLogprobs(token_ids=[i, i + 1], logprobs=[-0.5, -1.0])
-                                                    for i in range(3)])
-    res = response_conv.deserialize_sample_response(sample_response_to_proto(sample, topk=2, last_n=2))
+        prompt_logprobs=[float("nan"), float("nan"), -0.75, -2.25],  # prompt_logprobs_last_n = 2
+        topk_prompt_logprobs=[pb.TopkLogprobs()] * 2 + top[1:],
+        target_prompt_logprobs=_tensor(target),
+        prompt_alt_tokens=pb.PromptAltTokens(tokens=_tensor(alt_tokens), logprobs=_tensor(alt_lps)))
+    res = response_conv.deserialize_sample_response(sample_response_to_proto(sample))
     assert [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences] == [
         ([7, 8], [-0.5, -1.25], "length"), ([9], [-2.0], "stop")]
-    assert res.prompt_logprobs == [None, None, -0.75, -2.25]  # only the last 2 positions were asked for
+    assert res.sequences[0].topk_logprobs == [[(0, -0.5), (1, -1.0)], [(1, -0.5), (2, -1.0)]]
+    assert res.sequences[1].topk_logprobs is None
+    assert res.prompt_logprobs == [None, None, -0.75, -2.25]
     assert res.topk_prompt_logprobs == [None, None, [(1, -0.5), (2, -1.0)], [(2, -0.5), (3, -1.0)]]
+    assert np.array_equal(res.target_prompt_logprobs.to_numpy(), target)
+    assert np.array_equal(res.prompt_alt_tokens.tokens.to_numpy(), alt_tokens)
+    assert np.array_equal(res.prompt_alt_tokens.logprobs.to_numpy(), alt_lps)
+    # a sparse target request (cells [0, 0], [2, 0], [2, 1]) is answered in its own layout
+    layout = ours.SparseCsr(crow_indices=np.asarray([0, 1, 1, 3], "<i8").tobytes(),
+                            col_indices=np.asarray([0, 0, 1], "<i8").tobytes())
+    sparse = response_conv.deserialize_sample_response(sample_response_to_proto(sample, layout)).target_prompt_logprobs
+    assert (sparse.sparse_crow_indices, sparse.sparse_col_indices) == ([0, 1, 1, 3], [0, 0, 1])
+    assert sparse.data == [-0.5, -1.5, -2.5] and np.array_equal(sparse.to_numpy(), target)
 
 
 # ---------- raw HTTP against real processes ----------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -39,13 +40,37 @@ def sft_data(sdk: ModuleType, seed: int = 0, n: int = 4, length: tuple[int, int]
 
 
 def rl_data(sdk: ModuleType, seed: int = 1) -> list:
+    """Random RL datums; built with ``tinker``, each names a (made-up) sampled sequence as its provenance."""
     rng = random.Random(seed)
     out = []
-    for _ in range(3):
+    for i in range(3):
         toks = [rng.randrange(3, 500) for _ in range(10)]
-        out.append(sdk.Datum(model_input=sdk.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
+        datum = sdk.Datum(model_input=sdk.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
             "target_tokens": toks[1:], "logprobs": [-rng.uniform(3, 8) for _ in toks[1:]],
-            "advantages": [rng.uniform(-1, 1) for _ in toks[1:]]}))
+            "advantages": [rng.uniform(-1, 1) for _ in toks[1:]]})
+        if sdk is tinker:
+            run = [tinker.SampledProvenanceSpan(sequence_id=f"s{seed}:{i}", length=len(toks) - 1)]
+            datum = datum.with_provenance(model_input=run, loss_fn_inputs=run)
+        out.append(datum)
+    return out
+
+
+def sampled_data(sdk: ModuleType, sequences: list, advantages: list[float]) -> list:
+    """Datums for sampled ``sequences`` of ``PROMPT`` as the cookbook builds them: prompt rows carry no logprob
+    and no advantage; built with ``tinker``, they name their sampled sequence (``Datum.with_provenance``)."""
+    out = []
+    for seq, adv in zip(sequences, advantages, strict=True):
+        prompt = len(PROMPT) - 1
+        datum = sdk.Datum(model_input=sdk.ModelInput.from_ints(PROMPT + seq.tokens[:-1]), loss_fn_inputs={
+            "target_tokens": PROMPT[1:] + seq.tokens, "logprobs": [0.0] * prompt + seq.logprobs,
+            "advantages": [0.0] * prompt + [adv] * len(seq.tokens)})
+        if sdk is tinker:
+            datum = datum.with_provenance(
+                model_input=[tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
+                             tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1)],
+                loss_fn_inputs=[tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=prompt),
+                                tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens))])
+        out.append(datum)
     return out
 
 
@@ -155,6 +180,8 @@ def test_the_official_sdk_flow_matches_lathes_sdk(stack: Stack) -> None:
     ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, {"clip_low_threshold": 0.5}),
     ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, {"clip_high_threshold": 0.5}),
     ("dro", {"beta": 0.1}, {"beta": 2.0}),
+    ("gspo", {"clip_low_threshold": 0.1, "clip_high_threshold": 10.0}, {}),
+    ("stable_reinforce", {"clip_high_threshold": 1e6}, {"clip_high_threshold": 0.5}),
 ])
 def test_every_trainer_loss_and_its_config_reach_the_trainer(stack: Stack, loss_fn: str, config: dict,
                                                              other: dict) -> None:
@@ -165,6 +192,31 @@ def test_every_trainer_loss_and_its_config_reach_the_trainer(stack: Stack, loss_
     out = t.forward(rl_data(tinker), loss_fn, config).result()
     same(out, lt.forward(rl_data(lathe), loss_fn, config).result())
     assert t.forward(rl_data(tinker), loss_fn, other).result().metrics["loss:sum"] != out.metrics["loss:sum"]
+    sc.close("success").result()
+    lc.close()
+
+
+def test_stable_reinforce_trains_on_recorded_samples(stack: Stack) -> None:
+    """Sampled with ``record_stability_info``, the cookbook's datums train the same through both SDKs; a datum
+    without provenance is refused, as Tinker refuses it."""
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-stable")
+    lc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-stable")
+    t = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
+    lt = lc.create_lora_training_client(BASE, rank=4, seed=5)
+    ts = t.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sequences = ts.sample(tinker.ModelInput.from_ints(PROMPT), 2, tinker.SamplingParams(**SAMPLING)).result().sequences
+    advantages = [1.0, -1.0]
+    out = step(t, tinker, sampled_data(tinker, sequences, advantages), "stable_reinforce")
+    same(out, step(lt, lathe, sampled_data(lathe, sequences, advantages), "stable_reinforce"))
+    # on policy the recorded logprobs are the trainer's, bit for bit: every weight is 1, the loss REINFORCE's
+    sampled = [np.asarray(lp)[len(PROMPT) - 1:] for lp in logprobs(out)]
+    assert [lp.tolist() for lp in sampled] == [np.asarray(s.logprobs, np.float32).tolist() for s in sequences]
+    reinforce = -sum(a * float(lp.astype(np.float64).sum()) for a, lp in zip(advantages, sampled, strict=True))
+    assert out.metrics["loss:sum"] == pytest.approx(reinforce, rel=1e-5)
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\] has no provenance"):
+        bare = [dataclasses.replace(d, model_input_spans=None, loss_fn_input_spans=None)
+                for d in sampled_data(tinker, sequences, advantages)]
+        t.forward_backward(bare, "stable_reinforce").result()
     sc.close("success").result()
     lc.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +12,29 @@ import pytest
 import torch
 
 from lathe.models.catalog import ModelCatalog
+from lathe.trainer import intake
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
+from lathe.trainer.ops import ForwardBackward, Limits, Op, OptimStep, Save, Skip
+from lathe.types import AdamParams
 from lathe.v1 import lathe_pb2 as pb
 
 torch.set_num_threads(1)
 BASE = "lathe/tiny-llama"
+
+
+def submit(eng: TrainerEngine, op: pb.TrainerOp) -> Future:
+    """``Trainer.Run`` without the network: the intake decodes, checks and queues ``op`` (raising what the door
+    would abort with); the future resolves to the ``pb.TrainerResult`` the door would send."""
+    out: Future = Future()
+
+    def answer(fut: Future) -> None:
+        try:
+            out.set_result(intake.result_to_proto(fut.result()))
+        except Exception as e:  # noqa: BLE001 - handed to the test that waits on it
+            out.set_exception(e)
+
+    intake.submit(eng, op).add_done_callback(answer)
+    return out
 
 
 def tensor(values: list, dtype: str) -> pb.Tensor:
@@ -78,12 +97,12 @@ def test_out_of_order_and_duplicated_delivery_equals_in_order(engine: TrainerEng
     create(engine, "in-order")
     create(engine, "shuffled")
     for op in ops_for("in-order"):
-        engine.submit(op).result(timeout=60)
+        submit(engine, op).result(timeout=60)
     ops = ops_for("shuffled")
     delivery = ops + random.Random(0).sample(ops, 5)  # every op once, then five repeats
     random.Random(1).shuffle(delivery)
     futures: list = []
-    threads = [threading.Thread(target=lambda o=o: futures.append((o.seq_id, engine.submit(o)))) for o in delivery]
+    threads = [threading.Thread(target=lambda o=o: futures.append((o.seq_id, submit(engine, o)))) for o in delivery]
     for t in threads:
         t.start()
     for t in threads:
@@ -91,7 +110,7 @@ def test_out_of_order_and_duplicated_delivery_equals_in_order(engine: TrainerEng
     results: dict[int, pb.TrainerResult] = {}
     for seq, f in futures:
         r = f.result(timeout=60)
-        assert results.setdefault(seq, r) is r, "a repeated seq_id must get the first delivery's answer"
+        assert results.setdefault(seq, r) == r, "a repeated seq_id must get the first delivery's answer"
     assert [results[s].receipt.seq_id for s in sorted(results)] == list(range(1, 9))
     assert [results[s].receipt.adapter_step for s in sorted(results)] == [0, 1, 1, 2, 2, 3, 3, 4]
     a, b = weights(engine, "in-order"), weights(engine, "shuffled")
@@ -108,8 +127,8 @@ def _fresh(engine: TrainerEngine) -> dict[str, torch.Tensor]:
 
 def test_forward_backward_and_optim_step_share_a_cycle(engine: TrainerEngine) -> None:
     create(engine, "m")
-    f2 = engine.submit(opt("m", 2))
-    f1 = engine.submit(fb("m", 1, batch(3)))
+    f2 = submit(engine, opt("m", 2))
+    f1 = submit(engine, fb("m", 1, batch(3)))
     r1, r2 = f1.result(timeout=60), f2.result(timeout=60)
     assert r1.receipt.cycle == r2.receipt.cycle
     assert r1.forward_backward.metrics["loss:sum"] > 0
@@ -146,28 +165,28 @@ BAD[8] = (_float_targets, "loss_fn_inputs['target_tokens']: dtype float32 must b
 @pytest.mark.parametrize("make,message", BAD)
 def test_bad_input_is_rejected_with_its_message_and_changes_nothing(engine: TrainerEngine, make, message) -> None:  # noqa: ANN001
     create(engine, "bad")
-    engine.submit(fb("bad", 1, batch(0))).result(timeout=60)  # leaves a gradient to protect
+    submit(engine, fb("bad", 1, batch(0))).result(timeout=60)  # leaves a gradient to protect
     before = weights(engine, "bad")
     grads = {k: p.grad.clone() for k, p in engine.bank.get("bad").weights.named_parameters().items()}
-    res = engine.submit(fb("bad", 2, make())).result(timeout=60)
+    res = submit(engine, fb("bad", 2, make())).result(timeout=60)
     assert res.WhichOneof("result") == "error"
     assert res.error.code == "InvalidArgument" and res.error.category == "user"
     assert message in res.error.message
     for k, p in engine.bank.get("bad").weights.named_parameters().items():
         assert torch.equal(p.detach(), before[k]) and torch.equal(p.grad, grads[k])
-    ok = engine.submit(opt("bad", 3)).result(timeout=60)  # the run goes on
+    ok = submit(engine, opt("bad", 3)).result(timeout=60)  # the run goes on
     assert ok.WhichOneof("result") == "optim_step" and ok.receipt.adapter_step == 1
 
 
 def test_unknown_loss_and_bad_config_and_bad_adam(engine: TrainerEngine) -> None:
     create(engine, "cfg")
-    r = engine.submit(fb("cfg", 1, batch(0), loss_fn="hinge")).result(timeout=60)
+    r = submit(engine, fb("cfg", 1, batch(0), loss_fn="hinge")).result(timeout=60)
     assert "unknown loss_fn 'hinge'" in r.error.message
     op = fb("cfg", 2, batch(0), loss_fn="ppo")
     op.forward_backward.loss_fn_config["clip_low"] = 0.5
-    assert "loss_fn_config has unknown key(s) ['clip_low']" in engine.submit(op).result(timeout=60).error.message
+    assert "loss_fn_config has unknown key(s) ['clip_low']" in submit(engine, op).result(timeout=60).error.message
     bad = opt("cfg", 3, lr=-1.0)
-    assert "adam_params.learning_rate = -1.0" in engine.submit(bad).result(timeout=60).error.message
+    assert "adam_params.learning_rate = -1.0" in submit(engine, bad).result(timeout=60).error.message
 
 
 def test_bad_lora_config_and_unknown_base_model(engine: TrainerEngine) -> None:
@@ -195,7 +214,7 @@ def test_batch_over_capacity_is_split_across_cycles_and_equals_unsplit(model_cac
     out = {}
     for name, eng in (("split", split), ("whole", whole)):
         create(eng, "m")
-        f1, f2 = eng.submit(fb("m", 1, data)), eng.submit(opt("m", 2))
+        f1, f2 = submit(eng, fb("m", 1, data)), submit(eng, opt("m", 2))
         while not f2.done():
             assert eng.run_cycle() > 0
         out[name] = (f1.result(), f2.result(), weights(eng, "m"), eng.cycle)
@@ -214,8 +233,8 @@ def test_small_tenant_is_not_starved_behind_a_large_one(model_cache: Path, tiny_
     eng = _engine(model_cache, cycle_tokens=40)
     create(eng, "big")
     create(eng, "small")
-    f_big = eng.submit(fb("big", 1, batch(9, n=10)))
-    f_small = [eng.submit(fb("small", 1, batch(1, n=1))), eng.submit(opt("small", 2))]
+    f_big = submit(eng, fb("big", 1, batch(9, n=10)))
+    f_small = [submit(eng, fb("small", 1, batch(1, n=1))), submit(eng, opt("small", 2))]
     while not f_small[1].done():
         eng.run_cycle()
     assert not f_big.done(), "the small tenant finished while the large request was still being split"
@@ -232,8 +251,8 @@ def test_one_tenants_failure_leaves_the_others_untouched(model_cache: Path, tiny
     with torch.no_grad():
         for p in mixed.bank.get("poisoned").weights.parameters():
             p.fill_(float("nan"))
-    f_alone = alone.submit(fb("good", 1, batch(2)))
-    f_bad, f_good = mixed.submit(fb("poisoned", 1, batch(3))), mixed.submit(fb("good", 1, batch(2)))
+    f_alone = submit(alone, fb("good", 1, batch(2)))
+    f_bad, f_good = submit(mixed, fb("poisoned", 1, batch(3))), submit(mixed, fb("good", 1, batch(2)))
     alone.run_cycle()
     mixed.run_cycle()
     bad, good, ref = f_bad.result(), f_good.result(), f_alone.result()
@@ -255,7 +274,7 @@ def test_paging_adapters_out_and_back_in_changes_nothing(model_cache: Path, tiny
             create(eng, mid, seed=ord(mid))
         for k in range(3):  # forward_backward in one cycle, its optim_step in a later one
             for kind in (fb, opt):
-                futs = [eng.submit(kind(mid, 2 * k + (1 if kind is fb else 2), *([batch(k)] if kind is fb else [])))
+                futs = [submit(eng, kind(mid, 2 * k + (1 if kind is fb else 2), *([batch(k)] if kind is fb else [])))
                         for mid in ("a", "b", "c")]
                 eng.run_cycle()
                 results[name] += [f.result() for f in futs]
@@ -276,11 +295,11 @@ def test_floods_and_over_long_requests_get_clear_errors(model_cache: Path, tiny_
 
     eng = _engine(model_cache, max_queue=2, max_request_tokens=50)
     create(eng, "m")
-    eng.submit(fb("m", 2, batch(0)))  # seq 1 has not arrived: these wait in the queue
-    eng.submit(opt("m", 3))
+    submit(eng, fb("m", 2, batch(0)))  # seq 1 has not arrived: these wait in the queue
+    submit(eng, opt("m", 3))
     with pytest.raises(ResourceExhausted, match="trainer queue is full"):
-        eng.submit(fb("m", 4, batch(1)))
-    big = eng.submit(fb("m", 1, [datum(list(range(1, 40))), datum(list(range(1, 30)))]))
+        submit(eng, fb("m", 4, batch(1)))
+    big = submit(eng, fb("m", 1, [datum(list(range(1, 40))), datum(list(range(1, 30)))]))
     eng.run_cycle()
     err = big.result(timeout=10).error
     assert err.code == "InvalidArgument" and "request has 68 tokens in 2 datums, over the limit of 50" in err.message
@@ -313,7 +332,7 @@ def test_packed_tenants_equal_each_tenant_alone(model_cache: Path, tiny_dir: Pat
     for mid, rank, _, _ in tenants:
         packed.create_adapter(pb.CreateAdapterRequest(model_id=mid, tenant="t", base_model=BASE,
                                                       lora_config=flags(rank)))
-    futs = {mid: [packed.submit(op) for op in ops(mid, loss, n, rank)] for mid, rank, loss, n in tenants}
+    futs = {mid: [submit(packed, op) for op in ops(mid, loss, n, rank)] for mid, rank, loss, n in tenants}
     while packed.run_cycle():
         pass
     cycles = {mid: [f.result().receipt.cycle for f in fs] for mid, fs in futs.items()}
@@ -322,7 +341,7 @@ def test_packed_tenants_equal_each_tenant_alone(model_cache: Path, tiny_dir: Pat
         alone = _engine(model_cache)
         alone.create_adapter(pb.CreateAdapterRequest(model_id=mid, tenant="t", base_model=BASE,
                                                      lora_config=flags(rank)))
-        ref = [alone.submit(op) for op in ops(mid, loss, n, rank)]
+        ref = [submit(alone, op) for op in ops(mid, loss, n, rank)]
         while alone.run_cycle():
             pass
         for f_p, f_a in zip(futs[mid], ref, strict=True):
@@ -344,8 +363,8 @@ def test_cycle_metrics_are_exported(model_cache: Path, tiny_dir: Path) -> None:
     eng = _engine(model_cache, cycle_tokens=1000)
     create(eng, "a")
     create(eng, "b")
-    eng.submit(fb("a", 1, batch(0)))
-    eng.submit(fb("b", 1, batch(1)))
+    submit(eng, fb("a", 1, batch(0)))
+    submit(eng, fb("b", 1, batch(1)))
     eng.run_cycle()
     text = generate_latest(eng.metrics.registry).decode()
     tokens = sum(len(d.model_input.chunks[0].tokens) for d in batch(0) + batch(1))
@@ -361,6 +380,47 @@ def test_cycle_metrics_are_exported(model_cache: Path, tiny_dir: Path) -> None:
     assert model.trainer_exactness.checked and model.trainer_exactness.exact
 
 
+def test_the_intake_decodes_plain_operations_and_turns_a_bad_one_into_a_skip() -> None:
+    limits = Limits(vocab_size=256, max_context=64, max_request_tokens=1024)
+    got = intake.decode_op(fb("m", 1, [datum([4, 5, 6], weights=[1.0, 0.0, 1.0])]), limits)
+    assert (got.model_id, got.seq_id, got.request_id, got.tenant, got.kind) == ("m", 1, "r1", "t", "forward_backward")
+    assert isinstance(got.body, ForwardBackward) and got.body.backward and got.body.loss_fn == "cross_entropy"
+    ex = got.body.examples[0]
+    assert ex.tokens == [4, 5, 6] and ex.targets.tolist() == [5, 6, 4] and ex.inputs["weights"].tolist() == [1, 0, 1]
+    assert intake.decode_op(opt("m", 2, lr=0.5), limits).body == OptimStep(AdamParams(0.5, 0.9, 0.95, 1e-12, 0, 0))
+    save = pb.TrainerOp(model_id="m", seq_id=3, tenant="t", request_id="r3", max_checkpoint_bytes=99,
+                        save=pb.SaveRequest(name="n", kind="weights", ttl_seconds=5, user_metadata={"a": "b"}))
+    assert intake.decode_op(save, limits) == Op("m", 3, "r3", "t", Save("weights", "n", 5, False, {"a": "b"}, 99))
+    save.save.kind = "everything"
+    refused = {
+        "save": save,
+        "vocab": fb("m", 4, [datum([4, 300, 6])]),
+        "empty": pb.TrainerOp(model_id="m", seq_id=5, tenant="t"),
+        "gateway": pb.TrainerOp(model_id="m", seq_id=6, tenant="t", skip=pb.SkipRequest(reason="eps = 0")),
+    }
+    messages = {k: intake.decode_op(v, limits).body for k, v in refused.items()}
+    assert all(isinstance(b, Skip) and b.error.category == "user" for b in messages.values())
+    assert {k: b.error.message for k, b in messages.items()} == {
+        "save": "save kind 'everything' must be 'weights' or 'sampler_weights'",
+        "vocab": "datum 0: model_input[1] = 300 is outside the vocabulary [0, 256)",
+        "empty": "TrainerOp seq_id 5 has no operation: one of forward_backward, optim_step, save, load or skip is "
+                 "needed",
+        "gateway": "seq_id 6 was refused by the gateway: eps = 0"}
+
+
+def test_a_bad_request_is_answered_at_the_intake_and_never_holds_the_run(model_cache: Path, tiny_dir: Path) -> None:
+    eng = _engine(model_cache)  # no cycle thread: only the cycles run below compute anything
+    create(eng, "m")
+    bad = submit(eng, fb("m", 2, [datum([1, 99999, 3])]))  # seq_id 1 has not arrived yet
+    assert bad.done() and eng.cycle == 0, "refused before it was queued, without waiting for its turn"
+    assert bad.result().error.code == "InvalidArgument" and not bad.result().HasField("receipt")
+    later, first = submit(eng, opt("m", 3)), submit(eng, fb("m", 1, batch(0)))
+    while not later.done():
+        assert eng.run_cycle() > 0
+    assert first.result().receipt.cycle == later.result().receipt.cycle == 1  # seq_id 2 was passed over
+    assert later.result().receipt.adapter_step == 1 and eng.bank.get("m").step == 1
+
+
 @pytest.mark.parametrize("field,values,message", [
     ("advantages", [0.0, 1.0], "loss_fn_inputs['advantages'] has length 2 but model_input has 3 tokens"),
     ("logprobs", [-1.0, -1.0, -1.0, -1.0], "loss_fn_inputs['logprobs'] has length 4 but model_input has 3 tokens"),
@@ -372,6 +432,6 @@ def test_bad_rl_datums_are_rejected(engine: TrainerEngine, field: str, values: l
     inputs[field] = tensor(values, "float32")
     d = pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=[4, 5, 6])]),
                  loss_fn_inputs={"target_tokens": tensor([5, 6, 7], "int64"), **inputs})
-    res = engine.submit(fb("rl", 1, [d], "importance_sampling")).result(timeout=60)
+    res = submit(engine, fb("rl", 1, [d], "importance_sampling")).result(timeout=60)
     assert res.error.code == "InvalidArgument" and message in res.error.message
     assert engine.bank.get("rl").step == 0 and not engine.bank.get("rl").has_grads()

@@ -14,9 +14,9 @@ import torch
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.trainer.ops import Example
 from lathe.trainer.optimizer import AdamParams, AdamState, adamw_step
 from lathe.trainer.step import Job, run_jobs
-from lathe.trainer.validate import Example
 
 torch.set_num_threads(1)
 

@@ -4,27 +4,54 @@
 Checkpoint bytes travel as streams of ``CHUNK_BYTES`` pieces (``PutStream`` / ``GetStream``), so no
 message and no buffer in between holds a whole checkpoint; ``download`` writes files to disk as the
 chunks arrive. Failed calls raise the ``lathe.errors`` class the server raised (NotFound, ...).
+
+Deadlines and retries: every try of a call carries a deadline (``timeout_s``). A call that fails
+``Unavailable`` (the service is restarting after a crash, or its store is briefly down) is tried again with
+capped exponential backoff for at most ``Retry.retry_for_s``, then fails with ``Unavailable`` naming the
+service and the call. Retried: ``stat``, ``list``, ``get`` (reads, idempotent), the opening of
+``download`` (before any byte is written) and ``put`` as a whole (the service commits a save by writing
+its manifest last, so a broken try leaves nothing visible; when a try committed but its answer was lost,
+the next one finds the checkpoint there: if it holds exactly this save's files and metadata, the save
+succeeded). ``delete`` is not retried (a repeat of one that landed would answer NotFound).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
-from lathe.errors import from_rpc_error
+from lathe.errors import AlreadyExists, Unavailable, from_rpc_error
 from lathe.internal_auth import internal_channel
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
+from .paths import CheckpointPath
 from .service import CheckpointInfo, CheckpointList
 from .store import CHUNK_BYTES
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """How long calls that fail ``Unavailable`` are tried again: after ``first_backoff_s``, doubling up to
+    ``max_backoff_s``, until ``retry_for_s`` has passed since the first try (0: never retry)."""
+
+    retry_for_s: float = 60.0
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_backoff_s <= self.max_backoff_s or self.retry_for_s < 0:
+            raise ValueError(f"Retry needs 0 < first_backoff_s <= max_backoff_s and retry_for_s >= 0, got {self}")
 
 
 def _info(msg: cpb.CheckpointInfo) -> CheckpointInfo:
@@ -35,11 +62,30 @@ class CheckpointsClient:
     """One channel to a checkpoints server at ``target`` (``host:port``); safe to share between threads.
     Every call carries this process's internal token (``lathe.internal_auth``)."""
 
-    def __init__(self, target: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 600.0, retry: Retry = Retry()) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = internal_channel(target, CHANNEL_OPTIONS)
+        self.retry = retry
+        # reconnect to a restarted service as soon as the retries would (gRPC's own backoff grows to 120 s)
+        reconnect_ms = int(retry.max_backoff_s * 1000)
+        self._channel = internal_channel(target, [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+                                                  ("grpc.max_reconnect_backoff_ms", reconnect_ms)])
         self._stub = cpb_grpc.CheckpointsStub(self._channel)
+
+    def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
+        """``attempt()``, tried again while it fails ``Unavailable``, within ``self.retry``."""
+        give_up = time.monotonic() + self.retry.retry_for_s
+        pause = self.retry.first_backoff_s
+        while True:
+            try:
+                return attempt()
+            except Unavailable as e:
+                if time.monotonic() + pause > give_up:
+                    raise Unavailable(f"checkpoints service at {self.target} stayed unavailable for "
+                                      f"{self.retry.retry_for_s:g} s (retry_for_s) while trying to {what}: "
+                                      f"{e.message}") from None
+            time.sleep(pause)
+            pause = min(2 * pause, self.retry.max_backoff_s)
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: Message) -> Any:
         try:
@@ -48,10 +94,13 @@ class CheckpointsClient:
             raise from_rpc_error(e) from None
 
     def put(self, *, tenant: str, run_id: str, kind: str, name: str, files: Mapping[str, bytes],
-            metadata_json: str = "", ttl_seconds: int = 0, overwrite: bool = False) -> str:
-        """Save a checkpoint (streamed); returns its path ``tinker://<run_id>/<kind>/<name>``."""
+            metadata_json: str = "", ttl_seconds: int = 0, overwrite: bool = False, max_tenant_bytes: int = 0
+            ) -> str:
+        """Save a checkpoint (streamed, retried as a whole); returns its path ``tinker://<run_id>/<kind>/<name>``."""
+        path = str(CheckpointPath(run_id, kind, name))
         header = cpb.PutCheckpointRequest(tenant=tenant, run_id=run_id, kind=kind, name=name,
-                                          metadata_json=metadata_json, ttl_seconds=ttl_seconds, overwrite=overwrite)
+                                          metadata_json=metadata_json, ttl_seconds=ttl_seconds, overwrite=overwrite,
+                                          max_tenant_bytes=max_tenant_bytes)
 
         def messages() -> Iterator[cpb.PutCheckpointChunk]:
             yield cpb.PutCheckpointChunk(header=header)
@@ -62,23 +111,46 @@ class CheckpointsClient:
                                                                      data=bytes(view[start:start + CHUNK_BYTES])))
             yield cpb.PutCheckpointChunk(done=True)
 
-        return self._call(self._stub.PutStream, messages()).path
+        tries = 0
+
+        def attempt() -> str:
+            nonlocal tries
+            tries += 1
+            try:
+                return self._call(self._stub.PutStream, messages()).path
+            except AlreadyExists:
+                if tries > 1 and self._holds(tenant, path, files, metadata_json):
+                    return path  # an earlier try committed; its answer was lost
+                raise
+
+        return self._retrying(f"save {path}", attempt)
+
+    def _holds(self, tenant: str, path: str, files: Mapping[str, bytes], metadata_json: str) -> bool:
+        """Whether the checkpoint at ``path`` is exactly ``files`` with ``metadata_json``."""
+        if self.stat(tenant=tenant, path=path).metadata_json != metadata_json:
+            return False
+        stored = self.get(tenant=tenant, path=path)
+        return stored.keys() == files.keys() and all(stored[n] == bytes(files[n]) for n in files)
 
     def get(self, *, tenant: str, path: str) -> dict[str, bytes]:
-        """The checkpoint's files (verified by the server against their sha256)."""
-        _, sizes, chunks = self._open(tenant, path)
-        buffers = {n: bytearray(size) for n, size in sizes.items()}
-        filled = dict.fromkeys(sizes, 0)
-        for name, chunk in chunks:
-            buffers[name][filled[name]:filled[name] + len(chunk)] = chunk
-            filled[name] += len(chunk)
-        return {n: bytes(b) for n, b in buffers.items()}
+        """The checkpoint's files (verified by the server against their sha256; retried as a whole)."""
+
+        def attempt() -> dict[str, bytes]:
+            _, sizes, chunks = self._open(tenant, path)
+            buffers = {n: bytearray(size) for n, size in sizes.items()}
+            filled = dict.fromkeys(sizes, 0)
+            for name, chunk in chunks:
+                buffers[name][filled[name]:filled[name] + len(chunk)] = chunk
+                filled[name] += len(chunk)
+            return {n: bytes(b) for n, b in buffers.items()}
+
+        return self._retrying(f"load {path}", attempt)
 
     def download(self, *, tenant: str, path: str, directory: Path,
                  on_bytes: Callable[[int, int], None] | None = None) -> CheckpointInfo:
         """Write the checkpoint's files into ``directory`` as they arrive; ``on_bytes(n, total)`` after each
         chunk. Files appear under their names only once the whole stream has been verified."""
-        info, sizes, chunks = self._open(tenant, path)
+        info, sizes, chunks = self._retrying(f"load {path}", lambda: self._open(tenant, path))
         directory.mkdir(parents=True, exist_ok=True)
         partial = {n: directory / f".{n}.partial" for n in sizes}
         try:
@@ -116,12 +188,14 @@ class CheckpointsClient:
         return _info(header.info), dict(header.file_sizes), chunks()
 
     def stat(self, *, tenant: str, path: str) -> CheckpointInfo:
-        return _info(self._call(self._stub.Stat, cpb.CheckpointRef(tenant=tenant, path=path)))
+        ref = cpb.CheckpointRef(tenant=tenant, path=path)
+        return _info(self._retrying(f"stat {path}", lambda: self._call(self._stub.Stat, ref)))
 
     def list(self, *, tenant: str, run_id: str = "", limit: int = 0, offset: int = 0) -> CheckpointList:
         """The tenant's live checkpoints (of one run, or all), oldest first; ``limit`` 0 = no limit."""
         req = cpb.ListCheckpointsRequest(tenant=tenant, run_id=run_id, limit=limit, offset=offset)
-        res = self._call(self._stub.List, req)
+        res = self._retrying(f"list the checkpoints of {run_id or 'every run'}",
+                             lambda: self._call(self._stub.List, req))
         return CheckpointList([_info(c) for c in res.checkpoints], res.total_count)
 
     def delete(self, *, tenant: str, path: str) -> None:

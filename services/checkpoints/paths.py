@@ -13,9 +13,11 @@ import re
 from dataclasses import dataclass
 
 from lathe.errors import InvalidArgument
+from lathe.types import RECOVERY_KIND
 
 SCHEME = "tinker://"
-KINDS = ("weights", "sampler_weights")
+LISTED_KINDS = ("weights", "sampler_weights")
+KINDS = (*LISTED_KINDS, RECOVERY_KIND)  # recovery: the trainer's own snapshots of a run, never listed
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

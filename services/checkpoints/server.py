@@ -81,7 +81,7 @@ class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
         info = await _call(context, self.service.put, tenant=request.tenant, run_id=request.run_id,
                            kind=request.kind, name=request.name, files=dict(request.files),
                            metadata_json=request.metadata_json, ttl_seconds=request.ttl_seconds,
-                           overwrite=request.overwrite)
+                           overwrite=request.overwrite, max_tenant_bytes=request.max_tenant_bytes)
         return _info(info)
 
     async def PutStream(self, request_iterator: AsyncIterator[cpb.PutCheckpointChunk],
@@ -94,7 +94,7 @@ class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
         files = _file_chunks(_blocking(request_iterator, asyncio.get_running_loop()))
         info = await _call(context, self.service.put_stream, tenant=h.tenant, run_id=h.run_id, kind=h.kind,
                            name=h.name, files=files, metadata_json=h.metadata_json, ttl_seconds=h.ttl_seconds,
-                           overwrite=h.overwrite)
+                           overwrite=h.overwrite, max_tenant_bytes=h.max_tenant_bytes)
         return _info(info)
 
     async def GetStream(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext
@@ -122,6 +122,12 @@ class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
                      ) -> cpb.DeleteCheckpointResponse:
         await _call(context, self.service.delete, request.tenant, request.path)
         return cpb.DeleteCheckpointResponse()
+
+    async def SetTtl(self, request: cpb.SetTtlRequest, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        return _info(await _call(context, self.service.set_ttl, request.tenant, request.path, request.ttl_seconds))
+
+    async def SetPublic(self, request: cpb.SetPublicRequest, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        return _info(await _call(context, self.service.set_public, request.tenant, request.path, request.public))
 
 
 async def _sweep_every(service: CheckpointService, interval_s: float) -> None:

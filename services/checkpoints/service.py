@@ -19,6 +19,9 @@ checkpoints it holds. Another tenant's checkpoint answers ``NotFound`` with the 
 one gets, and listing another tenant's run answers as a run with no checkpoints, so no answer tells
 whether someone else's checkpoint exists. (Saving into another tenant's run is ``PermissionDenied``: only
 the trainer saves, into the run it serves for that tenant.) A TTL is at most ``MAX_TTL_S``.
+
+Quota: a save may carry the tenant's byte quota (``max_tenant_bytes``, set by the gateway's quotas); the bytes
+of the tenant's listed checkpoints that are still live count against it, so a delete or an expiry frees room.
 """
 
 from __future__ import annotations
@@ -30,16 +33,25 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from lathe.errors import AlreadyExists, Internal, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from lathe.errors import (
+    AlreadyExists,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from lathe.types import MAX_TTL_S
 
-from .paths import CheckpointPath, check_part
+from .paths import LISTED_KINDS, CheckpointPath, check_part
 from .store import ObjectStore
 
 MANIFEST_FORMAT = 1
 READ_ATTEMPTS = 3  # whole-checkpoint reads that a concurrent overwrite may restart
+QUOTA_LOCKS = 64  # stripes of the per-tenant lock around a quota check and its commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +67,7 @@ class CheckpointInfo:
     created_at: float
     expires_at: float  # 0.0 = never
     metadata_json: str
+    public: bool = False  # published by its owner (a flag Tinker's listing shows; it grants no one access)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +167,11 @@ def _check_tenant(tenant: str) -> None:
         raise InvalidArgument("tenant is empty")
 
 
+def _check_ttl(ttl_seconds: int) -> None:
+    if not 0 <= ttl_seconds <= MAX_TTL_S:
+        raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [0, {MAX_TTL_S}] (0: keep forever)")
+
+
 class CheckpointService:
     """Checkpoints of many tenants in one ``ObjectStore``; thread-safe (manifest swaps take one lock).
 
@@ -169,11 +187,13 @@ class CheckpointService:
         self.clock = clock
         self.staging_grace_s = staging_grace_s
         self._commit = threading.Lock()
+        self._quota_locks = tuple(threading.Lock() for _ in range(QUOTA_LOCKS))
 
     # ---- the calls ----
 
     def put(self, *, tenant: str, run_id: str, kind: str, name: str, files: Mapping[str, bytes],
-            metadata_json: str = "", ttl_seconds: int = 0, overwrite: bool = False) -> CheckpointInfo:
+            metadata_json: str = "", ttl_seconds: int = 0, overwrite: bool = False, max_tenant_bytes: int = 0
+            ) -> CheckpointInfo:
         """Save ``files`` as ``tinker://<run_id>/<kind>/<name>``, visible only once all are stored."""
         path = CheckpointPath(run_id, kind, name)
         if not files:
@@ -182,15 +202,18 @@ class CheckpointService:
             check_part("file name", file_name)
         return self.put_stream(tenant=tenant, run_id=run_id, kind=kind, name=name,
                                files=((n, (data,)) for n, data in sorted(files.items())),
-                               metadata_json=metadata_json, ttl_seconds=ttl_seconds, overwrite=overwrite)
+                               metadata_json=metadata_json, ttl_seconds=ttl_seconds, overwrite=overwrite,
+                               max_tenant_bytes=max_tenant_bytes)
 
     def put_stream(self, *, tenant: str, run_id: str, kind: str, name: str,
                    files: Iterable[tuple[str, Iterable[bytes]]], metadata_json: str = "", ttl_seconds: int = 0,
-                   overwrite: bool = False) -> CheckpointInfo:
+                   overwrite: bool = False, max_tenant_bytes: int = 0) -> CheckpointInfo:
         """``put`` for files that arrive as (file name, chunks) pairs, each consumed once, in order: every
         file streams into the store while it is hashed, so no file needs to be in memory whole. If the
         stream fails (or the store does), nothing becomes visible and the files stored so far are removed
-        (or, if the store is down, left for the sweep)."""
+        (or, if the store is down, left for the sweep). With ``max_tenant_bytes`` (the tenant's quota; 0: none)
+        a save that would leave the tenant's listed, live checkpoints holding more bytes than that (the one it
+        replaces not counted) fails with ``ResourceExhausted`` and its files are removed."""
         _check_tenant(tenant)
         path = CheckpointPath(run_id, kind, name)
         if metadata_json:
@@ -200,8 +223,9 @@ class CheckpointService:
                 raise InvalidArgument(f"metadata_json of {path} is not valid JSON: {e}") from None
             if not is_object:
                 raise InvalidArgument(f"metadata_json of {path} must be a JSON object, got {metadata_json[:64]!r}")
-        if not 0 <= ttl_seconds <= MAX_TTL_S:
-            raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [0, {MAX_TTL_S}] (0: keep forever)")
+        _check_ttl(ttl_seconds)
+        if max_tenant_bytes < 0:
+            raise InvalidArgument(f"max_tenant_bytes = {max_tenant_bytes} must be >= 0 (0: no quota)")
 
         started = self.clock()
         self._check_writable(tenant, path, overwrite)  # fail fast, before uploading anything
@@ -218,15 +242,38 @@ class CheckpointService:
                 self.store.put_stream(prefix + file_name, tally.feed(chunks))
                 entries[file_name] = tally.file()
         except BaseException:
-            for file_name in entries:
-                with contextlib.suppress(Exception):  # best effort: the sweep collects what is left
-                    self.store.delete(prefix + file_name)
+            self._discard(prefix, entries)
             raise
         if not entries:
             raise InvalidArgument(f"files is empty: checkpoint {path} needs at least one file")
-        # not under the cleanup above: a manifest write that fails may still have landed
-        return self._commit_manifest(tenant, path, generation, entries, started, metadata_json, ttl_seconds,
-                                     overwrite)
+        # one tenant's quota check and commit at a time, so two saves cannot both fit in the same room
+        with self._quota_locks[hash(tenant) % QUOTA_LOCKS]:
+            if max_tenant_bytes:
+                try:
+                    self._check_quota(tenant, path, sum(f.size for f in entries.values()), max_tenant_bytes)
+                except ResourceExhausted:
+                    self._discard(prefix, entries)
+                    raise
+            # not under the cleanup above: a manifest write that fails may still have landed
+            return self._commit_manifest(tenant, path, generation, entries, started, metadata_json, ttl_seconds,
+                                         overwrite)
+
+    def _discard(self, prefix: str, entries: Iterable[str]) -> None:
+        """Remove the files of a save that will not commit."""
+        for file_name in entries:
+            with contextlib.suppress(Exception):  # best effort: the sweep collects what is left
+                self.store.delete(prefix + file_name)
+
+    def _check_quota(self, tenant: str, path: CheckpointPath, size: int, limit: int) -> None:
+        """Refuse a save of ``size`` bytes to ``path`` that would take ``tenant`` over ``limit`` bytes of listed,
+        live checkpoints. Reads every manifest of the tenant: a save with a quota costs that many small reads."""
+        now = self.clock()
+        used = sum(m.info.size_bytes for m in self._manifests(tenant, "")
+                   if m.info.kind in LISTED_KINDS and self._live(m, now) and m.path != path)
+        if used + size > limit:
+            raise ResourceExhausted(f"quota max_checkpoint_bytes: tenant has {used} bytes in live checkpoints and "
+                                    f"saving {path} would add {size}, the limit is {limit}; delete checkpoints to "
+                                    "make room")
 
     def _commit_manifest(self, tenant: str, path: CheckpointPath, generation: str, entries: dict[str, _File],
                          started: float, metadata_json: str, ttl_seconds: int, overwrite: bool) -> CheckpointInfo:
@@ -283,6 +330,25 @@ class CheckpointService:
             self.store.delete(_manifest_key(tenant, p))
         self._delete_files(m)
 
+    def set_ttl(self, tenant: str, path: str, ttl_seconds: int) -> CheckpointInfo:
+        """Make the checkpoint expire ``ttl_seconds`` from now (0: never)."""
+        _check_ttl(ttl_seconds)
+        return self._update(tenant, path, expires_at=self.clock() + ttl_seconds if ttl_seconds else 0.0)
+
+    def set_public(self, tenant: str, path: str, public: bool) -> CheckpointInfo:
+        """Publish or unpublish the checkpoint (again is a no-op: Tinker's SDK retries a 409 for minutes)."""
+        return self._update(tenant, path, public=public)
+
+    def _update(self, tenant: str, path: str, **changes: object) -> CheckpointInfo:
+        """Rewrite the manifest of the caller's live checkpoint at ``path`` with ``changes`` to its info (its
+        files stay)."""
+        p = self._parse(tenant, path)
+        with self._commit:
+            m = self._visible(tenant, p)
+            info = replace(m.info, **changes)
+            self.store.put(_manifest_key(tenant, p), _Manifest(info, m.generation, m.files).to_json())
+        return info
+
     def list(self, tenant: str, run_id: str = "", limit: int = 0, offset: int = 0) -> CheckpointList:
         """The tenant's live checkpoints (of one run, or all), oldest first; ``limit`` 0 = no limit."""
         _check_tenant(tenant)
@@ -292,7 +358,8 @@ class CheckpointService:
             raise InvalidArgument(f"limit and offset must be >= 0, got limit={limit} offset={offset}")
         manifests = list(self._manifests(tenant, run_id))
         now = self.clock()
-        mine = sorted((m.info for m in manifests if m.info.tenant == tenant and self._live(m, now)),
+        mine = sorted((m.info for m in manifests
+                       if m.info.tenant == tenant and m.info.kind in LISTED_KINDS and self._live(m, now)),
                       key=lambda i: (i.created_at, i.path))
         return CheckpointList(mine[offset:offset + limit] if limit else mine[offset:], len(mine))
 

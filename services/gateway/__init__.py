@@ -5,9 +5,11 @@ under ``/api/v1`` (``tinker_http.py``, served by uvicorn in the same event loop:
 authenticated by ``auth.ApiKeys`` (API key -> tenant). Each door only translates: its requests become calls
 on ``core.GatewayCore`` and core errors (``lathe.errors``) become its status codes.
 
-State (``core.py``, in memory): sessions, training runs, sampling sessions, futures (``futures.py``) and the
-idempotency map ``(model_id, seq_id) -> request id``. Out: model operations to the trainer, samples to the
-sampler, checkpoint queries to the checkpoints service, all over gRPC. It never touches model weights,
-object storage or the filesystem. Tinker's wire shapes live in ``tinker_proto.py`` (protobuf), ``tinker_json.py``
-and ``json_fields.py`` (JSON).
+State (``core.py``, written through to the control-plane database of ``store.py``: SQLite or PostgreSQL):
+sessions, training runs, sampling sessions and the ledger of operations (request id, ``(model_id, seq_id)``,
+request, result); the waiters of futures live in memory (``futures.py``). Out: model operations to the
+trainer, samples to the sampler, checkpoint queries to the checkpoints service, all over gRPC. It never touches
+model weights or object storage; its only file is that database when it is SQLite. Internal calls carry
+deadlines and are retried while a service restarts (``calls.py``); per-tenant quotas are ``quotas.py``.
+Tinker's wire shapes live in ``tinker_proto.py`` (protobuf), ``tinker_json.py`` and ``json_fields.py`` (JSON).
 """

@@ -7,10 +7,23 @@ samples to the sampler and checkpoint queries to the checkpoints service. It hol
 imports no torch; per-model ``seq_id`` ordering is enforced where operations are applied, in the
 trainer's sequencer, so a repeat or an early arrival is safe on every path.
 
-Every request is checked at the door before anything is registered (``limits``): a refused one leaves no
-state behind, and a submit that fails on its way in (admission or transport, e.g. a full trainer queue) is
+Every request is checked at the door before anything is registered (``limits``, ``quotas``): a refused one
+leaves no state behind, and a submit that fails on its way in (admission or transport, e.g. a full trainer queue) is
 not remembered as the result of its ``seq_id``, so its retry runs. The idempotency map forgets a ``seq_id``
 together with its finished future, so it stays as bounded as the futures are.
+
+Durable (``store.ControlStore``, written through before each answer): sessions, runs, sampling sessions and
+the ledger of operations. An operation is recorded (its request included) before its request id is answered,
+and its result before its future resolves; ``restore`` loads all of it when the gateway starts and sends the
+operations still pending to the trainer or sampler again (the trainer answers a repeat of a ``seq_id`` with
+its first result). In memory only: the waiters and recent results (``futures``), capabilities.
+
+Replicas: several gateways may share one database. Lookups read through to it (``_find_*``), the database
+numbers a session's runs and sampling clients and names the request that holds a ``(model_id, seq_id)``, and a
+future another replica produces is read from the ledger (``_recorded_result``).
+
+A trainer that restarted has lost its runs: the first operation that finds its run gone rebuilds it there from
+the run's recovery snapshot and the logged operations after it (``_rebuild``; ``lathe.trainer.recovery``).
 
 Ids are Tinker's: runs are ``"{session}:train:{n}"`` and sampling sessions ``"{session}:sample:{n}"``,
 where ``n`` is the client's own counter when it sends one (Tinker's SDK computes ids from it) and the
@@ -20,89 +33,37 @@ session's next number otherwise; a repeated creation answers the first one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
-import grpc
-
-from lathe.errors import FailedPrecondition, Internal, InvalidArgument, LatheError, NotFound, from_rpc_error
+from lathe.errors import FailedPrecondition, Internal, InvalidArgument, LatheError, NotFound
 from lathe.internal_auth import internal_aio_channel
 from lathe.serving import CHANNEL_OPTIONS
-from lathe.types import EPHEMERAL_TTL_S
+from lathe.types import CHECKPOINT_TYPES, EPHEMERAL_TTL_S, recovery_path
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
-from lathe.wire import error_to_proto
+from lathe.wire import error_from_proto, error_to_proto
 
+from .calls import RECONNECT_OPTIONS, Caller, CallPolicy
 from .futures import Entry, FutureStore
 from .limits import DoorLimits, check_op
+from .quotas import Quotas
+from .records import Operation, Run, SamplingSession, Session
+from .store import ControlStore
 
 MAX_WAIT_S = 30.0  # a long-poll is held at most this long
+FOREIGN_POLL_S = 0.5  # how often the ledger is read for a result another gateway is producing
+REBUILD_ATTEMPTS = 3  # an operation finding its run gone from the trainer rebuilds it at most this often
 CAPABILITIES_TTL_S = 30.0
-
-
-@dataclass(slots=True)
-class Session:
-    session_id: str
-    tenant: str
-    user_metadata: dict[str, str]
-    next_model: int = 0
-    next_sampler: int = 0
-    last_seen: float = field(default_factory=time.time)
-    finished: str = ""  # why the client closed it ("success", "errored", ...); "" while open
-
-
-@dataclass(slots=True)
-class Run:
-    model_id: str
-    tenant: str
-    session_id: str
-    base_model: str
-    lora: pb.LoraConfig
-    user_metadata: dict[str, str]
-    create_request_id: str = ""
-    created_at: float = field(default_factory=time.time)
-    last_request_time: float = field(default_factory=time.time)
-    last_checkpoint: str = ""
-    last_checkpoint_time: float = 0.0
-    last_sampler_checkpoint: str = ""
-    last_sampler_checkpoint_time: float = 0.0
-    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once its adapter exists or failed
-    error: LatheError | None = None  # why its adapter could not be created
-
-    async def wait_ready(self) -> None:
-        """Wait until the adapter exists; raise why it could not be created if it could not."""
-        await self.ready.wait()
-        if self.error is not None:
-            raise type(self.error)(f"model {self.model_id!r} could not be created: {self.error.message}")
-
-    def proto(self) -> pb.TrainingRun:
-        return pb.TrainingRun(
-            training_run_id=self.model_id, base_model=self.base_model, lora_config=self.lora,
-            created_at=self.created_at, last_request_time=self.last_request_time,
-            user_metadata=self.user_metadata, last_checkpoint=self.last_checkpoint,
-            last_sampler_checkpoint=self.last_sampler_checkpoint,
-        )
-
-
-@dataclass(slots=True)
-class SamplingSession:
-    """A policy version a sampling client is bound to: a saved sampler checkpoint or the base model."""
-
-    sampling_session_id: str
-    tenant: str
-    base_model: str
-    model_path: str
-    version: float
-
-    def proto(self) -> pb.SamplingSession:
-        return pb.SamplingSession(sampling_session_id=self.sampling_session_id, base_model=self.base_model,
-                                  model_path=self.model_path)
+PURGE_EVERY_S = 60.0  # how often finished operations past the retention are deleted from the ledger
 
 
 def join_exactness(caps: pb.ServerCapabilities, sampled: pb.ServerCapabilities) -> None:
@@ -118,20 +79,26 @@ def join_exactness(caps: pb.ServerCapabilities, sampled: pb.ServerCapabilities) 
 
 class GatewayCore:
     def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str,
-                 limits: DoorLimits | None = None) -> None:
+                 limits: DoorLimits | None = None, quotas: Quotas | None = None, store: ControlStore | None = None,
+                 calls: CallPolicy | None = None) -> None:
+        """``store``: the control plane's database (default: SQLite in memory, gone with the process)."""
         self.limits = limits or DoorLimits()
-        self._channels = [internal_aio_channel(t, CHANNEL_OPTIONS)  # sends the stack's secret
+        self.quotas = quotas or Quotas()
+        self.store = store or ControlStore()
+        self.caller = Caller(calls)
+        self._channels = [internal_aio_channel(t, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])  # sends the stack's secret
                           for t in (trainer_target, checkpoints_target, sampler_target)]
         self.trainer = pb_grpc.TrainerStub(self._channels[0])
         self.checkpoints = cpb_grpc.CheckpointsStub(self._channels[1])
         self.sampler = pb_grpc.SamplerStub(self._channels[2])
         self.sampling: dict[str, SamplingSession] = {}
-        self.futures = FutureStore(on_drop=self._forget)
+        self.futures = FutureStore(keep_done=self.store.cfg.keep_done, on_drop=self._forget)
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
         self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
         self._caps: tuple[float, pb.ServerCapabilities] | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._next_purge = 0.0
 
     async def close(self) -> None:
         for ch in self._channels:
@@ -139,11 +106,12 @@ class GatewayCore:
 
     # ---- plumbing ----
 
-    async def _call(self, rpc, request):  # noqa: ANN001, ANN202 - any unary aio stub method
-        try:
-            return await rpc(request)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
+    async def _call(self, rpc, request, *, work: bool = False, idempotent: bool = True):  # noqa: ANN001, ANN202
+        """One internal call (any unary aio stub method) with its deadline (``work``: a model operation, adapter
+        creation or sample, which may queue), retried while its service is unavailable when ``idempotent``."""
+        policy = self.caller.policy
+        return await self.caller.call(rpc, request, deadline_s=policy.work_s if work else policy.quick_s,
+                                      idempotent=idempotent)
 
     def _spawn(self, entry: Entry, work) -> None:  # noqa: ANN001 - a coroutine producing a FutureResult
         async def runner() -> None:
@@ -154,11 +122,42 @@ class GatewayCore:
             except Exception as e:  # noqa: BLE001 - any crash becomes the request's error, never a hang
                 result = pb.FutureResult(error=pb.Error(code="Internal", message=f"internal error: {e}",
                                                         category="server"))
-            self.futures.complete(entry, result)
+            self._finish(entry, result)
 
-        task = asyncio.create_task(runner())
+        self._background(runner())
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task the core holds until it ends."""
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _finish(self, entry: Entry, result: pb.FutureResult) -> None:
+        """Record ``result`` in the ledger, then resolve the future (its key goes if the submit failed on its way
+        in); every ``PURGE_EVERY_S`` the ledger drops what is past its retention."""
+        result.request_id, result.done = entry.request_id, True
+        now = time.time()
+        try:
+            self.store.finish_op(entry.request_id, result, now, release_key=entry.seq_key is None)
+            if now >= self._next_purge:
+                self._next_purge = now + PURGE_EVERY_S
+                self.store.purge(now)
+        except Exception as e:  # noqa: BLE001 - the waiters still get the result; only its record is missing
+            print(f"lathe.gateway: recording the result of {entry.request_id} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+        self.futures.complete(entry, result)
+
+    def _record(self, entry: Entry, op: Operation, run: Run | None = None) -> str:
+        """Write ``op`` to the ledger; the request id holding its key: ``entry``'s, or (the key was taken, e.g.
+        by a request made before a restart) the first one's, and then ``entry`` is dropped."""
+        try:
+            holder = self.store.add_op(op, run)
+        except BaseException:
+            self.futures.discard(entry)
+            raise
+        if holder != entry.request_id:
+            self.futures.discard(entry)
+        return holder
 
     def _forget(self, entry: Entry) -> None:
         """Drop the idempotency key of ``entry`` if it still names it (its result is gone, or never came)."""
@@ -177,12 +176,61 @@ class GatewayCore:
                 return await work
             except LatheError:
                 self._forget(entry)
+                entry.seq_key = None  # the ledger releases it with the result
                 raise
 
         return attempt()
 
-    def session(self, tenant: str, session_id: str) -> Session:
+    # ---- lookups: memory first, then the database (another gateway over it may have made the record) ----
+
+    def _find_session(self, session_id: str) -> Session | None:
         s = self.sessions.get(session_id)
+        if s is None and (s := self.store.get_session(session_id)) is not None:
+            self.sessions[session_id] = s
+        return s
+
+    def _find_run(self, model_id: str) -> Run | None:
+        """The run, adopted from the database if another gateway created it: ready at once if its creation
+        finished, else once the ledger says it did (``_await_creation``)."""
+        run = self.runs.get(model_id)
+        if run is None and (run := self.store.get_run(model_id)) is not None:
+            self.runs[model_id] = run
+            created = self.store.get_op(run.create_request_id)
+            if created is None or created.result is not None:
+                run.ready.set()
+            else:
+                self._background(self._await_creation(run))
+        return run
+
+    def _find_sampling(self, sampling_session_id: str) -> SamplingSession | None:
+        rec = self.sampling.get(sampling_session_id)
+        if rec is None and (rec := self.store.get_sampling(sampling_session_id)) is not None:
+            self.sampling[sampling_session_id] = rec
+        return rec
+
+    async def _await_creation(self, run: Run) -> None:
+        """Set ``run.ready`` once the gateway creating it records the outcome (its error, if it failed)."""
+        result = await self._recorded_result(run.create_request_id, math.inf)
+        if result is not None and result.HasField("error"):
+            run.error = error_from_proto(result.error)
+            self.runs.pop(run.model_id, None)
+        run.ready.set()
+
+    async def _recorded_result(self, request_id: str, timeout_s: float) -> pb.FutureResult | None:
+        """The ledger's result of ``request_id`` (an operation another gateway runs), polled until it is there
+        or ``timeout_s`` has passed (None: still pending)."""
+        deadline, delay = time.monotonic() + timeout_s, 0.05
+        while True:
+            op = self.store.get_op(request_id)
+            if op is None or op.result is not None:
+                return None if op is None else pb.FutureResult.FromString(op.result)
+            if time.monotonic() + delay > deadline:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, FOREIGN_POLL_S)
+
+    def session(self, tenant: str, session_id: str) -> Session:
+        s = self._find_session(session_id)
         if s is None or s.tenant != tenant:
             raise NotFound(f"unknown session_id {session_id!r}")
         s.last_seen = time.time()
@@ -195,23 +243,32 @@ class GatewayCore:
             raise FailedPrecondition(f"session {session_id!r} has finished ({s.finished}); start a new one")
         return s
 
+    def find_run(self, tenant: str, model_id: str) -> Run | None:
+        """The tenant's run ``model_id``, or None (as ``run`` without the error)."""
+        r = self._find_run(model_id)
+        return r if r is not None and r.tenant == tenant else None
+
     def run(self, tenant: str, model_id: str) -> Run:
-        r = self.runs.get(model_id)
-        if r is None or r.tenant != tenant:
+        r = self.find_run(tenant, model_id)
+        if r is None:
             raise NotFound(f"unknown model_id {model_id!r}")
         return r
 
     # ---- sessions and capabilities ----
 
     def create_session(self, tenant: str, user_metadata: dict[str, str]) -> str:
-        sid = "sess-" + uuid.uuid4().hex[:16]
-        self.sessions[sid] = Session(sid, tenant, dict(user_metadata))
-        return sid
+        self.quotas.check_metadata(tenant, user_metadata)
+        s = Session("sess-" + uuid.uuid4().hex[:16], tenant, dict(user_metadata))
+        self.store.put_session(s)
+        self.sessions[s.session_id] = s
+        return s.session_id
 
     def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
         """Close a session (the first reason wins); its runs, futures and checkpoints stay."""
         s = self.session(tenant, session_id)
-        s.finished = s.finished or reason or "finished"
+        if not s.finished:
+            s.finished = reason or "finished"
+            self.store.finish_session(s)
 
     async def capabilities(self) -> pb.ServerCapabilities:
         """The trainer's models with both pools' exactness joined (cached while every model is checked)."""
@@ -221,6 +278,7 @@ class GatewayCore:
             sampled = await self._call(self.sampler.Capabilities, pb.TrainerCapabilitiesRequest())
             join_exactness(caps, sampled)
             caps.limits.CopyFrom(self.limits.proto())
+            caps.limits.max_sample_tokens = sampled.limits.max_sample_tokens  # the sampler pool's budget
             settled = all(m.trainer_exactness.checked and m.sampler_exactness.checked for m in caps.supported_models)
             self._caps = (now if settled else -math.inf, caps)
         return self._caps[1]
@@ -247,19 +305,31 @@ class GatewayCore:
         next number. A repeat of a ``model_seq_id`` answers the first request again; nothing is created twice.
         Synchronous, so that concurrent repeats cannot both get past the check."""
         s = self._open_session(tenant, session_id)
-        n = s.next_model if model_seq_id is None else model_seq_id
-        if n < 0:
-            raise InvalidArgument(f"model_seq_id must be >= 0, got {n}")
-        model_id = f"{session_id}:train:{n}"
-        known = self.runs.get(model_id)
-        if known is not None:
-            return pb.SubmitResponse(request_id=known.create_request_id, model_id=model_id)
+        if model_seq_id is not None:
+            if model_seq_id < 0:
+                raise InvalidArgument(f"model_seq_id must be >= 0, got {model_seq_id}")
+            known = self._find_run(f"{session_id}:train:{model_seq_id}")
+            if known is not None:
+                return pb.SubmitResponse(request_id=known.create_request_id, model_id=known.model_id)
+        self.quotas.admit_run(tenant, self.store.count_runs(tenant), self.futures.pending(tenant), user_metadata)
+        n = self.store.number(session_id, "next_model", model_seq_id)  # the database numbers, for every gateway
         s.next_model = max(s.next_model, n + 1)
+        model_id = f"{session_id}:train:{n}"
         entry = self.futures.create(tenant)
         run = Run(model_id, tenant, session_id, adapter.base_model, adapter.lora_config, dict(user_metadata),
                   create_request_id=entry.request_id)
-        self.runs[model_id] = run
         adapter.model_id, adapter.tenant = model_id, tenant
+        adapter.max_resident_adapters = self.quotas.of(tenant).max_resident_adapters
+        create = Operation(entry.request_id, tenant, model_id, None, "create_model", adapter.SerializeToString())
+        try:
+            holder = self.store.put_run(run, create)
+        except BaseException:
+            self.futures.discard(entry)
+            raise
+        if holder != entry.request_id:  # another gateway over this database created it first
+            self.futures.discard(entry)
+            return pb.SubmitResponse(request_id=holder, model_id=model_id)
+        self.runs[model_id] = run
         self._spawn(entry, self._create_adapter(run, adapter))
         return pb.SubmitResponse(request_id=entry.request_id, model_id=model_id)
 
@@ -288,19 +358,24 @@ class GatewayCore:
         """Create the run's adapter. Whatever happens, ``run.ready`` is set: whoever waits on the run (its
         info, its operations) then gets the adapter or the error, never an endless wait."""
         try:
-            info = await self._call(self.trainer.CreateAdapter, req)
+            info = await self._call(self.trainer.CreateAdapter, req, work=True)
             run.base_model, run.lora = info.base_model, info.lora_config
+            self.store.update_run(run)
         except LatheError as e:
             run.error = e
-            self.runs.pop(run.model_id, None)
+            self._drop_run(run)
             raise
         except Exception as e:  # noqa: BLE001 - recorded for the waiters, then the request's own error
             run.error = Internal(f"creating the adapter failed: {type(e).__name__}: {e}")
-            self.runs.pop(run.model_id, None)
+            self._drop_run(run)
             raise
         finally:
             run.ready.set()
         return pb.FutureResult(create_model=pb.CreateModelOutput(model_id=run.model_id))
+
+    def _drop_run(self, run: Run) -> None:
+        self.runs.pop(run.model_id, None)
+        self.store.delete_run(run.model_id)
 
     async def get_info(self, tenant: str, model_id: str) -> pb.ModelInfo:
         run = self.run(tenant, model_id)
@@ -316,25 +391,51 @@ class GatewayCore:
         return self._submit(tenant, model_id, seq_id, op, self._run_op)
 
     def _submit(self, tenant: str, model_id: str, seq_id: int, op: dict[str, object],
-                work: Callable[[Run, pb.TrainerOp], Awaitable[pb.FutureResult]]) -> pb.SubmitResponse:
-        """Register ``(model_id, seq_id)`` once and run ``work`` for it; a repeat gets the first request id."""
+                work: Callable[[Run, pb.TrainerOp], Awaitable[pb.FutureResult]], sampling_seq_id: int | None = None
+                ) -> pb.SubmitResponse:
+        """Register ``(model_id, seq_id)`` once and run ``work`` for it; a repeat gets the first request id.
+        ``sampling_seq_id``: the sampling session ``work`` binds (recorded, so a restart can do it again)."""
         run = self.run(tenant, model_id)
         if seq_id < 1:
             raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
         known = self._by_seq.get((model_id, seq_id))
         if known is not None:
             return pb.SubmitResponse(request_id=known, model_id=model_id)
-        check_op(op)
+        try:
+            check_op(op)
+        except InvalidArgument as e:  # deterministic: the client moves on to the next seq_id, so the trainer must too
+            self._skip(run, seq_id, e)
+            raise
+        self.quotas.admit_op(tenant, self.futures.pending(tenant), op)
         entry = self.futures.create(tenant)
         run.last_request_time = time.time()
         trainer_op = pb.TrainerOp(model_id=model_id, seq_id=seq_id, request_id=entry.request_id, tenant=tenant,
-                                  **op)
-        self._spawn(entry, self._remember(entry, (model_id, seq_id), work(run, trainer_op)))
-        return pb.SubmitResponse(request_id=entry.request_id, model_id=model_id)
+                                  max_checkpoint_bytes=self.quotas.of(tenant).max_checkpoint_bytes, **op)
+        holder = self._record(entry, Operation(entry.request_id, tenant, model_id, seq_id, next(iter(op)),
+                                               trainer_op.SerializeToString(), sampling_seq_id), run)
+        if holder == entry.request_id:
+            self._spawn(entry, self._remember(entry, (model_id, seq_id), work(run, trainer_op)))
+        return pb.SubmitResponse(request_id=holder, model_id=model_id)
+
+    def _skip(self, run: Run, seq_id: int, refused: InvalidArgument) -> None:
+        """Tell the trainer that ``seq_id`` was refused here, so the run's later seq_ids need not wait for it.
+        Best effort: should it not get through, they fail after the trainer's ``order_wait_s`` instead."""
+        async def send() -> None:
+            try:
+                await run.wait_ready()
+                await self._call(self.trainer.Run, pb.TrainerOp(model_id=run.model_id, seq_id=seq_id, tenant=run.tenant,
+                                                                skip=pb.SkipRequest(reason=refused.message)))
+            except LatheError:
+                pass
+
+        self._background(send())
 
     async def _run_op(self, run: Run, op: pb.TrainerOp) -> pb.FutureResult:
         await run.wait_ready()
-        res: pb.TrainerResult = await self._call(self.trainer.Run, op)
+        res = await self._apply(run, op)
+        if res.receipt.recovery_path and res.receipt.recovery_seq_id > run.recovery_seq:
+            run.recovery_seq = res.receipt.recovery_seq_id  # the ledger may now let go of what came before
+            self.store.update_run(run)
         out = pb.FutureResult(receipt=res.receipt)
         kind = res.WhichOneof("result")
         getattr(out, kind).CopyFrom(getattr(res, kind))
@@ -343,29 +444,78 @@ class GatewayCore:
                 run.last_checkpoint, run.last_checkpoint_time = res.save.path, time.time()
             else:
                 run.last_sampler_checkpoint, run.last_sampler_checkpoint_time = res.save.path, time.time()
+            self.store.update_run(run)
         return out
 
-    def save_for_sampling(self, tenant: str, model_id: str, seq_id: int, sampling_seq_id: int
-                          ) -> tuple[pb.SubmitResponse, str]:
+    async def _apply(self, run: Run, op: pb.TrainerOp) -> pb.TrainerResult:
+        """``Trainer.Run(op)``; should the trainer not know the run (it restarted and lost it), rebuild the run
+        there first and send ``op`` again."""
+        for attempt in range(REBUILD_ATTEMPTS):
+            seen = run.rebuilds
+            try:
+                return await self._call(self.trainer.Run, op, work=True)
+            except NotFound:
+                if attempt == REBUILD_ATTEMPTS - 1:
+                    raise
+                await self._rebuild(run, seen)
+        raise AssertionError("unreachable")
+
+    async def _rebuild(self, run: Run, seen: int) -> None:
+        """Recreate ``run`` on a trainer that lost it, from its recovery snapshot (or as at first if it has none),
+        then apply again, in order, every recorded operation from the ``seq_id`` the trainer now expects up to
+        the last one answered; a ``seq_id`` refused at the door (no record) is skipped again. The replayed results
+        are dropped (the recorded ones stand); operations still pending are sent on by their own requests.
+        ``seen``: ``run.rebuilds`` when the caller found the run gone: if another request rebuilt it since,
+        nothing is done again."""
+        async with run.rebuilding:
+            if run.rebuilds != seen:
+                return
+            t0 = time.monotonic()
+            info: pb.AdapterInfo = await self._call(self.trainer.CreateAdapter, pb.CreateAdapterRequest(
+                model_id=run.model_id, tenant=run.tenant, base_model=run.base_model, lora_config=run.lora,
+                recover_from=recovery_path(run.model_id),
+                max_resident_adapters=self.quotas.of(run.tenant).max_resident_adapters), work=True)
+            logged = self.store.replay(run.model_id, info.next_seq_id)
+            answered = max((op.seq_id for op in logged if op.state == "done"), default=info.next_seq_id - 1)
+            ops = {op.seq_id: pb.TrainerOp.FromString(op.request) for op in logged if op.seq_id <= answered}
+            for seq_id in range(info.next_seq_id, answered + 1):
+                ops.setdefault(seq_id, pb.TrainerOp(model_id=run.model_id, seq_id=seq_id, tenant=run.tenant,
+                                                    skip=pb.SkipRequest(reason="refused at the door")))
+            await asyncio.gather(*(self._call(self.trainer.Run, op, work=True) for op in ops.values()))
+            run.rebuilds += 1
+            print(f"lathe.gateway: rebuilt {run.model_id} on the trainer from seq_id {info.next_seq_id} (step "
+                  f"{info.step}): {len(ops)} operations replayed in {time.monotonic() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
+
+    def save_for_sampling(self, tenant: str, model_id: str, seq_id: int, sampling_seq_id: int) -> pb.SubmitResponse:
         """Save the adapter as ephemeral sampler weights and bind sampling session
-        ``"{session}:sample:{sampling_seq_id}"`` to them once saved. Returns the submit and that session's id,
-        which is known at once (a repeat gets both again)."""
-        run = self.run(tenant, model_id)
-        sampling_id = f"{run.session_id}:sample:{sampling_seq_id}"
+        ``"{session}:sample:{sampling_seq_id}"`` to them once saved; the result names that session
+        (``SaveOutput.sampling_session_id``). A repeat gets the same request."""
         save = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=f"ephemeral-s{seq_id}", kind="sampler_weights",
                               ttl_seconds=EPHEMERAL_TTL_S)
+        work = functools.partial(self._save_then_bind, sampling_seq_id=sampling_seq_id)
+        return self._submit(tenant, model_id, seq_id, {"save": save}, work, sampling_seq_id)
 
-        async def save_then_bind(run: Run, op: pb.TrainerOp) -> pb.FutureResult:
-            out = await self._run_op(run, op)
-            if out.HasField("save"):
-                await self.create_sampling_session(tenant, pb.CreateSamplingSessionRequest(
-                    session_id=run.session_id, model_path=out.save.path), seq_id=sampling_seq_id)
-            return out
-
-        return self._submit(tenant, model_id, seq_id, {"save": save}, save_then_bind), sampling_id
+    async def _save_then_bind(self, run: Run, op: pb.TrainerOp, sampling_seq_id: int) -> pb.FutureResult:
+        out = await self._run_op(run, op)
+        if out.HasField("save"):
+            bound = await self.create_sampling_session(run.tenant, pb.CreateSamplingSessionRequest(
+                session_id=run.session_id, model_path=out.save.path), seq_id=sampling_seq_id)
+            out.save.sampling_session_id = bound.sampling_session_id  # in the result: recorded with it
+        return out
 
     async def retrieve(self, tenant: str, request_id: str, timeout_s: float) -> pb.FutureResult:
-        entry = self.futures.get(request_id, tenant)
+        """The result (held up to ``timeout_s`` while pending); one no longer in memory comes from the ledger."""
+        try:
+            entry = self.futures.get(request_id, tenant)
+        except NotFound:
+            op = self.store.get_op(request_id)
+            if op is None or op.tenant != tenant:
+                raise
+            if op.result is None:  # pending at another gateway over this database: held while it runs there
+                found = await self._recorded_result(request_id, min(timeout_s, MAX_WAIT_S))
+                return found or pb.FutureResult(request_id=request_id, done=False)
+            return pb.FutureResult.FromString(op.result)
         return await self.futures.wait(entry, min(timeout_s, MAX_WAIT_S))
 
     # ---- listings ----
@@ -385,15 +535,23 @@ class GatewayCore:
             tenant=tenant, run_id=run_id, limit=limit, offset=offset))
         return pb.ListRunCheckpointsResponse(total_count=res.total_count, checkpoints=[
             pb.CheckpointEntry(checkpoint_id=f"{c.kind}/{c.name}",
-                               checkpoint_type="training" if c.kind == "weights" else "sampler",
+                               checkpoint_type=CHECKPOINT_TYPES[c.kind],
                                tinker_path=c.path, time=c.created_at, size_bytes=c.size_bytes,
-                               expires_at=c.expires_at,
+                               expires_at=c.expires_at, public=c.public,
                                user_metadata=json.loads(c.metadata_json or "{}").get("user_metadata", {}))
             for c in res.checkpoints
         ])
 
     async def delete_checkpoint(self, tenant: str, path: str) -> None:
-        await self._call(self.checkpoints.Delete, cpb.CheckpointRef(tenant=tenant, path=path))
+        await self._call(self.checkpoints.Delete, cpb.CheckpointRef(tenant=tenant, path=path), idempotent=False)
+
+    async def set_checkpoint_ttl(self, tenant: str, path: str, ttl_seconds: int) -> None:
+        """The caller's checkpoint at ``path`` expires ``ttl_seconds`` from now (0: never)."""
+        await self._call(self.checkpoints.SetTtl, cpb.SetTtlRequest(tenant=tenant, path=path, ttl_seconds=ttl_seconds))
+
+    async def set_checkpoint_public(self, tenant: str, path: str, public: bool) -> None:
+        await self._call(self.checkpoints.SetPublic, cpb.SetPublicRequest(tenant=tenant, path=path, public=public),
+                         idempotent=False)
 
     # ---- sampling ----
 
@@ -413,17 +571,18 @@ class GatewayCore:
         else:
             raise InvalidArgument("a sampling client needs model_path or base_model")
         s = self._open_session(tenant, req.session_id)  # after the awaits: numbering is synchronous
-        n = s.next_sampler if seq_id is None else seq_id
-        if n < 0:
-            raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {n}")
+        if seq_id is not None and seq_id < 0:
+            raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {seq_id}")
+        n = self.store.number(req.session_id, "next_sampler", seq_id)
+        s.next_sampler = max(s.next_sampler, n + 1)
         sid = f"{req.session_id}:sample:{n}"
-        if sid not in self.sampling:
-            s.next_sampler = max(s.next_sampler, n + 1)
-            self.sampling[sid] = SamplingSession(sid, tenant, base_model, req.model_path, version)
+        if self._find_sampling(sid) is None:
+            self.store.put_sampling(SamplingSession(sid, tenant, base_model, req.model_path, version))
+            self._find_sampling(sid)  # the database's record: another gateway's, should it have made it first
         return self.sampling[sid].proto()
 
     def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:
-        rec = self.sampling.get(sampling_session_id)
+        rec = self._find_sampling(sampling_session_id)
         if rec is None or rec.tenant != tenant:
             raise NotFound(f"unknown sampling_session_id {sampling_session_id!r}")
         return rec
@@ -434,17 +593,57 @@ class GatewayCore:
         if req.seq_id and key in self._by_seq:
             return pb.SubmitResponse(request_id=self._by_seq[key])
         self.limits.check_sample(req)
+        self.quotas.admit_sample(tenant, self.futures.pending(tenant), req)
         entry = self.futures.create(tenant)
         full = pb.SampleRequest()
         full.CopyFrom(req)
         full.tenant, full.base_model, full.model_path = tenant, rec.base_model, rec.model_path
         full.model_version, full.request_id = rec.version, entry.request_id
-        work = self._run_sample(full)
-        self._spawn(entry, self._remember(entry, key, work) if req.seq_id else work)
-        return pb.SubmitResponse(request_id=entry.request_id)
+        holder = self._record(entry, Operation(entry.request_id, tenant, rec.sampling_session_id, req.seq_id or None,
+                                               "sample", full.SerializeToString()))
+        if holder == entry.request_id:
+            work = self._run_sample(full)
+            self._spawn(entry, self._remember(entry, key, work) if req.seq_id else work)
+        return pb.SubmitResponse(request_id=holder)
 
     async def _run_sample(self, req: pb.SampleRequest) -> pb.FutureResult:
-        res: pb.SampleResult = await self._call(self.sampler.Sample, req)
+        res: pb.SampleResult = await self._call(self.sampler.Sample, req, work=True)
         if res.WhichOneof("result") == "error":
             return pb.FutureResult(receipt=res.receipt, error=res.error)
+        self.quotas.charge(req.tenant, sum(len(s.tokens) for s in res.sample.sequences))  # paid once known
         return pb.FutureResult(receipt=res.receipt, sample=res.sample)
+
+    # ---- restart ----
+
+    def restore(self) -> int:
+        """Load the registries from the store and send each operation still pending on again (a run whose
+        creation finished is ready); returns how many were pending. Call once, in the event loop, before serving."""
+        loaded = self.store.load()
+        self.sessions = {s.session_id: s for s in loaded.sessions}
+        self.sampling = {rec.sampling_session_id: rec for rec in loaded.sampling}
+        self.runs = {r.model_id: r for r in loaded.runs}
+        creating = {op.request_id for op in loaded.pending if op.kind == "create_model"}
+        for run in self.runs.values():
+            if run.create_request_id not in creating:
+                run.ready.set()
+        for op in loaded.pending:
+            entry = self.futures.create(op.tenant, op.request_id)
+            work = self._resume(op)
+            if op.seq_id is not None:
+                work = self._remember(entry, (op.key, op.seq_id), work)
+            self._spawn(entry, work)
+        return len(loaded.pending)
+
+    async def _resume(self, op: Operation) -> pb.FutureResult:
+        """Run a recorded operation again: the trainer and the sampler take a repeat as the same request."""
+        if op.kind == "sample":
+            return await self._run_sample(pb.SampleRequest.FromString(op.request))
+        run = self.runs.get(op.key)
+        if run is None:  # its creation failed and was forgotten before the operation's own result was recorded
+            raise NotFound(f"unknown model_id {op.key!r}")
+        if op.kind == "create_model":
+            return await self._create_adapter(run, pb.CreateAdapterRequest.FromString(op.request))
+        trainer_op = pb.TrainerOp.FromString(op.request)
+        if op.sampling_seq_id is not None:
+            return await self._save_then_bind(run, trainer_op, op.sampling_seq_id)
+        return await self._run_op(run, trainer_op)

@@ -1,8 +1,10 @@
 """Futures: request id -> eventual result, awaited by long-poll, never by a busy loop.
 
-Memory is bounded: at most ``max_pending_per_tenant`` results outstanding per tenant, and the ``keep_done``
+Memory is bounded: the results outstanding per tenant are counted (``pending``) and capped by the tenant's
+``max_inflight_ops`` quota, which the core checks before it creates one (``quotas``), and the ``keep_done``
 most recent finished ones remembered (oldest dropped first; ``on_drop`` hears of each, so what refers to
-it can go too). A request still running is never dropped.
+it can go too). A request still running is never dropped. This is the live side of the ledger: the waiters
+and the recent results; ``store.ControlStore`` holds the durable side.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lathe.errors import NotFound, ResourceExhausted
+from lathe.errors import NotFound
 from lathe.v1 import lathe_pb2 as pb
 
 KEEP_DONE = 100_000  # completed results remembered, oldest dropped first
@@ -31,26 +33,36 @@ class Entry:
 
 
 class FutureStore:
-    def __init__(self, max_pending_per_tenant: int = 4096, keep_done: int = KEEP_DONE,
-                 on_drop: Callable[[Entry], None] | None = None) -> None:
+    def __init__(self, keep_done: int = KEEP_DONE, on_drop: Callable[[Entry], None] | None = None) -> None:
         self._entries: dict[str, Entry] = {}
         self._done: OrderedDict[str, None] = OrderedDict()  # finished request ids, oldest first
         self._pending: dict[str, int] = {}
-        self.max_pending_per_tenant = max_pending_per_tenant
         self.keep_done = keep_done
         self._on_drop = on_drop
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def create(self, tenant: str) -> Entry:
-        if self._pending.get(tenant, 0) >= self.max_pending_per_tenant:
-            raise ResourceExhausted(f"tenant has {self.max_pending_per_tenant} requests in flight; "
-                                    "wait for some results before submitting more", retry_after_s=1.0)
-        entry = Entry("req-" + uuid.uuid4().hex, tenant)
+    def pending(self, tenant: str) -> int:
+        """How many of ``tenant``'s results are not finished yet."""
+        return self._pending.get(tenant, 0)
+
+    def create(self, tenant: str, request_id: str = "") -> Entry:
+        """A pending request of ``tenant``: a new id, or ``request_id`` (one the ledger recorded before a restart)."""
+        entry = Entry(request_id or "req-" + uuid.uuid4().hex, tenant)
         self._entries[entry.request_id] = entry
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         return entry
+
+    def discard(self, entry: Entry) -> None:
+        """Forget a request that was never submitted (another request holds its ``seq_id``, or recording failed)."""
+        if self._entries.pop(entry.request_id, None) is not None and entry.result is None:
+            self._settle(entry.tenant)
+
+    def _settle(self, tenant: str) -> None:
+        self._pending[tenant] -= 1
+        if not self._pending[tenant]:
+            del self._pending[tenant]
 
     def complete(self, entry: Entry, result: pb.FutureResult) -> None:
         if entry.result is not None:
@@ -59,9 +71,7 @@ class FutureStore:
         result.done = True
         entry.result = result
         entry.done.set()
-        self._pending[entry.tenant] -= 1
-        if not self._pending[entry.tenant]:
-            del self._pending[entry.tenant]
+        self._settle(entry.tenant)
         self._done[entry.request_id] = None
         while len(self._done) > self.keep_done:
             dropped = self._entries.pop(self._done.popitem(last=False)[0])

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from lathe.errors import InvalidArgument
 from lathe.types import MAX_TTL_S
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import adam_params_from_proto
+from lathe.wire import adam_params_from_proto, tensor_from_proto
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +37,30 @@ class DoorLimits:
         return pb.RequestLimits(**asdict(self))
 
     def check_sample(self, req: pb.SampleRequest) -> None:
-        """Counts and sizes of a sample request (the sampler checks the rest against its model)."""
+        """Counts and sizes of a sample request (the sampler checks the rest against its model).
+
+        ``max_topk_prompt_logprobs`` bounds every per-position width, as Tinker bounds them alike: the top-k of
+        prompt and sampled tokens, the draws of ``prompt_alt_tokens_k`` and the distinct ids of
+        ``target_prompt_logprobs`` (whose cells count against ``max_tensor_elements`` too)."""
         if not 1 <= req.num_samples <= self.max_samples:
             raise InvalidArgument(f"num_samples = {req.num_samples} must be in [1, {self.max_samples}]")
-        if not 0 <= req.topk_prompt_logprobs <= self.max_topk_prompt_logprobs:
-            raise InvalidArgument(f"topk_prompt_logprobs = {req.topk_prompt_logprobs} must be in "
-                                  f"[0, {self.max_topk_prompt_logprobs}]")
+        width = self.max_topk_prompt_logprobs
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if not 0 <= getattr(req, name) <= width:
+                raise InvalidArgument(f"{name} = {getattr(req, name)} must be in [0, {width}]")
+        if req.HasField("target_prompt_logprobs"):
+            cells = len(req.target_prompt_logprobs.data) // 8  # int64 ids (the sampler refuses other dtypes)
+            if cells > self.max_tensor_elements:
+                raise InvalidArgument(f"target_prompt_logprobs has {cells} cells, over the limit of "
+                                      f"{self.max_tensor_elements}")
+            try:
+                ids = tensor_from_proto(req.target_prompt_logprobs).to_numpy()
+            except ValueError as e:
+                raise InvalidArgument(f"target_prompt_logprobs: {e}") from None
+            distinct = len(np.unique(ids[ids >= 0]))
+            if distinct > width:
+                raise InvalidArgument(f"target_prompt_logprobs names {distinct} distinct token ids, over the limit "
+                                      f"of {width}")
         p = req.params
         for name, values in (("stop_strings", p.stop_strings), ("stop_token_ids", p.stop_token_ids)):
             if len(values) > self.max_stop_sequences:

@@ -9,8 +9,9 @@ sampling outputs, JSON otherwise), ``{"type": "try_again"}`` when nothing came w
 with the same ``{"error", "category"}`` body, never an empty one. A body longer than the core's
 ``limits.max_message_bytes`` is refused with 413 before it is read to its end.
 
-State of its own: only what an HTTP request said that its result does not carry (the sampling session an
-ephemeral save binds, the prompt-logprob window of a sample), kept by request id for the latest requests.
+State of its own: only what an HTTP request said that its result does not carry (the layout of a sample's sparse
+``target_prompt_logprobs``), kept by request id for the latest requests; a gateway restart forgets it, and the
+result is then answered dense.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from starlette.routing import Route
 
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, RequestTooLarge
 from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import tinker_public_pb2 as tp
 
 from . import tinker_json as tj
 from .auth import ApiKeys
@@ -55,11 +57,12 @@ def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | Non
 
 def error_response(err: LatheError) -> Response:
     """A core error as Tinker's SDK reads it. Client errors say ``x-should-retry: false`` so the SDK's HTTP
-    layer does not resend them; a quota error says when to come back."""
+    layer does not resend them; a quota error says when to come back, or, when waiting frees nothing (a 429
+    without ``retry_after_s``), not to retry either."""
     headers = {}
     if err.retry_after_s is not None:
         headers["retry-after"] = str(max(1, round(err.retry_after_s)))
-    if 400 <= err.http_status < 500 and err.http_status not in (408, 429):
+    if 400 <= err.http_status < 500 and (err.http_status not in (408, 429) or err.retry_after_s is None):
         headers["x-should-retry"] = "false"
     return _json({"error": err.message, "category": err.category}, err.http_status, headers)
 
@@ -68,8 +71,7 @@ def error_response(err: LatheError) -> Response:
 class _Note:
     """What the HTTP request said that its result does not carry."""
 
-    sampling_session_id: str = ""  # an ephemeral save_weights_for_sampler: the session it binds
-    last_n: int | None = None  # a sample: keep only the last n prompt logprobs
+    target_layout: tp.SparseCsr | None = None  # a sample's sparse target_prompt_logprobs: the cells to answer
 
 
 def _query_int(request: Request, name: str, default: int) -> int:
@@ -113,6 +115,10 @@ class TinkerHttpDoor:
             ("GET", "/training_runs", self.list_training_runs),
             ("GET", "/training_runs/{run_id}", self.get_training_run),
             ("GET", "/training_runs/{run_id}/checkpoints", self.list_run_checkpoints),
+            ("PUT", "/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", self.set_checkpoint_ttl),
+            ("POST", "/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", self.publish_checkpoint),
+            ("DELETE", "/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", self.unpublish_checkpoint),
+            # after .../publish, which this pattern would also match
             ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint),
             ("GET", "/checkpoints", self.list_user_checkpoints),
             ("POST", "/weights_info", self.weights_info),
@@ -241,10 +247,8 @@ class TinkerHttpDoor:
             req = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=name, kind="sampler_weights",
                                  ttl_seconds=f.get("ttl_seconds", int, 0), user_metadata=f.strings("user_metadata"))
             return self._future(await self.core.submit(tenant, model_id, seq_id, save=req))
-        sub, sampling_id = self.core.save_for_sampling(tenant, model_id, seq_id,
-                                                       f.get("sampling_session_seq_id", int))
-        self._note(sub.request_id, _Note(sampling_session_id=sampling_id))
-        return self._future(sub)
+        return self._future(self.core.save_for_sampling(tenant, model_id, seq_id,
+                                                        f.get("sampling_session_seq_id", int)))
 
     async def load_weights(self, request: Request, tenant: str) -> dict[str, Any]:
         """With ``session_id``: a new training run loaded from ``path`` (create_training_client_from_state*).
@@ -278,10 +282,10 @@ class TinkerHttpDoor:
         return {"sampler_id": s.sampling_session_id, "base_model": s.base_model, "model_path": s.model_path or None}
 
     async def asample(self, request: Request, tenant: str) -> dict[str, Any]:
-        req, last_n = tj.sample_request(await self._fields(request))
+        req, layout = tj.sample_request(await self._fields(request), self.core.limits.max_tensor_elements)
         sub = await self.core.sample(tenant, req)
-        if last_n is not None:
-            self._note(sub.request_id, _Note(last_n=last_n))
+        if layout is not None:
+            self._note(sub.request_id, _Note(target_layout=layout))
         return {"request_id": sub.request_id,
                 "sample_sequence_ids": [f"{sub.request_id}:{i}" for i in range(req.num_samples)]}
 
@@ -306,14 +310,13 @@ class TinkerHttpDoor:
         if kind == "forward_backward":
             return Response(forward_backward_output_to_proto(res.forward_backward), media_type=PROTO_CONTENT_TYPE)
         if kind == "sample":
-            topk = max((len(e.token_ids) for e in res.sample.topk_prompt_logprobs), default=0)
-            return Response(sample_response_to_proto(res.sample, topk, note.last_n), media_type=PROTO_CONTENT_TYPE)
+            return Response(sample_response_to_proto(res.sample, note.target_layout), media_type=PROTO_CONTENT_TYPE)
         if kind == "create_model":
             return {"model_id": res.create_model.model_id}
         if kind == "optim_step":
             return {"metrics": dict(res.optim_step.metrics)}
         if kind == "save":
-            return {"path": res.save.path, "sampling_session_id": note.sampling_session_id or None}
+            return {"path": res.save.path, "sampling_session_id": res.save.sampling_session_id or None}
         return {"path": res.load.path, "model_id": res.load.model_id}
 
     # ---- registry ----
@@ -341,14 +344,35 @@ class TinkerHttpDoor:
         await self.core.delete_checkpoint(tenant, f"tinker://{p['run_id']}/{p['checkpoint_id']}")
         return {}
 
+    @staticmethod
+    def _checkpoint_path(request: Request) -> str:
+        p = request.path_params
+        return f"tinker://{p['run_id']}/{p['kind']}/{p['name']}"
+
+    async def set_checkpoint_ttl(self, request: Request, tenant: str) -> dict[str, Any]:
+        """``{"ttl_seconds": n}``: expire n seconds from now; ``null``: never."""
+        ttl = (await self._fields(request)).get("ttl_seconds", int, None)
+        if ttl is not None and ttl <= 0:
+            raise InvalidArgument(f"ttl_seconds = {ttl} must be > 0, or null to remove the expiration")
+        await self.core.set_checkpoint_ttl(tenant, self._checkpoint_path(request), ttl or 0)
+        return {}
+
+    async def publish_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
+        await self.core.set_checkpoint_public(tenant, self._checkpoint_path(request), True)
+        return {}
+
+    async def unpublish_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
+        await self.core.set_checkpoint_public(tenant, self._checkpoint_path(request), False)
+        return {}
+
     async def weights_info(self, request: Request, tenant: str) -> dict[str, Any]:
         """From the checkpoint's metadata, plus the LoRA module flags while its run is in the registry."""
         info = await self.core.checkpoint(tenant, (await self._fields(request)).get("tinker_path", str))
         meta = json.loads(info.metadata_json or "{}")
         out = {"base_model": meta.get("base_model", ""), "is_lora": True, "lora_rank": meta.get("r"),
                "optimizer_config": {"type": "adamw"}}
-        run = self.core.runs.get(info.run_id)
-        if run is not None and run.tenant == tenant:
+        run = self.core.find_run(tenant, info.run_id)
+        if run is not None:
             out |= {"train_mlp": run.lora.train_mlp, "train_attn": run.lora.train_attn,
                     "train_unembed": run.lora.train_unembed}
         return out

@@ -2,7 +2,9 @@
 
 In: LoRA and Adam settings with Tinker's defaults, and an ``/asample`` body as the core's ``SampleRequest``
 (Tinker's ``SamplingParams`` mapped onto the proto through ``lathe.wire``, so both front doors read ``stop``
-the same way); optimizer families and sampling features this server does not serve are refused by name.
+the same way; ``target_prompt_logprobs`` densified, -1 where a sparse one lists nothing; ``record_stability_info``
+needs no record beyond the sampled logprobs every Lathe sample returns, which the trainer reproduces bit for
+bit); optimizer families this server does not serve are refused by name.
 Out: training runs, checkpoints, model info and capabilities in the field names and types of Tinker's
 pydantic models (times as ISO-8601 strings).
 """
@@ -12,18 +14,17 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+
 from lathe import wire
 from lathe.errors import InvalidArgument
-from lathe.types import SamplingParams
+from lathe.types import AdamParams, LoraConfig, ParsedCheckpointTinkerPath, SamplingParams
 from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import tinker_public_pb2 as tp
 
 from .core import Run
 from .json_fields import INT32_MAX, Fields
-
-_CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
-# Request fields the sampler has no counterpart for, each with the value that asks for nothing.
-_UNSERVED = {"topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0, "target_prompt_logprobs": None,
-             "record_stability_info": False}
+from .tinker_proto import target_ids
 
 
 def iso(seconds: float) -> str | None:
@@ -31,16 +32,21 @@ def iso(seconds: float) -> str | None:
 
 
 def lora_config(f: Fields) -> pb.LoraConfig:
-    return pb.LoraConfig(rank=f.get("rank", int, 32, int_max=INT32_MAX), seed=f.get("seed", int, None),
-                         train_mlp=f.get("train_mlp", bool, True), train_attn=f.get("train_attn", bool, True),
-                         train_unembed=f.get("train_unembed", bool, True))
+    """Tinker's ``lora_config``; an absent field takes the SDK type's default (``lathe.types.LoraConfig``)."""
+    d = LoraConfig()
+    return pb.LoraConfig(rank=f.get("rank", int, d.rank, int_max=INT32_MAX), seed=f.get("seed", int, d.seed),
+                         train_mlp=f.get("train_mlp", bool, d.train_mlp),
+                         train_attn=f.get("train_attn", bool, d.train_attn),
+                         train_unembed=f.get("train_unembed", bool, d.train_unembed))
 
 
 def adam_params(f: Fields) -> pb.AdamParams:
-    return pb.AdamParams(learning_rate=f.get("learning_rate", float, 1e-4), beta1=f.get("beta1", float, 0.9),
-                         beta2=f.get("beta2", float, 0.95), eps=f.get("eps", float, 1e-12),
-                         weight_decay=f.get("weight_decay", float, 0.0),
-                         grad_clip_norm=f.get("grad_clip_norm", float, 0.0))
+    """Tinker's ``adam_params``; an absent field takes the SDK type's default (``lathe.types.AdamParams``)."""
+    d = AdamParams()
+    return pb.AdamParams(learning_rate=f.get("learning_rate", float, d.learning_rate),
+                         beta1=f.get("beta1", float, d.beta1), beta2=f.get("beta2", float, d.beta2),
+                         eps=f.get("eps", float, d.eps), weight_decay=f.get("weight_decay", float, d.weight_decay),
+                         grad_clip_norm=f.get("grad_clip_norm", float, d.grad_clip_norm))
 
 
 def check_adamw(f: Fields, name: str) -> None:
@@ -79,31 +85,62 @@ def _sampling_params(f: Fields) -> pb.SamplingParams:
         raise InvalidArgument(f"{f.path('stop')}: {e}") from None
 
 
-def sample_request(f: Fields) -> tuple[pb.SampleRequest, int | None]:
-    """The core's request for an ``/asample`` body, and its ``prompt_logprobs_last_n`` (None: all)."""
-    for name, off in _UNSERVED.items():
-        if f.get(name, object, off) != off:
-            raise InvalidArgument(f"{name} is not supported by this server; leave it at {off!r}")
+def _ints(f: Fields, name: str, lo: int, required: bool = False) -> list[int] | None:
+    """The list of integers in [lo, INT32_MAX] at ``name``; None when it is absent (or null) and not required."""
+    values = f.get(name, list) if required else f.get(name, object, None)
+    if values is None:
+        return None
+    if not (isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= INT32_MAX
+                                             for v in values)):
+        raise InvalidArgument(f"{f.path(name)} must be a list of integers in [{lo}, {INT32_MAX}]")
+    return values
+
+
+def _target_ids(f: Fields, max_elements: int) -> tuple[pb.Tensor, tp.SparseCsr | None]:
+    """``target_prompt_logprobs`` (Tinker's JSON ``TensorData``, dense or sparse CSR) as dense int64 ids, and
+    the sparse layout its answer must keep (None: dense)."""
+    dtype = f.get("dtype", str)
+    if dtype != "int64":
+        raise InvalidArgument(f"{f.path('dtype')} = {dtype!r}: target_prompt_logprobs holds token ids ('int64')")
+    data, shape = _ints(f, "data", -1, required=True), _ints(f, "shape", 0, required=True)
+    crow, col = _ints(f, "sparse_crow_indices", 0), _ints(f, "sparse_col_indices", 0)
+    t = tp.Tensor(dtype=tp.DTYPE_INT64, shape=shape)
+    if crow is None and col is None:
+        t.dense = np.asarray(data, "<i8").tobytes()
+    elif crow is None or col is None:
+        raise InvalidArgument(f"{f.path('sparse_crow_indices')} and {f.path('sparse_col_indices')} go together")
+    else:
+        t.sparse_csr.CopyFrom(tp.SparseCsr(values=np.asarray(data, "<i8").tobytes(),
+                                           crow_indices=np.asarray(crow, "<i8").tobytes(),
+                                           col_indices=np.asarray(col, "<i8").tobytes()))
+    return target_ids(t, max_elements), (t.sparse_csr if crow is not None else None)
+
+
+def sample_request(f: Fields, max_elements: int) -> tuple[pb.SampleRequest, tp.SparseCsr | None]:
+    """The core's request for an ``/asample`` body, and the layout of its ``target_prompt_logprobs`` when they
+    came sparse (the answer keeps it); the ids may hold ``max_elements`` cells once dense."""
     req = pb.SampleRequest(sampling_session_id=f.get("sampling_session_id", str), seq_id=f.get("seq_id", int, 0),
                            prompt=_prompt(f.sub("prompt")), params=_sampling_params(f.sub("sampling_params")),
                            num_samples=f.get("num_samples", int, 1, int_max=INT32_MAX),
                            prompt_logprobs=f.get("prompt_logprobs", bool, False),
-                           topk_prompt_logprobs=f.get("topk_prompt_logprobs", int, 0, int_max=INT32_MAX))
-    last_n = f.get("prompt_logprobs_last_n", int, None)
-    if last_n is not None and not (req.prompt_logprobs or req.topk_prompt_logprobs):
-        raise InvalidArgument("prompt_logprobs_last_n needs prompt_logprobs")
-    if last_n is not None and not 1 <= last_n <= len(req.prompt) - 1:
-        raise InvalidArgument(f"prompt_logprobs_last_n = {last_n} must be in [1, {len(req.prompt) - 1}] "
-                              f"for a prompt of {len(req.prompt)} tokens")
-    return req, last_n
+                           topk_prompt_logprobs=f.get("topk_prompt_logprobs", int, 0, int_max=INT32_MAX),
+                           topk_sample_logprobs=f.get("topk_sample_logprobs", int, 0, int_max=INT32_MAX),
+                           prompt_alt_tokens_k=f.get("prompt_alt_tokens_k", int, 0, int_max=INT32_MAX),
+                           prompt_logprobs_last_n=f.get("prompt_logprobs_last_n", int, None, int_max=INT32_MAX))
+    layout = None
+    raw = f.get("target_prompt_logprobs", object, None)
+    if raw is not None:
+        ids, layout = _target_ids(Fields(raw, f.path("target_prompt_logprobs")), max_elements)
+        req.target_prompt_logprobs.CopyFrom(ids)
+    return req, layout
 
 
 def _checkpoint_ref(path: str, seconds: float) -> dict[str, Any] | None:
     """A run's last checkpoint, from its path (``tinker://<run>/<kind>/<name>``) and save time."""
     if not path:
         return None
-    kind, name = path.removeprefix("tinker://").split("/")[1:]
-    return {"checkpoint_id": f"{kind}/{name}", "checkpoint_type": _CHECKPOINT_TYPES[kind], "time": iso(seconds),
+    parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+    return {"checkpoint_id": parsed.checkpoint_id, "checkpoint_type": parsed.checkpoint_type, "time": iso(seconds),
             "tinker_path": path}
 
 
@@ -118,7 +155,7 @@ def training_run(run: Run) -> dict[str, Any]:
 
 def checkpoint(c: pb.CheckpointEntry) -> dict[str, Any]:
     return {"checkpoint_id": c.checkpoint_id, "checkpoint_type": c.checkpoint_type, "time": iso(c.time),
-            "tinker_path": c.tinker_path, "size_bytes": c.size_bytes, "public": False,
+            "tinker_path": c.tinker_path, "size_bytes": c.size_bytes, "public": c.public,
             "expires_at": iso(c.expires_at), "user_metadata": dict(c.user_metadata) or None}
 
 

@@ -1,9 +1,11 @@
 """The Tinker HTTP door's binary messages (``lathe.v1.tinker_public``) <-> ``lathe.v1`` messages.
 
 In: a ``ForwardBackwardRequest`` body becomes the core's ``ForwardBackwardRequest`` (text chunks to token
-ids, sparse CSR tensors densified, ``loss_fn_config_v2`` preferred over the old map). Out: the trainer's
+ids, sparse CSR tensors densified, ``loss_fn_config_v2`` preferred over the old map, provenance spans checked
+for ``stable_reinforce`` and otherwise not needed). Out: the trainer's
 per-datum ``logprobs`` become one batched ``ArrayRecord``, and a sampler result becomes a ``SampleResponse``
-(dense top-k matrices, NaN where no prompt logprob was computed). Every array is raw little-endian bytes;
+(dense top-k matrices, NaN where no prompt logprob was computed; a sparse ``target_prompt_logprobs`` request
+answered in its own layout). Every array is raw little-endian bytes;
 anything the door cannot serve is an ``InvalidArgument`` naming the field. Shapes are checked before any
 array is built (no negative dimension, at most ``MAX_DIMS``), and a request's tensors may hold at most
 ``max_elements`` values once dense: a sparse tensor of shape ``[1, 10**10]`` is refused, not densified.
@@ -49,7 +51,8 @@ class _Budget:
         self.left -= n
 
 
-def _tensor(t: tp.Tensor, where: str, budget: _Budget) -> pb.Tensor:
+def _tensor(t: tp.Tensor, where: str, budget: _Budget, pad: int = 0) -> pb.Tensor:
+    """``t`` dense, a sparse one with ``pad`` in every cell it does not list."""
     dtype = _DTYPES.get(t.dtype)
     if dtype is None:
         name = tp.DType.Name(t.dtype) if t.dtype in tp.DType.values() else str(t.dtype)
@@ -72,9 +75,14 @@ def _tensor(t: tp.Tensor, where: str, budget: _Budget) -> pb.Tensor:
             (crow.size and (crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0))) or \
             np.any((col < 0) | (col >= shape[1])):
         raise InvalidArgument(f"{where}.sparse_csr is not a valid CSR layout of shape {shape}")
-    dense = np.zeros(shape, dtype=values.dtype)
+    dense = np.full(shape, pad, dtype=values.dtype)
     dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
     return pb.Tensor(data=dense.tobytes(), dtype=dtype, shape=shape)
+
+
+def target_ids(t: tp.Tensor, max_elements: int) -> pb.Tensor:
+    """A sample's ``target_prompt_logprobs`` ids, dense; a sparse one gets -1 (asks for nothing) where unlisted."""
+    return _tensor(t, "target_prompt_logprobs", _Budget(max_elements), pad=-1)
 
 
 def _tokens(d: tp.Datum, where: str) -> list[int]:
@@ -100,6 +108,32 @@ def _loss_config(req: tp.ForwardBackwardRequest) -> dict[str, float]:
     return config
 
 
+def _spans_cover(spans: list[tp.ProvenanceSpan], length: int, where: str) -> None:
+    total = 0
+    for j, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        run = getattr(span, kind) if kind else None
+        if run is None or not run.sequence_id or run.offset < 0 or run.length < 0:
+            raise InvalidArgument(f"{where}[{j}] is not a provenance run (a prompt_tokens or sampled_tokens run "
+                                  "with a sequence_id, offset >= 0 and length >= 0)")
+        total += run.length
+    if total != length:
+        raise InvalidArgument(f"{where} covers {total} positions but the field has {length}; the runs must tile it")
+
+
+def _check_provenance(d: tp.Datum, n_tokens: int, where: str) -> None:
+    """``stable_reinforce`` needs every datum to name the sampled sequences behind its tokens, as Tinker does.
+    Lathe keeps no record beyond the sampled logprobs the datum already carries (bit for bit the trainer's), so
+    the runs are checked for shape only."""
+    if not d.model_input_spans or not d.loss_fn_input_spans:
+        raise InvalidArgument(f"{where} has no provenance: loss 'stable_reinforce' needs model_input_spans and "
+                              "loss_fn_input_spans naming the sampled sequences (Datum.with_provenance)")
+    targets = d.loss_fn_inputs["target_tokens"].shape if "target_tokens" in d.loss_fn_inputs else []
+    _spans_cover(list(d.model_input_spans), n_tokens, f"{where}.model_input_spans")
+    _spans_cover(list(d.loss_fn_input_spans), targets[0] if len(targets) == 1 else n_tokens,
+                 f"{where}.loss_fn_input_spans")
+
+
 def forward_backward_from_proto(body: bytes, max_elements: int) -> pb.ForwardBackwardRequest:
     """Decode a ``/forward_backward`` body for ``GatewayCore.submit``; its tensors may hold at most
     ``max_elements`` values once dense."""
@@ -113,6 +147,8 @@ def forward_backward_from_proto(body: bytes, max_elements: int) -> pb.ForwardBac
     for i, d in enumerate(req.data):
         where = f"data[{i}]"
         chunk = pb.ModelInputChunk(tokens=_tokens(d, where))
+        if req.loss_fn == "stable_reinforce":
+            _check_provenance(d, len(chunk.tokens), where)
         inputs = {name: _tensor(t, f"{where}.loss_fn_inputs[{name!r}]", budget)
                   for name, t in d.loss_fn_inputs.items()}
         data.append(pb.Datum(model_input=pb.ModelInput(chunks=[chunk]), loss_fn_inputs=inputs))
@@ -140,28 +176,45 @@ def _f32(values: list[float] | np.ndarray) -> bytes:
     return np.asarray(values, dtype="<f4").tobytes()
 
 
-def _topk(entries: list[pb.TopkLogprobs], k: int, scored_from: int) -> tp.TopkLogprobs:
+def _topk(entries: list[pb.TopkLogprobs]) -> tp.TopkLogprobs:
+    """Dense ``[len(entries), k]`` matrices, Tinker's filler where an entry holds fewer than k (or none)."""
+    k = max((len(e.token_ids) for e in entries), default=0)
     ids = np.full((len(entries), k), TOPK_EMPTY_ID, dtype="<i4")
     lps = np.full((len(entries), k), TOPK_EMPTY_LOGPROB, dtype="<f4")
-    for i, e in enumerate(entries[scored_from:], start=scored_from):
-        n = min(k, len(e.token_ids))
-        ids[i, :n], lps[i, :n] = e.token_ids[:n], e.logprobs[:n]
+    for i, e in enumerate(entries):
+        n = len(e.token_ids)
+        ids[i, :n], lps[i, :n] = e.token_ids, e.logprobs
     return tp.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(entries))
 
 
-def sample_response_to_proto(out: pb.SampleOutput, topk: int, last_n: int | None) -> bytes:
-    """A sampler result as Tinker's ``SampleResponse``. ``last_n``: only the last ``last_n`` prompt positions
-    keep their (top-k) logprobs, as ``prompt_logprobs_last_n`` asks; the others read as not computed."""
+def _public_tensor(t: pb.Tensor, layout: tp.SparseCsr | None = None) -> tp.Tensor:
+    """A dense 2-D tensor as Tinker's, sparse with ``layout``'s cells when the request came sparse."""
+    dtype = _PROTO_DTYPES[t.dtype]
+    if layout is None:
+        return tp.Tensor(dense=t.data, dtype=dtype, shape=t.shape)
+    dense = np.frombuffer(t.data, dtype=np.dtype(t.dtype).newbyteorder("<")).reshape(list(t.shape))
+    crow = _array(layout.crow_indices, "int64", "layout")
+    values = dense[np.repeat(np.arange(len(crow) - 1), np.diff(crow)), _array(layout.col_indices, "int64", "layout")]
+    return tp.Tensor(sparse_csr=tp.SparseCsr(values=values.tobytes(), crow_indices=layout.crow_indices,
+                                             col_indices=layout.col_indices), dtype=dtype, shape=t.shape)
+
+
+def sample_response_to_proto(out: pb.SampleOutput, target_layout: tp.SparseCsr | None = None) -> bytes:
+    """A sampler result as Tinker's ``SampleResponse`` (the sampler already left out what
+    ``prompt_logprobs_last_n`` did not ask for). ``target_layout``: the cells of a sparse
+    ``target_prompt_logprobs`` request, which its answer lists in the same layout."""
     msg = tp.SampleResponse(sequences=[
         tp.SampledSequence(stop_reason=_STOP_REASONS[s.stop_reason], tokens=np.asarray(s.tokens, "<i4").tobytes(),
-                           logprobs=_f32(s.logprobs))
+                           logprobs=_f32(s.logprobs),
+                           topk_sampled_logprobs=_topk(list(s.topk_logprobs)) if s.topk_logprobs else None)
         for s in out.sequences])
-    n = len(out.prompt_logprobs) or len(out.topk_prompt_logprobs)
-    scored_from = n - last_n if last_n is not None else 0
     if out.prompt_logprobs:
-        lps = np.asarray(out.prompt_logprobs, dtype=np.float32)
-        lps[:scored_from] = math.nan
-        msg.prompt_logprobs = _f32(lps)
-    if topk and out.topk_prompt_logprobs:
-        msg.topk_prompt_logprobs.CopyFrom(_topk(list(out.topk_prompt_logprobs), topk, scored_from))
+        msg.prompt_logprobs = _f32(out.prompt_logprobs)
+    if out.topk_prompt_logprobs:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(list(out.topk_prompt_logprobs)))
+    if out.HasField("target_prompt_logprobs"):
+        msg.target_prompt_logprobs.CopyFrom(_public_tensor(out.target_prompt_logprobs, target_layout))
+    if out.HasField("prompt_alt_tokens"):
+        msg.prompt_alt_tokens.CopyFrom(tp.PromptAltTokens(tokens=_public_tensor(out.prompt_alt_tokens.tokens),
+                                                          logprobs=_public_tensor(out.prompt_alt_tokens.logprobs)))
     return msg.SerializeToString()

@@ -2,15 +2,18 @@
 
 In:  ``lathe.v1.Sampler.Sample(SampleRequest)`` from the gateway: prompt tokens, Tinker's sampling
      params (temperature, top_k, top_p, seed, max_tokens, stop strings / token ids / EOS),
-     num_samples, prompt_logprobs / topk_prompt_logprobs, and the policy: base model, tenant,
-     sampler-weights path and the version (creation time) the sampling client was bound to.
+     num_samples, the logprob options (prompt_logprobs / topk_prompt_logprobs, prompt_logprobs_last_n,
+     topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k), and the policy: base model,
+     tenant, sampler-weights path and the version (creation time) the sampling client was bound to.
 Out: ``SampleResult``: per sequence the tokens, the logprob of each (temperature 1, bitwise equal to
-     the trainer's forward logprob for the same tokens when both run the batch-invariant ops), the stop
-     reason ("stop" | "length") and the policy version; prompt logprobs; a receipt; or an ``Error``.
+     the trainer's forward logprob for the same tokens when both run the batch-invariant ops), its top-k
+     logprobs if asked, the stop reason ("stop" | "length") and the policy version; the prompt options'
+     results (every logprob from the same rows, so with the same bits); a receipt; or an ``Error``.
 
 Where a request's data lives, and who owns it:
   server.SamplerServicer   gRPC only: request in, awaited future out
-  engine.SamplerEngine     admission queue, waiting line, running sequences, the scheduler thread;
+  engine.SamplerEngine     admission queue, waiting line (``fair.FairQueue``: one FIFO per tenant, served
+                           in turn), running sequences and their token reservations, the scheduler thread;
                            base models (one ``lathe.models.decoder.Decoder`` each, CPU, pool dtype)
   validate.check_sample    SampleRequest -> Plan (checked prompt, params, stop rule, seed)
   adapters.AdapterCache    (tenant, path, version) -> LoraWeights, LRU; bytes from an AdapterSource

@@ -45,13 +45,17 @@ def main() -> None:
     ap.add_argument("--adapter-cache", type=int, default=d.adapter_cache, help="adapters kept loaded")
     ap.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                     help="prompt tokens admitted per step")
+    ap.add_argument("--max-running-tokens", type=int, default=d.max_running_tokens,
+                    help="running budget: tokens (num_samples x (prompt + max_tokens)) reserved by running requests "
+                         "together; one request asking for more is refused")
     ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
     args = ap.parse_args()
     apply_threads(args)
     cfg = SamplerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
                         invariant=not args.no_invariant, sgmv=args.sgmv, max_running=args.max_running,
                         max_queue=args.max_queue,
-                        adapter_cache=args.adapter_cache, max_prefill_tokens=args.max_prefill_tokens)
+                        adapter_cache=args.adapter_cache, max_prefill_tokens=args.max_prefill_tokens,
+                        max_running_tokens=args.max_running_tokens)
     source = CheckpointsSource(CheckpointsClient(args.checkpoints)) if args.checkpoints else None
     engine = SamplerEngine(cfg, ModelCatalog.from_spec(cfg.models, cfg.cache_root), source)
     if args.metrics_port >= 0:

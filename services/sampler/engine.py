@@ -3,13 +3,19 @@
 Data path of a request:
   ``sample(SampleRequest)`` -> admission queue (bounded: ``ResourceExhausted`` when full) -> a loader
   thread resolves the base model, checks the request (``validate.check_sample``) and fetches its
-  adapter (``AdapterCache``) -> the waiting line -> the scheduler thread admits it (FIFO, within
-  ``max_running`` sequences and ``max_prefill_tokens`` per step) -> every step runs, per base model,
+  adapter (``AdapterCache``) -> the waiting line (one FIFO per tenant, ``fair.FairQueue``) -> the
+  scheduler thread admits it (tenants in turn, within ``max_running`` sequences, ``max_prefill_tokens``
+  per step and ``max_running_tokens`` reserved) -> every step runs, per base model,
   ONE packed forward (``step.run_step``) holding the prompt of each newly admitted request (prefilled
   once, then forked into its ``num_samples`` sequences) and one decode token of every running
   sequence -> each sequence draws its next token from its own last row -> finished sequences
   ("stop": stop token / EOS / stop string; "length": max_tokens) leave the batch at once; when all of
   a request's sequences are done, its future resolves to a ``SampleResult``.
+
+Fairness and budget: tenants take turns at admission, so one tenant's backlog delays another tenant's
+request by at most one request per turn. A request reserves ``num_samples x (prompt + max_tokens)``
+tokens of the pool's running budget from admission until it finishes; one that asks for more than the
+whole budget is refused by ``check_sample`` (it could never run).
 
 Every problem with one request (bad argument, unknown model, overwritten checkpoint) resolves that
 request's future with ``SampleResult(error=...)`` and touches nothing else; only a full queue (and a
@@ -27,7 +33,6 @@ import contextlib
 import math
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,13 +47,15 @@ from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
 from lathe.models.pool import check_device, default_device
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
+from lathe.sampler.fair import FairQueue
 from lathe.sampler.kv import SeqCache
 from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sampling import choose, generator
 from lathe.sampler.step import Item, ItemOut, run_step
 from lathe.sampler.validate import ModelLimits, Plan, check_sample
+from lathe.types import TensorData
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import error_to_proto
+from lathe.wire import error_to_proto, tensor_to_proto
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,13 +88,17 @@ class SamplerConfig:
     max_queue: int = 1024  # requests accepted but not yet running
     adapter_cache: int = 16  # adapters kept loaded
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step (a lone request always fits)
+    # tokens the running requests may reserve, num_samples x (prompt + max_tokens) each: 128 samples of 8k
+    # context; a request asking for more is refused
+    max_running_tokens: int = 128 * 8192
     loaders: int = 2  # threads that load models and adapters and check requests
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         check_device(self.device)
-        for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "loaders"):
+        for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "max_running_tokens",
+                     "loaders"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -107,6 +118,7 @@ class _Request:
     plan: Plan | None = None
     adapter: LoraWeights | None = None
     admitted: float = 0.0
+    reserved: int = 0  # tokens of the running budget held from admission until it finishes
     step: int = 0
     seqs: list[_Seq] = field(default_factory=list)
     unfinished: int = 0
@@ -120,6 +132,7 @@ class _Seq:
     cache: SeqCache | None = None  # None once finished
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk: list[pb.TopkLogprobs] = field(default_factory=list)  # topk_sample_logprobs: one per token
     stop_reason: str = ""
 
 
@@ -137,7 +150,8 @@ class SamplerEngine:
         self._cond = threading.Condition()
         self._live: set[_Request] = set()
         self._queued = 0  # accepted and not yet admitted (being checked or waiting)
-        self._waiting: deque[_Request] = deque()
+        self._waiting: FairQueue[_Request] = FairQueue(lambda r: r.req.tenant)
+        self._reserved = 0  # tokens reserved by admitted requests not finished yet
         self._running: list[_Seq] = []  # the scheduler thread's alone
         self._loader = ThreadPoolExecutor(cfg.loaders, thread_name_prefix="sampler-load")
         self._thread: threading.Thread | None = None
@@ -174,7 +188,7 @@ class SamplerEngine:
             pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length,
                               sampler_exactness=pb.Exactness(**self.exactness.fields(e.name)))
             for e in self.catalog.entries()
-        ])
+        ], limits=pb.RequestLimits(max_sample_tokens=self.cfg.max_running_tokens))
 
     def stats(self) -> dict[str, int]:
         """Gauges for monitoring: requests queued (being checked or waiting), of which waiting, running
@@ -209,7 +223,7 @@ class SamplerEngine:
             if not r.req.base_model:
                 raise InvalidArgument("base_model is empty: the gateway must name the model to sample")
             r.base = self.base(r.req.base_model)
-            r.plan = check_sample(r.req, r.base.limits)
+            r.plan = check_sample(r.req, r.base.limits, self.cfg.max_running_tokens)
             if r.req.model_path:
                 r.adapter = self.adapters.get(r.req.tenant, r.req.model_path, r.req.model_version,
                                               r.base.model.cfg, self._adapter_dtype, r.req.base_model,
@@ -221,7 +235,7 @@ class SamplerEngine:
             self._finish(r, error=err)
             return
         with self._cond:
-            self._waiting.append(r)
+            self._waiting.push(r)
             self._cond.notify_all()
 
     # ---- the scheduler ----
@@ -259,21 +273,26 @@ class SamplerEngine:
                 self._running = []
 
     def _admit(self) -> list[_Request]:
-        """Take requests off the waiting line, FIFO, while they fit (caller holds the lock)."""
+        """Take requests off the waiting line, tenants in turn, while they fit (caller holds the lock).
+
+        The first request that does not fit ends the admission, and its tenant keeps its turn: a large
+        request waits for room instead of being overtaken for ever."""
         out: list[_Request] = []
         seqs, tokens = len(self._running), 0
-        while self._waiting:
-            r = self._waiting[0]
+        while (r := self._waiting.peek()) is not None:
             if not r.future.cancelled():
-                n, length = r.plan.num_samples, len(r.plan.prompt)
+                n, length, cost = r.plan.num_samples, len(r.plan.prompt), r.plan.reserved_tokens
                 if (out or self._running) and (seqs + n > self.cfg.max_running
-                                               or tokens + length > self.cfg.max_prefill_tokens):
+                                               or tokens + length > self.cfg.max_prefill_tokens
+                                               or self._reserved + cost > self.cfg.max_running_tokens):
                     break
                 out.append(r)
                 seqs, tokens = seqs + n, tokens + length
+                r.reserved = cost
+                self._reserved += cost
             else:
                 self._live.discard(r)
-            self._waiting.popleft()
+            self._waiting.pop()
             self._queued -= 1
         return out
 
@@ -286,6 +305,7 @@ class SamplerEngine:
             admitted = self._admit()
             cancelled = {s.request for s in self._running if s.request.future.cancelled()}
             self._live -= cancelled
+            self._reserved -= sum(r.reserved for r in cancelled)
         self._running = [s for s in self._running if s.request not in cancelled]
         if not admitted and not self._running:
             return 0
@@ -308,7 +328,7 @@ class SamplerEngine:
         cfg = base.model.cfg
         items = [Item(list(r.plan.prompt),
                       SeqCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.cfg.device),
-                      r.adapter, r.plan.prompt_logprobs, r.plan.topk_prompt) for r in prefills]
+                      r.adapter, r.plan.ask) for r in prefills]
         items += [Item([s.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
         try:
             outs = run_step(base.model, items)
@@ -338,14 +358,21 @@ class SamplerEngine:
         return [s for s in advanced if s.request not in failed]
 
     def _start_samples(self, r: _Request, cache: SeqCache, out: ItemOut) -> list[_Seq]:
-        """After a prefill: record prompt logprobs, draw each sample's first token, fork the cache."""
+        """After a prefill: record the prompt options, draw each sample's first token, fork the cache."""
         plan = r.plan
-        if plan.prompt_logprobs:
+        if out.prompt_logprobs is not None:
             r.output.prompt_logprobs.extend([math.nan, *out.prompt_logprobs.tolist()])
-        if plan.topk_prompt:
-            r.output.topk_prompt_logprobs.append(pb.TopkLogprobs())
+        if out.topk_ids is not None:
+            unscored = len(plan.prompt) - len(out.topk_ids)  # the first token, and those before the last n
+            r.output.topk_prompt_logprobs.extend(pb.TopkLogprobs() for _ in range(unscored))
             for ids, lps in zip(out.topk_ids.tolist(), out.topk_logprobs.tolist(), strict=True):
                 r.output.topk_prompt_logprobs.append(pb.TopkLogprobs(token_ids=ids, logprobs=lps))
+        if out.target_logprobs is not None:
+            r.output.target_prompt_logprobs.CopyFrom(tensor_to_proto(TensorData.from_torch(out.target_logprobs)))
+        if out.alt_tokens is not None:
+            r.output.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
+                tokens=tensor_to_proto(TensorData.from_torch(out.alt_tokens)),
+                logprobs=tensor_to_proto(TensorData.from_torch(out.alt_logprobs))))
         r.seqs = [_Seq(r, generator(plan.seed, i)) for i in range(plan.num_samples)]
         r.unfinished = len(r.seqs)
         for s in r.seqs:
@@ -361,6 +388,9 @@ class SamplerEngine:
         token = choose(out.logits, r.plan.rule, s.gen)
         s.tokens.append(token)
         s.logprobs.append(float(out.logprobs[token]))
+        if r.plan.topk_sample:
+            top = torch.topk(out.logprobs, r.plan.topk_sample)
+            s.topk.append(pb.TopkLogprobs(token_ids=top.indices.tolist(), logprobs=top.values.tolist()))
         if r.plan.stop.hit(s.tokens):
             s.stop_reason = "stop"
         elif len(s.tokens) >= r.plan.max_tokens:
@@ -380,6 +410,7 @@ class SamplerEngine:
             if r not in self._live:
                 return
             self._live.discard(r)
+            self._reserved -= r.reserved
         now = time.monotonic()
         started = r.admitted or now
         exactness = self.exactness.fields(r.req.base_model)
@@ -395,7 +426,7 @@ class SamplerEngine:
             policy = r.req.model_path or r.req.base_model
             r.output.sequences.extend(
                 pb.SampledSequence(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason,
-                                   policy_version=policy)
+                                   policy_version=policy, topk_logprobs=s.topk)
                 for s in r.seqs
             )
             result = pb.SampleResult(receipt=receipt, sample=r.output)

@@ -12,8 +12,15 @@ number the trainer computes for the same token.
                                         descending order, first reaches top_p (at least one token)
                             token ~ softmax(x), drawn with ``gen``
 
+    draw(logits [R, V] fp32, temperature, k, gen) -> tokens [R, k]   (``prompt_alt_tokens_k``)
+      temperature == 0      argmax(logits[r]) k times per row
+      otherwise             tokens[r] ~ softmax((logits[r] - max(logits[r])) / temperature), k draws with
+                            replacement, rows in order, drawn with ``gen`` (no top-k / top-p: the request's
+                            temperature alone, as Tinker defines the option)
+
 Each sequence owns a ``torch.Generator`` seeded from (request seed, sample index), so a seeded request
-draws the same tokens whatever else shares its batch (its logits row has the same bits too).
+draws the same tokens whatever else shares its batch (its logits row has the same bits too); a request's
+prompt draws have a generator of their own (``stream="prompt-alt"``).
 """
 
 from __future__ import annotations
@@ -39,9 +46,9 @@ def random_seed() -> int:
     return secrets.randbits(63)
 
 
-def generator(seed: int, index: int) -> torch.Generator:
-    """The generator of sample ``index`` of a request seeded with ``seed`` (independent per index)."""
-    digest = hashlib.sha256(f"lathe-sample:{seed}:{index}".encode()).digest()
+def generator(seed: int, index: int, stream: str = "sample") -> torch.Generator:
+    """The generator of sample ``index`` of a request seeded with ``seed`` (independent per index and stream)."""
+    digest = hashlib.sha256(f"lathe-{stream}:{seed}:{index}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
@@ -67,3 +74,13 @@ def choose(logits: torch.Tensor, rule: Rule, gen: torch.Generator) -> int:
         drop[0] = False
         probs = probs.scatter(0, order[drop], 0.0)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def draw(logits: torch.Tensor, temperature: float, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``k`` independent draws per row of ``logits [R, V]`` (fp32, on the CPU) at ``temperature`` -> ``[R, k]``."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("the model produced non-finite logits (NaN or inf); the adapter weights may be broken")
+    if temperature == 0.0:
+        return torch.argmax(logits, dim=-1, keepdim=True).expand(-1, k).contiguous()
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / temperature, dim=-1)
+    return torch.multinomial(probs, k, replacement=True, generator=gen)

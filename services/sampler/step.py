@@ -9,9 +9,13 @@ over their caches. Then, per item (back in the caller's order):
 
     logits   [V] fp32   logits of its last row (what the next token is drawn from)
     logprobs [V] fp32   log_softmax(logits): the policy's logprobs at temperature 1
-    and for a prefill that asked for them, from rows 0 .. L-2 of its prompt:
-    prompt_logprobs [L-1]          log_softmax(logits[j])[prompt[j + 1]]
-    topk_ids, topk_logprobs [L-1, k]   the k largest entries of each of those rows, descending
+    and for a prefill whose ``PromptAsk`` asked for them, from its prompt rows (row j predicts
+    prompt[j + 1], lp[j] = log_softmax(logits[j]), s = ask.scored_from):
+    prompt_logprobs [L-1]               lp[j][prompt[j + 1]] for j >= s, NaN before s
+    topk_ids, topk_logprobs [L-1-s, k]  the k largest entries of lp[s:], descending
+    target_logprobs [L-1, K]            lp[j][targets[j, c]], 0.0 where targets[j, c] == -1
+    alt_tokens, alt_logprobs [L-1, k]   sampling.draw(logits[0:L-1], temperature, k), lp[j][alt_tokens[j, c]]
+Only the rows from the first one an option needs are computed, ``LOGIT_CHUNK`` rows at a time.
 
 Every op is the decoder's own (``Decoder.logits`` + ``ops.log_softmax``, the trainer's path in
 ``Decoder.target_logprobs``); with a batch-invariant decoder each number has the bits the trainer
@@ -29,9 +33,34 @@ from lathe.kernels import ops
 from lathe.models.decoder import LOGIT_CHUNK, Decoder, Packed
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 from lathe.sampler.kv import SeqCache, StepKV
+from lathe.sampler.sampling import draw, generator
 
 NO_ADAPTER = LoraWeights(LoraSpec(), {}, {})
 """Stands for the base model in a step that mixes it with adapters (it has no LoRA targets)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptAsk:
+    """What a prefill asks of its prompt rows (already checked against the prompt and the vocabulary)."""
+
+    logprobs: bool = False  # prompt_logprobs
+    topk: int = 0  # topk_prompt_logprobs
+    scored_from: int = 0  # first row of logprobs and top-k (prompt_logprobs_last_n)
+    targets: torch.Tensor | None = None  # target_prompt_logprobs: [L-1, K] int64 ids, -1 for none
+    alt_k: int = 0  # prompt_alt_tokens_k
+    alt_temperature: float = 1.0
+    alt_seed: int = 0
+
+    def first_row(self) -> int:
+        """The first prompt row any asked option needs."""
+        rows = []
+        if self.logprobs or self.topk:
+            rows.append(self.scored_from)
+        if self.targets is not None:
+            rows.append(int((self.targets >= 0).any(dim=1).int().argmax()))
+        if self.alt_k:
+            rows.append(0)
+        return min(rows)
 
 
 @dataclass(slots=True)
@@ -39,8 +68,7 @@ class Item:
     tokens: list[int]
     cache: SeqCache
     adapter: LoraWeights | None
-    prompt_logprobs: bool = False
-    topk: int = 0
+    ask: PromptAsk | None = None  # a prefill's prompt options; None: nothing asked (or a decode)
 
 
 @dataclass(slots=True)
@@ -50,6 +78,9 @@ class ItemOut:
     prompt_logprobs: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    target_logprobs: torch.Tensor | None = None
+    alt_tokens: torch.Tensor | None = None
+    alt_logprobs: torch.Tensor | None = None
 
 
 def _segments(adapters: list[LoraWeights | None], counts: list[int], model: Decoder) -> LoraBatch | None:
@@ -72,26 +103,49 @@ def _segments(adapters: list[LoraWeights | None], counts: list[int], model: Deco
     return LoraBatch(seg, ids, table, invariant=model.invariant, triton=model.sgmv)
 
 
+def _cat(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts).cpu() if parts else empty
+
+
 def _prompt_rows(model: Decoder, h: torch.Tensor, item: Item, out: ItemOut) -> None:
-    """Prompt logprobs (and top-k) of one prefilled item from its hidden rows ``h [L, hidden]``."""
-    targets = torch.tensor(item.tokens[1:], dtype=torch.long, device=h.device)
+    """The prompt options of one prefilled item from its hidden rows ``h [L, hidden]``."""
+    ask = item.ask
+    assert ask is not None
     rows = h.shape[0] - 1
-    lps, ids, tops = [], [], []
-    for r0 in range(0, rows, LOGIT_CHUNK):
+    start, s = ask.first_row(), ask.scored_from
+    targets = torch.tensor(item.tokens[1:], dtype=torch.long, device=h.device)
+    wanted = ask.targets.to(h.device) if ask.targets is not None else None
+    gen = generator(ask.alt_seed, 0, stream="prompt-alt") if ask.alt_k else None
+    lps, ids, tops, cells, alts, alt_lps = [], [], [], [], [], []
+    for r0 in range(start, rows, LOGIT_CHUNK):
         r1 = min(r0 + LOGIT_CHUNK, rows)
-        lora = _segments([item.adapter], [r1 - r0], model)
-        lp = ops.log_softmax(model.logits(h[r0:r1], lora), dim=-1, invariant=model.invariant)
-        if item.prompt_logprobs:
-            lps.append(lp.gather(1, targets[r0:r1, None]).squeeze(1))
-        if item.topk:
-            top = torch.topk(lp, item.topk, dim=-1)
+        logits = model.logits(h[r0:r1], _segments([item.adapter], [r1 - r0], model))
+        lp = ops.log_softmax(logits, dim=-1, invariant=model.invariant)
+        scored = lp[max(s - r0, 0):]
+        if ask.logprobs and len(scored):
+            lps.append(scored.gather(1, targets[max(s, r0):r1, None]).squeeze(1))
+        if ask.topk and len(scored):
+            top = torch.topk(scored, ask.topk, dim=-1)
             tops.append(top.values)
             ids.append(top.indices)
-    if item.prompt_logprobs:
-        out.prompt_logprobs = torch.cat(lps).cpu() if lps else torch.zeros(0)
-    if item.topk:
-        out.topk_logprobs = torch.cat(tops).cpu() if tops else torch.zeros(0, item.topk)
-        out.topk_ids = torch.cat(ids).cpu() if ids else torch.zeros(0, item.topk, dtype=torch.long)
+        if wanted is not None:
+            w = wanted[r0:r1]
+            cells.append(lp.gather(1, w.clamp(min=0)).masked_fill(w < 0, 0.0))
+        if gen is not None:
+            drawn = draw(logits.cpu(), ask.alt_temperature, ask.alt_k, gen)
+            alts.append(drawn)
+            alt_lps.append(lp.gather(1, drawn.to(lp.device)))
+    if ask.logprobs:
+        out.prompt_logprobs = torch.cat([torch.full((s,), float("nan")), _cat(lps, torch.zeros(0))])
+    if ask.topk:
+        out.topk_logprobs = _cat(tops, torch.zeros(0, ask.topk))
+        out.topk_ids = _cat(ids, torch.zeros(0, ask.topk, dtype=torch.long))
+    if ask.targets is not None:
+        k = ask.targets.shape[1]
+        out.target_logprobs = torch.cat([torch.zeros(start, k), _cat(cells, torch.zeros(0, k))])
+    if ask.alt_k:
+        out.alt_tokens = _cat(alts, torch.zeros(0, ask.alt_k, dtype=torch.long))
+        out.alt_logprobs = _cat(alt_lps, torch.zeros(0, ask.alt_k))
 
 
 @torch.inference_mode()
@@ -125,6 +179,6 @@ def run_step(model: Decoder, items: list[Item]) -> list[ItemOut]:
     outs: dict[int, ItemOut] = {}
     for s, i in enumerate(order):
         out = outs[i] = ItemOut(logits[s], logprobs[s])
-        if items[i].prompt_logprobs or items[i].topk:
+        if items[i].ask is not None:
             _prompt_rows(model, h[cu[s]:cu[s + 1]], items[i], out)
     return [outs[i] for i in range(len(items))]

@@ -10,6 +10,7 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.serving import run
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
+from lathe.trainer.recovery import SnapshotPolicy
 from lathe.trainer.server import TrainerServicer
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
@@ -25,7 +26,11 @@ def main() -> None:
     ap.add_argument("--max-resident-adapters", type=int, default=d.max_resident_adapters)
     ap.add_argument("--max-runs-per-cycle", type=int, default=d.max_runs_per_cycle,
                     help="0: pack every ready run into a cycle; 1: one run at a time")
-    ap.add_argument("--page-store", default="", help="directory or URL for paged-out adapters")
+    ap.add_argument("--page-store", default="", help="directory for paged-out adapters (scratch)")
+    ap.add_argument("--order-wait-s", type=float, default=d.order_wait_s,
+                    help="operations that wait this long for a seq_id that never arrives fail, naming it")
+    ap.add_argument("--snapshot-every", type=int, default=d.snapshots.every_steps,
+                    help="write a run's recovery snapshot every this many optimizer steps (0: only at saves)")
     ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
     args = ap.parse_args()
     apply_threads(args)
@@ -34,7 +39,9 @@ def main() -> None:
                         activation_checkpointing=args.activation_checkpointing,
                         max_request_tokens=args.max_request_tokens,
                         cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
-                        page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle)
+                        page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle,
+                        order_wait_s=args.order_wait_s,
+                        snapshots=SnapshotPolicy(every_steps=args.snapshot_every))
     store = None
     if args.checkpoints:
         from lathe.checkpoints.client import CheckpointsClient

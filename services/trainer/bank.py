@@ -9,7 +9,7 @@ Owns ``Adapter`` records keyed by model id, and their byte formats for the check
     sampler weights                adapter_model.safetensors + adapter_config.json (loads in PEFT as is)
 
 Checkpoints go through the checkpoints service (the engine moves those bytes); the bank itself only
-pages adapters out to, and back in from, an object store when more runs exist than fit in memory.
+pages adapters out to, and back in from, a local scratch directory when more runs exist than fit in memory.
 A resident adapter's weights, gradients and moments live on the pool's device (fp32 whatever the base
 dtype); the bytes above are written from, and read back through, CPU copies.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
@@ -150,7 +151,7 @@ def read_state(files: dict[str, bytes]) -> dict:
 
 
 class PageStore(Protocol):
-    """Where paged-out adapters live (an ``lathe.checkpoints.store.ObjectStore``)."""
+    """Where paged-out adapters live (``lathe.trainer.pages.DirPages``: local scratch)."""
 
     def put(self, key: str, data: bytes) -> None: ...
 
@@ -172,6 +173,10 @@ class _Slot:
 class AdapterBank:
     """Every training run's adapter; at most ``capacity`` resident, the least recently used paged out.
 
+    A tenant may also have its own resident limit (``limit_tenant``: its quota): beyond it, that tenant's own
+    least recently used adapters are paged out, never another tenant's. Either way ``pinned`` adapters (the
+    cycle computing now) stay, so a cycle may hold more for as long as it runs, never more after it.
+
     Paging writes weights, AdamW moments, step and accumulated gradients to ``pages`` and reads them
     back bit for bit, so a paged run's results do not change. ``cfg_of(base_model)`` gives the model
     config a paged adapter is rebuilt against, on ``device``.
@@ -183,6 +188,7 @@ class AdapterBank:
             raise ValueError(f"adapter bank capacity must be >= 1, got {capacity}")
         self.capacity, self.pages, self.dtype, self.cfg_of, self.device = capacity, pages, dtype, cfg_of, device
         self._slots: dict[str, _Slot] = {}
+        self._tenant_limits: dict[str, int] = {}  # tenant -> its resident quota (absent: only capacity binds)
 
     def __contains__(self, model_id: str) -> bool:
         return model_id in self._slots
@@ -195,6 +201,16 @@ class AdapterBank:
 
     def tenant(self, model_id: str) -> str:
         return self._slots[model_id].tenant
+
+    def limit_tenant(self, tenant: str, max_resident: int) -> None:
+        """Hold at most ``max_resident`` of ``tenant``'s adapters in memory from the next ``evict`` (0: no limit
+        of its own)."""
+        if max_resident < 0:
+            raise ValueError(f"max_resident for tenant {tenant!r} must be >= 0, got {max_resident}")
+        if max_resident:
+            self._tenant_limits[tenant] = max_resident
+        else:
+            self._tenant_limits.pop(tenant, None)
 
     def base_model(self, model_id: str) -> str:
         return self._slots[model_id].base_model
@@ -215,19 +231,31 @@ class AdapterBank:
         return slot.adapter
 
     def evict(self, pinned: set[str]) -> int:
-        """Page out least recently used adapters (never ``pinned`` ones) until within capacity."""
-        resident = sorted(((s.adapter.last_used, mid) for mid, s in self._slots.items()
-                           if s.adapter is not None and mid not in pinned))
-        paged = 0
-        while self.resident > self.capacity and resident:
-            _, mid = resident.pop(0)
-            adapter = self._slots[mid].adapter
-            assert adapter is not None
-            for name, data in adapter.page_files(self.dtype).items():
-                self.pages.put(_page_prefix(mid) + name, data)
-            self._slots[mid].adapter = None
+        """Page out least recently used adapters (never ``pinned`` ones): first each tenant's own beyond its
+        limit, then anyone's until within capacity. Returns how many were paged out."""
+        lru = sorted((s.adapter.last_used, mid) for mid, s in self._slots.items()
+                     if s.adapter is not None and mid not in pinned)
+        held = Counter(s.tenant for s in self._slots.values() if s.adapter is not None)
+        kept = []
+        for last_used, mid in lru:
+            tenant = self._slots[mid].tenant
+            if held[tenant] > self._tenant_limits.get(tenant, held[tenant]):
+                self._page_out(mid)
+                held[tenant] -= 1
+            else:
+                kept.append((last_used, mid))
+        paged, resident = len(lru) - len(kept), sum(held.values())
+        for _, mid in kept[:max(0, resident - self.capacity)]:
+            self._page_out(mid)
             paged += 1
         return paged
+
+    def _page_out(self, model_id: str) -> None:
+        adapter = self._slots[model_id].adapter
+        assert adapter is not None
+        for name, data in adapter.page_files(self.dtype).items():
+            self.pages.put(_page_prefix(model_id) + name, data)
+        self._slots[model_id].adapter = None
 
     @property
     def resident(self) -> int:

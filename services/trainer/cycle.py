@@ -1,7 +1,8 @@
 """Cycle planning: which operations of which training runs go into the next clock cycle.
 
 Each cycle has a token capacity. Runs are visited round-robin from a rotating start, so no tenant
-starves behind a large one. For every run the planner takes its next operation in ``seq_id`` order:
+starves behind a large one. For every run the planner takes its next operation in ``seq_id`` order (an
+``Op`` of ``lathe.trainer.ops``, checked already at the intake):
 
 - save / load: a control step, run at the start of the cycle;
 - optim_step: applied at the end of the cycle;
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lathe.trainer.ops import Example, ForwardBackward, Load, OptimStep, Save
 from lathe.trainer.order import Pending, Sequencer
-from lathe.trainer.validate import Example
 
 
 @dataclass(slots=True)
@@ -30,18 +31,15 @@ class Partial:
     """A forward / forward_backward request in progress (possibly over several cycles)."""
 
     item: Pending
-    examples: list[Example]
-    loss_fn: str
-    loss_cfg: dict[str, float]
-    backward: bool
+    request: ForwardBackward  # ``item.op.body``
     done: int = 0  # datums finished
     logprobs: list[torch.Tensor] = field(default_factory=list)
     loss: float = 0.0
     grad_backup: dict[str, torch.Tensor | None] | None = None  # restored if a later part fails
 
     @property
-    def tokens(self) -> int:
-        return sum(len(x) for x in self.examples)
+    def examples(self) -> list[Example]:
+        return self.request.examples
 
 
 @dataclass(slots=True)
@@ -78,9 +76,9 @@ def plan_cycle(
 ) -> list[Work]:
     """Plan one cycle. ``runs`` are (run, its sequencer, its request in progress), in visiting order.
 
-    ``begin(run, item)`` checks a forward / forward_backward request that reaches the head of its
-    queue, records its ``Partial`` as the run's request in progress and returns it (or returns None if
-    the request failed its checks and has been answered already). ``max_runs`` > 0 caps how many runs
+    ``begin(run, item)`` starts a forward / forward_backward request that reaches the head of its queue:
+    it records its ``Partial`` as the run's request in progress and returns it (or returns None if it
+    failed to start and has been answered already). ``max_runs`` > 0 caps how many runs
     share a cycle (1 = one tenant at a time, the unpacked baseline of the benchmarks).
     """
     works: list[Work] = []
@@ -92,14 +90,14 @@ def plan_cycle(
             head = seq.peek()
             if head is None:
                 continue
-            kind = head.op.WhichOneof("op")
-            if kind in ("save", "load"):
+            body = head.op.body
+            if isinstance(body, Save | Load):
                 works.append(Work(run, control=seq.pop()))
                 continue
-            if kind == "optim_step":
+            if isinstance(body, OptimStep):
                 works.append(Work(run, optim=seq.pop()))
                 continue
-            if budget < _tokens(head) <= capacity:
+            if budget < body.tokens <= capacity:
                 continue  # fits a later cycle whole: wait rather than split it
             partial = begin(run, seq.pop())
             if partial is None:
@@ -111,11 +109,7 @@ def plan_cycle(
         work = Work(run, compute=partial, part=(partial.done, end))
         if work.last_part:
             nxt = seq.peek()
-            if nxt is not None and nxt.op.WhichOneof("op") == "optim_step":
+            if nxt is not None and isinstance(nxt.op.body, OptimStep):
                 work.optim = seq.pop()
         works.append(work)
     return works
-
-
-def _tokens(item: Pending) -> int:
-    return sum(len(c.tokens) for d in item.op.forward_backward.data for c in d.model_input.chunks)

@@ -1,22 +1,32 @@
 """The trainer engine: adapter bank + ordered queues + the clock cycle, with no gRPC in sight.
 
-Data path: ``submit(TrainerOp)`` puts an operation into its model's ``Sequencer`` (strict ``seq_id``
-order, exactly once) and returns a future. The cycle thread repeatedly takes, for every model, its
-next operations in order: at most one forward / forward_backward plus the optim_step right behind it,
-or one save / load. Saves and loads run first; then all forward / forward_backward jobs of one base
-model run as ONE packed pass (``step.run_jobs``); then the due optim_steps. Each operation gets its own
-result and receipt. A failing operation (bad datum, non-finite loss) fails alone and changes nothing;
-so does one that trips over a bug: no exception stops the cycle thread. Should the thread end anyway, the
-operations still waiting get ``Unavailable`` and so does every later call (``alive`` reports it), so
-callers are told instead of waiting forever.
+What comes in: plain ``Op``s (``lathe.trainer.ops``), decoded from ``pb.TrainerOp`` and checked once by the
+intake (``lathe.trainer.intake``) on the caller's thread, outside this engine's lock, against the run's
+``limits(model_id)``; a request that failed its checks arrives as a ``Skip`` carrying its error. What goes out:
+one ``ops.Result`` per operation (an output or an error, and its receipt), through a future.
+
+Data path: ``submit(op)`` puts an operation into its model's ``Sequencer`` (strict ``seq_id`` order, exactly
+once) and returns a future; a ``Skip`` is answered at once and its seq_id passed over. The cycle thread
+repeatedly takes, for every model, its next operations in order: at most one forward / forward_backward plus
+the optim_step right behind it, or one save / load. Saves and loads run first; then all forward /
+forward_backward jobs of one base model run as ONE packed pass (``step.run_jobs``); then the due optim_steps.
+Each operation gets its own result and receipt. A failing operation (non-finite loss, a checkpoint that
+cannot be read) fails alone and changes nothing; so does one that trips over a bug: no exception stops the
+cycle thread. Should the thread end anyway, the operations still waiting get ``Unavailable`` and so does every
+later call (``alive`` reports it), so callers are told instead of waiting forever.
+
+A seq_id that never comes does not hold its run for ever: one refused at the gateway's door or at the intake
+is passed over (``Skip``), and operations that waited ``order_wait_s`` for a missing one fail, naming it
+(``order``).
 
 Admission: one tenant's operations may fill at most ``max_queue_per_tenant`` places of the shared queue
 (``max_queue``); the operation a run is waiting for is always let in.
 
 Owns: base models (one ``Decoder`` per served base model, loaded on first use), the ``AdapterBank``
-(which pages least recently used adapters out when more runs exist than ``max_resident_adapters``),
-the sequencers and the cycle metrics. Checkpoint bytes go through ``CheckpointStore`` (the
-checkpoints service).
+(which pages least recently used adapters out when more runs exist than ``max_resident_adapters``, and a
+tenant's own beyond its quota, ``CreateAdapterRequest.max_resident_adapters``), the sequencers and the cycle
+metrics. Checkpoint bytes go through ``CheckpointStore`` (the checkpoints service). Run creation and the
+capabilities still speak ``lathe.v1`` messages (``CreateAdapterRequest``, ``AdapterInfo``).
 """
 
 from __future__ import annotations
@@ -31,11 +41,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
 
-from lathe.checkpoints.store import open_store
-from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
+from lathe.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    LatheError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
@@ -44,12 +60,24 @@ from lathe.models.pool import check_device, default_device
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
 from lathe.trainer.cycle import Partial, Work, plan_cycle
 from lathe.trainer.metrics import CycleMetrics
-from lathe.trainer.optimizer import AdamParams, adamw_step
+from lathe.trainer.ops import ForwardBackward, Limits, Op, OptimStep, Result, Save, Skip
+from lathe.trainer.optimizer import adamw_step
 from lathe.trainer.order import Pending, Sequencer
+from lathe.trainer.pages import DirPages
+from lathe.trainer.recovery import SnapshotPolicy, seq_file, snapshot_seq
 from lathe.trainer.step import Job, JobResult, run_jobs
-from lathe.trainer.validate import Limits, check_request
+from lathe.types import (
+    RECOVERY_KIND,
+    RECOVERY_NAME,
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    Receipt,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    TensorData,
+)
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import error_to_proto
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -58,7 +86,7 @@ class CheckpointStore(Protocol):
     """What the engine needs from the checkpoints service (see ``lathe.checkpoints.client``)."""
 
     def put(self, *, tenant: str, run_id: str, kind: str, name: str, files: dict[str, bytes],
-            metadata_json: str, ttl_seconds: int, overwrite: bool) -> str: ...
+            metadata_json: str, ttl_seconds: int, overwrite: bool, max_tenant_bytes: int = 0) -> str: ...
 
     def get(self, *, tenant: str, path: str) -> dict[str, bytes]: ...
 
@@ -80,11 +108,15 @@ class TrainerConfig:
     cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
     max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
     page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
+    order_wait_s: float = 300.0  # operations waiting this long for a seq_id that has not arrived fail
+    snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)  # recovery snapshots (lathe.trainer.recovery)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         check_device(self.device)
+        if not self.order_wait_s > 0:
+            raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
 
 
 @dataclass(slots=True)
@@ -97,14 +129,10 @@ class _Model:
     partial: Partial | None = None
 
 
-def _tensor(arr: np.ndarray) -> pb.Tensor:
-    return pb.Tensor(data=arr.tobytes(), dtype=str(arr.dtype), shape=list(arr.shape))
-
-
 def _fail(item: Pending, err: LatheError) -> None:
     """Answer ``item`` with ``err`` unless it has its answer already (no receipt: it never ran)."""
     if not item.future.done():
-        item.future.set_result(pb.TrainerResult(error=error_to_proto(err)))
+        item.future.set_result(Result(error=err))
 
 
 class TrainerEngine:
@@ -118,7 +146,7 @@ class TrainerEngine:
         self._bases: dict[str, Decoder] = {}
         self.exactness = PoolExactness("trainer", cfg.invariant)
         self._models: dict[str, _Model] = {}
-        pages = open_store(cfg.page_store or cfg.cache_root / "paged")
+        pages = DirPages(Path(cfg.page_store) if cfg.page_store else cfg.cache_root / "paged")
         self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.base(name).cfg,
                                 cfg.device)
         self._lock = threading.Condition()
@@ -166,22 +194,29 @@ class TrainerEngine:
         with self._lock:
             if req.model_id in self._models:
                 return self._info(self.bank.get(req.model_id))
-        if req.from_path:
-            adapter = self._adapter_from_state(req)
+        files = self._snapshot_files(req) if req.recover_from else None
+        if files is not None:  # a recovery: the run as its snapshot left it
+            adapter, next_seq = self._adapter_from_snapshot(req, files), snapshot_seq(files) + 1
+        elif req.from_path:
+            adapter, next_seq = self._adapter_from_state(req), 1
+            self._write_snapshot(adapter, 0)  # recovery must not depend on the state it started from
         else:
             c = req.lora_config
             try:
-                spec = LoraSpec(rank=c.rank, alpha=c.alpha if c.HasField("alpha") else 32.0,
-                                seed=c.seed if c.HasField("seed") else None, train_attn=c.train_attn,
-                                train_mlp=c.train_mlp, train_unembed=c.train_unembed)
+                spec = LoraSpec(rank=c.rank, seed=c.seed if c.HasField("seed") else None, train_attn=c.train_attn,
+                                train_mlp=c.train_mlp, train_unembed=c.train_unembed,
+                                **({"alpha": c.alpha} if c.HasField("alpha") else {}))  # else LoraSpec's default
             except ValueError as e:
                 raise InvalidArgument(f"lora_config: {e}") from None
             model = self.base(req.base_model)
             seed = spec.seed if spec.seed is not None else default_seed(req.model_id)
             adapter = Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed, self.cfg.device)
+            next_seq = 1
         with self._lock:
-            self._models.setdefault(req.model_id, _Model(req.model_id, req.tenant))
+            m = self._models.setdefault(req.model_id, _Model(req.model_id, req.tenant, Sequencer(next_seq=next_seq)))
+            self.bank.limit_tenant(req.tenant, req.max_resident_adapters)  # the tenant's quota, from the gateway
             info = self._info(self.bank.add(adapter))
+            info.next_seq_id = m.seq.next_seq
             self._evict(self._pinned())
             return info
 
@@ -194,6 +229,43 @@ class TrainerEngine:
                                 self.cfg.device)
         adapter.load_files(files, with_optimizer=req.with_optimizer)
         return adapter
+
+    def _snapshot_files(self, req: pb.CreateAdapterRequest) -> dict[str, bytes] | None:
+        """The files of the run's recovery snapshot, or None if it has none (it never reached a snapshot)."""
+        try:
+            return self._store().get(tenant=req.tenant, path=req.recover_from)
+        except NotFound:
+            return None
+
+    def _adapter_from_snapshot(self, req: pb.CreateAdapterRequest, files: dict[str, bytes]) -> Adapter:
+        """A run as its recovery snapshot left it: weights, moments, step and pending gradients."""
+        state = read_state(files)
+        adapter = Adapter.fresh(req.model_id, req.tenant, state["base_model"], self.base(state["base_model"]).cfg,
+                                LoraSpec(**state["lora"]), 0, self.cfg.device)
+        adapter.restore_page(files)
+        return adapter
+
+    def _write_snapshot(self, adapter: Adapter, seq_id: int) -> str:
+        """Write ``adapter``'s recovery snapshot, taken after operation ``seq_id``; returns its path."""
+        meta = {"base_model": adapter.base_model, "step": adapter.step, "seq_id": seq_id}
+        return self._store().put(tenant=adapter.tenant, run_id=adapter.model_id, kind=RECOVERY_KIND,
+                                 name=RECOVERY_NAME, files={**adapter.page_files(self.cfg.dtype), **seq_file(seq_id)},
+                                 metadata_json=json.dumps(meta), ttl_seconds=self.cfg.snapshots.ttl_s, overwrite=True)
+
+    def _snapshot(self, m: _Model, item: Pending, result: Result) -> str:
+        """Write ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``); its path or "".
+
+        A snapshot that cannot be written is logged and skipped: the operation stands, and recovery replays
+        from the previous snapshot instead."""
+        adapter = self.bank.get(m.model_id)
+        if result.error is not None or not self.cfg.snapshots.due(item.op.body, adapter.step):
+            return ""
+        try:
+            return self._write_snapshot(adapter, item.seq_id)
+        except Exception as e:  # noqa: BLE001 - the operation stands; only the snapshot is missing
+            print(f"lathe.trainer: recovery snapshot of {m.model_id} after seq_id {item.seq_id} failed: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
+            return ""
 
     def _info(self, a: Adapter) -> pb.AdapterInfo:
         s = a.spec
@@ -211,8 +283,19 @@ class TrainerEngine:
 
     # ---- submission ----
 
-    def submit(self, op: pb.TrainerOp) -> Future:
-        """Queue one ordered operation; the future resolves to a ``pb.TrainerResult``."""
+    def limits(self, model_id: str) -> Limits:
+        """What a forward_backward on run ``model_id`` must fit (its base model's vocabulary and context, this
+        pool's request size): the intake checks requests against it before they are queued."""
+        self._check_alive()
+        with self._lock:
+            if model_id not in self._models:
+                raise NotFound(f"unknown model_id {model_id!r}")
+            base = self.bank.base_model(model_id)
+        cfg = self.base(base).cfg
+        return Limits(cfg.vocab_size, cfg.max_position_embeddings, self.cfg.max_request_tokens)
+
+    def submit(self, op: Op) -> Future[Result]:
+        """Queue one ordered operation (a ``Skip`` is answered at once); the future resolves to its ``Result``."""
         self._check_alive()
         with self._lock:
             m = self._models.get(op.model_id)
@@ -222,7 +305,10 @@ class TrainerEngine:
             # and so is a repeat, which takes no new place
             if op.seq_id != m.seq.next_seq and op.seq_id not in m.seq.waiting:
                 self._admit(op.tenant)
-            fut, new = m.seq.offer(op.seq_id, op, time.monotonic())
+            if isinstance(op.body, Skip):
+                fut, new = m.seq.skip(op.seq_id, Result(error=op.body.error), time.monotonic()), True
+            else:
+                fut, new = m.seq.offer(op.seq_id, op, time.monotonic())
             if new:
                 self._lock.notify_all()
             return fut
@@ -258,8 +344,10 @@ class TrainerEngine:
         try:
             while True:
                 with self._lock:
+                    wait_s = self._expire(time.monotonic())
                     while not self._stopping and not self._ready():
-                        self._lock.wait()
+                        self._lock.wait(timeout=wait_s)
+                        wait_s = self._expire(time.monotonic())
                     deadline = time.monotonic() + self.cfg.cycle_gather_s
                     while not self._stopping and self._awaiting_step() and time.monotonic() < deadline:
                         self._lock.wait(timeout=deadline - time.monotonic())
@@ -289,6 +377,22 @@ class TrainerEngine:
         for item in items:
             _fail(item, err)
 
+    def _expire(self, now: float) -> float | None:
+        """Fail the operations that waited ``order_wait_s`` for a seq_id that has not arrived (caller holds the
+        lock). Returns the seconds until the next run would reach that wait (None: no run waits for one)."""
+        soonest = None
+        for m in self._models.values():
+            since = m.seq.stalled_since()
+            if since is None:
+                continue
+            left = since + self.cfg.order_wait_s - now
+            if left > 0:
+                soonest = left if soonest is None else min(soonest, left)
+                continue
+            for item, reason in m.seq.give_up(now):
+                _fail(item, FailedPrecondition(reason))
+        return soonest
+
     def _awaiting_step(self) -> bool:
         """Is a forward_backward at the head of a queue whose next operation has not arrived yet?
 
@@ -297,8 +401,8 @@ class TrainerEngine:
         """
         for m in self._models.values():
             head = m.seq.peek()
-            if (head is not None and head.op.WhichOneof("op") == "forward_backward"
-                    and not head.op.forward_backward.forward_only and m.seq.next_seq + 1 not in m.seq.waiting):
+            if (head is not None and isinstance(head.op.body, ForwardBackward) and head.op.body.backward
+                    and m.seq.next_seq + 1 not in m.seq.waiting):
                 return True
         return False
 
@@ -306,22 +410,18 @@ class TrainerEngine:
         return any(m.partial is not None or m.seq.peek() is not None for m in self._models.values())
 
     def _begin(self, m: _Model, item: Pending) -> Partial | None:
-        """Check a forward / forward_backward request as it reaches the head of its run's queue.
+        """Start a forward / forward_backward request (checked at the intake) as it reaches the head of its
+        run's queue; one split over several cycles first keeps a copy of the gradients it will add to.
 
-        Whatever goes wrong here (a bad request, or a bug) answers this request alone."""
-        req = item.op.forward_backward
+        Whatever goes wrong here (e.g. out of memory) answers this request alone."""
+        partial = Partial(item, item.op.body)
         try:
-            model = self.base(self.bank.base_model(m.model_id))
-            limits = Limits(model.cfg.vocab_size, model.cfg.max_position_embeddings, self.cfg.max_request_tokens)
-            examples, loss_cfg = check_request(req.data, req.loss_fn, dict(req.loss_fn_config), limits)
-            partial = Partial(item, examples, req.loss_fn, loss_cfg, backward=not req.forward_only)
-            if partial.backward and partial.tokens > self.cfg.cycle_tokens:
+            if partial.request.backward and partial.request.tokens > self.cfg.cycle_tokens:
                 partial.grad_backup = {n: None if p.grad is None else p.grad.clone()
                                        for n, p in self.bank.get(m.model_id).weights.named_parameters().items()}
         except Exception as e:  # noqa: BLE001 - one request's failure, never the cycle thread's
-            err = e if isinstance(e, LatheError) else Internal(
-                f"checking seq_id {item.seq_id} failed: {type(e).__name__}: {e}")
-            self._finish(m, item, self.cycle + 1, time.monotonic(), pb.TrainerResult(error=error_to_proto(err)))
+            err = Internal(f"starting seq_id {item.seq_id} failed: {type(e).__name__}: {e}")
+            self._finish(m, item, self.cycle + 1, time.monotonic(), Result(error=err))
             return None
         m.partial = partial
         return partial
@@ -352,7 +452,7 @@ class TrainerEngine:
             tokens = self._compute([w for w in works if w.compute is not None], cycle, start)
             for w in works:
                 if w.optim is not None:
-                    self._finish(w.run, w.optim, cycle, start, self._optim(w.run, w.optim.op.optim_step))
+                    self._finish(w.run, w.optim, cycle, start, self._optim(w.run, w.optim.op.body))
         except Exception as e:  # noqa: BLE001 - a bug fails this cycle's unanswered operations, not the thread
             self._fail_cycle(works, Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}"))
         finally:
@@ -390,15 +490,14 @@ class TrainerEngine:
         self.metrics.resident_adapters.set(self.bank.resident)
         self.metrics.paged_adapters.set(self.bank.paged)
 
-    def _finish(self, m: _Model, item: Pending, cycle: int, start: float, result: pb.TrainerResult,
-                tokens: int = 0) -> None:
+    def _finish(self, m: _Model, item: Pending, cycle: int, start: float, result: Result, tokens: int = 0) -> None:
         exactness = self.exactness.fields(self.bank.base_model(m.model_id))
-        result.receipt.CopyFrom(pb.Receipt(
+        result.recovery_path = self._snapshot(m, item, result) if self.store is not None else ""
+        result.receipt = Receipt(
             request_id=item.op.request_id, model_id=item.op.model_id, seq_id=item.seq_id, cycle=cycle,
             tokens=tokens, adapter_step=self.bank.get(m.model_id).step, queued_s=start - item.arrived,
-            run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.WhichOneof("op"),
-            fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)),
-        ))
+            run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.kind,
+            fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)))
         self.metrics.wait_seconds.observe(max(0.0, start - item.arrived))
         item.future.set_result(result)
 
@@ -410,7 +509,8 @@ class TrainerEngine:
         tokens = 0
         for base, group in by_base.items():
             jobs = [Job(self.bank.get(w.run.model_id).weights, w.compute.examples[w.part[0]:w.part[1]],
-                        w.compute.loss_fn, w.compute.loss_cfg, w.compute.backward) for w in group]
+                        w.compute.request.loss_fn, w.compute.request.loss_cfg, w.compute.request.backward)
+                    for w in group]
             tokens += sum(len(x) for j in jobs for x in j.examples)
             try:
                 results = run_jobs(self.base(base), jobs)
@@ -435,53 +535,44 @@ class TrainerEngine:
                 param.grad = p.grad_backup[n]
         m.partial = None
         out = self._fb_result(p, res.error)
-        self._finish(m, p.item, cycle, start, out, tokens=p.tokens)
+        self._finish(m, p.item, cycle, start, out, tokens=p.request.tokens)
         if res.error is not None and w.optim is not None:
-            self._finish(m, w.optim, cycle, start, self._optim(m, w.optim.op.optim_step))
+            self._finish(m, w.optim, cycle, start, self._optim(m, w.optim.op.body))
             w.optim = None
 
     @staticmethod
-    def _fb_result(p: Partial, error: LatheError | None) -> pb.TrainerResult:
+    def _fb_result(p: Partial, error: LatheError | None) -> Result:
         if error is not None:
-            return pb.TrainerResult(error=error_to_proto(error))
-        outputs = [pb.LossFnOutput(tensors={"logprobs": _tensor(lp.numpy().astype(np.float32))})
-                   for lp in p.logprobs]
-        return pb.TrainerResult(forward_backward=pb.ForwardBackwardOutput(
-            loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={"loss:sum": p.loss}))
+            return Result(error=error)
+        outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in p.logprobs]
+        return Result(ForwardBackwardOutput("ArrayRecord", outputs, {"loss:sum": p.loss}))
 
-    def _optim(self, m: _Model, req: pb.OptimStepRequest) -> pb.TrainerResult:
-        a = req.adam_params
-        try:
-            hp = AdamParams(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm).check()
-        except LatheError as e:
-            return pb.TrainerResult(error=error_to_proto(e))
+    def _optim(self, m: _Model, step: OptimStep) -> Result:
         try:
             adapter = self.bank.get(m.model_id)
-            metrics = adamw_step(adapter.weights.named_parameters(), adapter.opt, hp)
+            metrics = adamw_step(adapter.weights.named_parameters(), adapter.opt, step.params)
         except Exception as e:  # noqa: BLE001 - this step fails alone
-            return pb.TrainerResult(error=error_to_proto(Internal(f"optim_step failed: {type(e).__name__}: {e}")))
-        return pb.TrainerResult(optim_step=pb.OptimStepOutput(metrics=metrics))
+            return Result(error=Internal(f"optim_step failed: {type(e).__name__}: {e}"))
+        return Result(OptimStepResponse(metrics))
 
-    def _control(self, m: _Model, op: pb.TrainerOp) -> pb.TrainerResult:
+    def _control(self, m: _Model, op: Op) -> Result:
         try:
             adapter = self.bank.get(m.model_id)
-            if op.WhichOneof("op") == "save":
-                req = op.save
-                if req.kind not in ("weights", "sampler_weights"):
-                    raise InvalidArgument(f"save kind {req.kind!r} must be 'weights' or 'sampler_weights'")
+            req = op.body
+            if isinstance(req, Save):
                 files = adapter.state_files(self.cfg.dtype) if req.kind == "weights" else adapter.sampler_files()
                 meta = {"base_model": adapter.base_model, "step": adapter.step, **adapter.peft_config(),
-                        "user_metadata": dict(req.user_metadata)}
+                        "user_metadata": req.user_metadata}
                 path = self._store().put(tenant=op.tenant, run_id=adapter.model_id, kind=req.kind, name=req.name,
                                          files=files, metadata_json=json.dumps(meta),
-                                         ttl_seconds=req.ttl_seconds, overwrite=req.overwrite)
-                return pb.TrainerResult(save=pb.SaveOutput(path=path))
-            req = op.load
+                                         ttl_seconds=req.ttl_seconds, overwrite=req.overwrite,
+                                         max_tenant_bytes=req.max_checkpoint_bytes)
+                saved = SaveWeightsResponse if req.kind == "weights" else SaveWeightsForSamplerResponse
+                return Result(saved(path))
             files = self._store().get(tenant=op.tenant, path=req.path)
             adapter.load_files(files, with_optimizer=req.with_optimizer)
-            return pb.TrainerResult(load=pb.LoadOutput(path=req.path, model_id=adapter.model_id))
+            return Result(LoadWeightsResponse(req.path, adapter.model_id))
         except LatheError as e:
-            return pb.TrainerResult(error=error_to_proto(e))
+            return Result(error=e)
         except Exception as e:  # noqa: BLE001 - e.g. a checkpoint the store cannot decode: this operation fails alone
-            return pb.TrainerResult(error=error_to_proto(Internal(f"{op.WhichOneof('op')} failed: "
-                                                                  f"{type(e).__name__}: {e}")))
+            return Result(error=Internal(f"{op.kind} failed: {type(e).__name__}: {e}"))

@@ -9,9 +9,28 @@ chooses the weighting). Inputs per datum, all shaped like ``target_tokens [L]``:
                                                         loss = -min(r * A, clip(r, lo, hi) * A).sum()
     cispo                q, A; clip (lo, hi)=(0.0, 4.0)  loss = -(sg(clip(r, lo, hi)) * lp * A).sum()
     dro                  q, A; beta=0.05                loss = -(lp * A - beta/2 * (lp - q)^2).sum()
+    gspo                 q, A, [sequence_ratio_mask m];  s = exp(mean over M of sg(lp) - q), M = {t: m_t != 0}
+                         clip (lo, hi)=(1-3e-4, 1+4e-4)  r_t = s * exp(lp_t - sg(lp_t))  (value s, gradient r_t)
+                                                        loss = -min(r * A, clip(r, lo, hi) * A).sum()
+    stable_reinforce     q, A; clip_high c=2.0           loss = -(sg(min(r, c)) * lp * A).sum()
 
 ``lp`` are the trainer's logprobs of the target tokens; ``sg`` is stop-gradient. Thresholds and beta
 are overridable through ``loss_fn_config`` (``clip_low_threshold``, ``clip_high_threshold``, ``beta``).
+
+``gspo`` is Tinker's GSPO-token (its losses page, after Zheng et al. 2025): one sequence-level ratio, the
+geometric mean of the token ratios over the tokens ``sequence_ratio_mask`` marks, carried by every token with
+its own logprob's gradient, then clipped as in PPO. Our reading where the page is silent: without a
+``sequence_ratio_mask`` the ratio is taken over the tokens with a non-zero advantage (the sampled tokens of
+a cookbook datum, whose prompt rows carry ``q = 0``); when no token is marked the ratio is 1; the default
+thresholds are the GSPO paper's clipping ranges (3e-4 below, 4e-4 above).
+
+``stable_reinforce`` is our reading of Tinker's StableReinforce, whose published description we could read
+only in outline (a REINFORCE variant stable when the sampler's policy or numerics differ from the trainer's,
+using information recorded at sampling time): the REINFORCE gradient ``A * d lp`` weighted per token by the
+importance ratio against the sampling policy, detached and truncated at ``c`` (truncated importance
+sampling, Yao et al. 2025, whose C = 2 is the default). The recorded information is the sampled tokens'
+logprobs: Lathe's sampler and trainer compute them bit for bit alike, so the ``logprobs`` a client got from
+sampling are the record, exactly, and the ratio is 1 until the policy moves.
 """
 
 from __future__ import annotations
@@ -29,10 +48,16 @@ class LossSpec:
     fn: LossFn
     inputs: tuple[str, ...]  # required loss_fn_inputs besides target_tokens
     config: dict[str, float]  # accepted loss_fn_config keys and their defaults
+    optional: tuple[str, ...] = ()  # loss_fn_inputs the loss reads when given
 
 
 def _ratio(lp: torch.Tensor, inp: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.exp(lp - inp["logprobs"])
+
+
+def _clipped_surrogate(r: torch.Tensor, adv: torch.Tensor, cfg: dict[str, float]) -> torch.Tensor:
+    clipped = r.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -torch.minimum(r * adv, clipped * adv).sum()
 
 
 def cross_entropy(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
@@ -44,9 +69,7 @@ def importance_sampling(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dic
 
 
 def ppo(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
-    r, adv = _ratio(lp, inp), inp["advantages"]
-    clipped = r.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
-    return -torch.minimum(r * adv, clipped * adv).sum()
+    return _clipped_surrogate(_ratio(lp, inp), inp["advantages"], cfg)
 
 
 def cispo(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
@@ -58,6 +81,18 @@ def dro(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -
     return -(lp * inp["advantages"] - 0.5 * cfg["beta"] * (lp - inp["logprobs"]) ** 2).sum()
 
 
+def gspo(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
+    adv = inp["advantages"]
+    marked = inp["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inp else adv != 0
+    log_s = (lp.detach() - inp["logprobs"])[marked].mean() if bool(marked.any()) else lp.new_zeros(())
+    return _clipped_surrogate(torch.exp(log_s + lp - lp.detach()), adv, cfg)
+
+
+def stable_reinforce(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
+    weight = _ratio(lp, inp).clamp(max=cfg["clip_high_threshold"]).detach()
+    return -(weight * lp * inp["advantages"]).sum()
+
+
 _RL = ("logprobs", "advantages")
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, ("weights",), {}),
@@ -65,4 +100,7 @@ LOSSES: dict[str, LossSpec] = {
     "ppo": LossSpec(ppo, _RL, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": LossSpec(cispo, _RL, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
     "dro": LossSpec(dro, _RL, {"beta": 0.05}),
+    "gspo": LossSpec(gspo, _RL, {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+                     optional=("sequence_ratio_mask",)),
+    "stable_reinforce": LossSpec(stable_reinforce, _RL, {"clip_high_threshold": 2.0}),
 }

@@ -4,16 +4,28 @@ Operations of one training run may arrive in any order and any number of times (
 splits a large batch so that its first chunk arrives last). ``Sequencer`` releases them strictly as
 ``next_seq, next_seq + 1, ...``, buffering early arrivals, and answers every repeat of a ``seq_id``
 with the future of its first arrival, so nothing is ever applied twice.
+
+A ``seq_id`` may never come: the gateway refused it at its door, or the trainer's intake refused it (a client
+error, which a retry would meet again), or the client gave up on it. Two ways past such a hole, neither of which
+applies anything out of order:
+
+- ``skip``: the ``seq_id`` was refused (an ``ops.Skip``). It is passed over as soon as a later ``seq_id`` is
+  waiting, so the operations the client sends next run at once; until then, a corrected operation sent under the
+  same ``seq_id`` takes its place (the first one was refused, so nothing of it was ever queued);
+- ``give_up``: when operations have waited ``wait`` seconds for a ``seq_id`` that has not arrived
+  (``stalled_since``), every operation waiting is answered with a failure naming the ``seq_id`` it waited
+  for, and order resumes after the last of them. A late arrival of a seq_id passed over is refused.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from lathe.errors import FailedPrecondition
+from lathe.trainer.ops import Op, Result
 
 KEEP_RESULTS = 4096  # answered seq_ids remembered per model for late duplicates
 
@@ -21,7 +33,7 @@ KEEP_RESULTS = 4096  # answered seq_ids remembered per model for late duplicates
 @dataclass(slots=True)
 class Pending:
     seq_id: int
-    op: Any
+    op: Op | None  # None: a skipped seq_id (answered already, never run)
     future: Future
     arrived: float
 
@@ -31,30 +43,84 @@ class Sequencer:
     next_seq: int = 1
     waiting: dict[int, Pending] = field(default_factory=dict)
     answered: OrderedDict[int, Future] = field(default_factory=OrderedDict)
+    reached: float = field(default_factory=time.monotonic)  # when ``next_seq`` became the next one (monotonic)
 
-    def offer(self, seq_id: int, op: Any, now: float) -> tuple[Future, bool]:
+    def offer(self, seq_id: int, op: Op | None, now: float) -> tuple[Future, bool]:
         """Queue ``op`` under ``seq_id``; returns its future and whether it is new (False: a repeat)."""
-        if seq_id in self.waiting:
+        if seq_id in self.waiting and (op is None or self.waiting[seq_id].op is not None):
             return self.waiting[seq_id].future, False
         if seq_id in self.answered:
             return self.answered[seq_id], False
         if seq_id < self.next_seq:
-            raise FailedPrecondition(f"seq_id {seq_id} was applied long ago and its result is no longer kept")
+            raise FailedPrecondition(f"seq_id {seq_id} is behind this run's next seq_id {self.next_seq}: it was "
+                                     "applied, skipped or given up on, and its answer is no longer kept")
         fut: Future = Future()
-        self.waiting[seq_id] = Pending(seq_id, op, fut, now)
+        self.waiting[seq_id] = Pending(seq_id, op, fut, now)  # in place of a skip, if one held the seq_id
+        self._pass_skips(now)
         return fut, True
 
-    def peek(self) -> Pending | None:
-        """The next operation in order, if it has arrived."""
-        return self.waiting.get(self.next_seq)
+    def skip(self, seq_id: int, answer: Result, now: float) -> Future:
+        """Mark ``seq_id`` as refused before it was queued, answered with ``answer`` at once. A seq_id that has
+        arrived already keeps its own answer; one held by an earlier refusal (not yet passed over) takes this
+        one's answer, so each refused request is answered with its own error."""
+        held = self.waiting.get(seq_id)
+        if held is not None and held.op is None:
+            del self.waiting[seq_id]
+        fut, new = self.offer(seq_id, None, now)
+        if new:
+            fut.set_result(answer)
+        return fut
 
-    def pop(self) -> Pending:
+    def peek(self) -> Pending | None:
+        """The next operation in order, if it has arrived (a skip is never one)."""
+        head = self.waiting.get(self.next_seq)
+        return head if head is not None and head.op is not None else None
+
+    def pop(self, now: float | None = None) -> Pending:
+        """Take the next operation (``peek`` has it); ``now`` defaults to the monotonic clock."""
+        now = time.monotonic() if now is None else now
+        item = self._take(now)
+        self._pass_skips(now)
+        return item
+
+    def stalled_since(self) -> float | None:
+        """Since when operations have waited for a ``next_seq`` that has not arrived (None: nothing waits)."""
+        if not self.waiting or self.next_seq in self.waiting:
+            return None
+        return max(self.reached, min(p.arrived for p in self.waiting.values()))
+
+    def give_up(self, now: float) -> list[tuple[Pending, str]]:
+        """Stop waiting for ``next_seq``: every operation waiting (skips aside) is returned with the reason it
+        fails, to be answered by the caller; they count as answered, and order resumes after the last one."""
+        missing = self.next_seq
+        failed = []
+        for seq_id in sorted(self.waiting):
+            item = self.waiting.pop(seq_id)
+            self._remember(item)
+            if item.op is not None:
+                waited = now - max(item.arrived, self.reached)
+                failed.append((item, f"seq_id {seq_id} waited {waited:.0f} s for seq_id {missing}, which never "
+                                     f"arrived (operations of a run are applied strictly in seq_id order)"))
+            self.next_seq = seq_id + 1
+        self.reached = now
+        return failed
+
+    def _take(self, now: float) -> Pending:
         item = self.waiting.pop(self.next_seq)
         self.next_seq += 1
+        self.reached = now
+        self._remember(item)
+        return item
+
+    def _pass_skips(self, now: float) -> None:
+        """Pass over skips at the head while a later operation waits behind them."""
+        while len(self.waiting) > 1 and (head := self.waiting.get(self.next_seq)) is not None and head.op is None:
+            self._take(now)
+
+    def _remember(self, item: Pending) -> None:
         self.answered[item.seq_id] = item.future
         while len(self.answered) > KEEP_RESULTS:
             self.answered.popitem(last=False)
-        return item
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -1,4 +1,7 @@
-"""gRPC door of the trainer: translates ``lathe.v1.Trainer`` calls into ``TrainerEngine`` calls."""
+"""gRPC door of the trainer: translates ``lathe.v1.Trainer`` calls into ``TrainerEngine`` calls.
+
+``Run`` takes a request through the intake (``lathe.trainer.intake``: decoded and checked on a worker thread,
+outside the engine's lock, then queued) and answers its ``Result`` as a ``pb.TrainerResult``."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import asyncio
 import grpc
 
 from lathe.errors import LatheError
+from lathe.trainer import intake
 from lathe.trainer.engine import TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
@@ -32,7 +36,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     async def Run(self, request: pb.TrainerOp, context: grpc.aio.ServicerContext) -> pb.TrainerResult:
         try:
-            fut = self.engine.submit(request)
+            fut = await asyncio.to_thread(intake.submit, self.engine, request)
         except LatheError as e:
             await context.abort(e.status, e.message)
-        return await asyncio.wrap_future(fut)
+        return intake.result_to_proto(await asyncio.wrap_future(fut))

@@ -22,7 +22,7 @@ from lathe.errors import InvalidArgument, LatheError
 from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import LoraBatch, LoraWeights
 from lathe.trainer.losses import LOSSES
-from lathe.trainer.validate import Example
+from lathe.trainer.ops import Example
 
 
 @dataclass(slots=True)

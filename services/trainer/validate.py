@@ -1,44 +1,26 @@
-"""Datum checks: every datum is decoded and checked before it touches the model.
+"""Datum checks: every datum of a forward / forward_backward is decoded from protobuf and checked against its
+run's ``Limits`` as the request arrives (``lathe.trainer.intake``), before it is queued.
 
 A rejected request raises ``lathe.errors.InvalidArgument`` whose message names the datum index, the
-field and the lengths or values at fault; nothing has been computed or changed at that point.
+field and the lengths or values at fault; nothing has been queued, computed or changed at that point.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from lathe.errors import InvalidArgument
 from lathe.trainer.losses import LOSSES
+from lathe.trainer.ops import Example, Limits
 from lathe.v1 import lathe_pb2 as pb
 
 _NP_DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32}
 _INT_FIELDS = ("target_tokens",)
 MAX_DIMS = 8  # dimensions of one tensor
-
-
-@dataclass(slots=True)
-class Example:
-    """One checked datum: model input, targets and float inputs of the loss, all of length L."""
-
-    tokens: list[int]
-    targets: torch.Tensor  # [L] int64
-    inputs: dict[str, torch.Tensor]  # name -> [L] float32
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    vocab_size: int
-    max_context: int
-    max_request_tokens: int
 
 
 def check_shape(shape: Sequence[int], size: int, where: str) -> tuple[int, ...]:
@@ -87,7 +69,7 @@ def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits) -> Example:
         raise InvalidArgument(f"datum {i}: model_input has {n} tokens, over the model's context length "
                               f"{limits.max_context}")
     _check_ids(tokens, "model_input", i, limits.vocab_size)
-    allowed = {"target_tokens", *spec.inputs}
+    allowed = {"target_tokens", *spec.inputs, *spec.optional}
     unknown = sorted(set(d.loss_fn_inputs) - allowed)
     if unknown:
         raise InvalidArgument(f"datum {i}: loss_fn_inputs has unknown key(s) {unknown} for loss {loss_fn!r} "

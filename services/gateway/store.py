@@ -1,0 +1,344 @@
+"""The control plane's database: the only gateway code that speaks SQL (SQLAlchemy Core, no ORM).
+
+Tables (created and changed only by the alembic scripts in ``migrations/``, which ``upgrade`` runs; alembic's
+``alembic_version`` table says which ran):
+- ``sessions``: session id -> tenant, metadata, the next model and sampler numbers, why it finished;
+- ``runs``: model id -> tenant (its owner), session, base model, LoRA config (``pb.LoraConfig`` bytes),
+  metadata, creation and last-request times, the last checkpoints, the request id of its creation;
+- ``sampling_sessions``: sampling session id -> tenant, base model, pinned checkpoint and version;
+- ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
+  the serialized request sent on, state (``pending``/``done``), the serialized ``pb.FutureResult`` and times.
+  ``(key, seq_id)`` is unique (NULL while an operation answers no ``seq_id``), so the database, not a
+  process, decides which request a ``seq_id`` names; a finished operation's row (its ``seq_id`` with it)
+  is deleted after ``retention_s`` or when more than ``keep_done`` finished rows exist (``purge``).
+
+Engines: a SQLite file (WAL, ``synchronous=NORMAL``: a commit survives kill -9 of the process, not a power cut;
+a busy timeout lets two processes share it), in-memory SQLite (``sqlite://``: nothing survives the process),
+or PostgreSQL (``postgresql+psycopg://``). Every method is one short transaction, called inline from the
+gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import StaticPool
+
+from lathe.v1 import lathe_pb2 as pb
+
+from .records import Operation, Run, SamplingSession, Session
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+MEMORY_URL = "sqlite://"
+REPLAYED = ("forward_backward", "optim_step", "save", "load")  # the ordered operations of a training run
+MAX_SEQ = 2**62
+PG_LOCK_ID = 0x6C617468  # the advisory lock two gateways take to migrate one PostgreSQL database in turn
+
+metadata = sa.MetaData()
+sessions = sa.Table(
+    "sessions", metadata,
+    sa.Column("session_id", sa.String(64), primary_key=True),
+    sa.Column("tenant", sa.String(256), nullable=False),
+    sa.Column("user_metadata", sa.Text, nullable=False),
+    sa.Column("next_model", sa.Integer, nullable=False),
+    sa.Column("next_sampler", sa.Integer, nullable=False),
+    sa.Column("finished", sa.String(64), nullable=False),
+)
+runs = sa.Table(
+    "runs", metadata,
+    sa.Column("model_id", sa.String(128), primary_key=True),
+    sa.Column("tenant", sa.String(256), nullable=False, index=True),
+    sa.Column("session_id", sa.String(64), nullable=False),
+    sa.Column("base_model", sa.String(256), nullable=False),
+    sa.Column("lora", sa.LargeBinary, nullable=False),
+    sa.Column("user_metadata", sa.Text, nullable=False),
+    sa.Column("create_request_id", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("last_request_time", sa.Float, nullable=False),
+    sa.Column("last_checkpoint", sa.Text, nullable=False),
+    sa.Column("last_checkpoint_time", sa.Float, nullable=False),
+    sa.Column("last_sampler_checkpoint", sa.Text, nullable=False),
+    sa.Column("last_sampler_checkpoint_time", sa.Float, nullable=False),
+    sa.Column("recovery_seq", sa.BigInteger, nullable=False),
+)
+sampling_sessions = sa.Table(
+    "sampling_sessions", metadata,
+    sa.Column("sampling_session_id", sa.String(128), primary_key=True),
+    sa.Column("tenant", sa.String(256), nullable=False),
+    sa.Column("base_model", sa.String(256), nullable=False),
+    sa.Column("model_path", sa.Text, nullable=False),
+    sa.Column("version", sa.Float, nullable=False),
+)
+operations = sa.Table(
+    "operations", metadata,
+    sa.Column("request_id", sa.String(64), primary_key=True),
+    sa.Column("tenant", sa.String(256), nullable=False),
+    sa.Column("key", sa.String(128), nullable=False),
+    sa.Column("seq_id", sa.BigInteger, nullable=True),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("request", sa.LargeBinary, nullable=False),
+    sa.Column("sampling_seq_id", sa.BigInteger, nullable=True),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("result", sa.LargeBinary, nullable=True),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Column("finished", sa.Float, nullable=True),
+    sa.UniqueConstraint("key", "seq_id", name="uq_operations_key_seq"),
+    sa.Index("ix_operations_state_finished", "state", "finished"),
+)
+
+# the ledger's statements, built once (building a statement per call costs more than SQLite's commit)
+_INSERT_OP = operations.insert()
+_TOUCH_RUN = runs.update().where(runs.c.model_id == sa.bindparam("m")).values(last_request_time=sa.bindparam("t"))
+_HOLDER = sa.select(operations.c.request_id).where(operations.c.key == sa.bindparam("k"),
+                                                    operations.c.seq_id == sa.bindparam("s"))
+_FINISH = operations.update().where(operations.c.request_id == sa.bindparam("r")).values(
+    state="done", result=sa.bindparam("result"), finished=sa.bindparam("finished"))
+_RELEASE = _FINISH.values(seq_id=None)
+_GET_OP = sa.select(operations).where(operations.c.request_id == sa.bindparam("r"))
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    url: str = MEMORY_URL  # sqlite:///FILE, postgresql+psycopg://..., or sqlite:// (in memory, not durable)
+    retention_s: float = 7 * 86400.0  # a finished operation's result is kept this long...
+    keep_done: int = 100_000  # ...and at most this many of them (the oldest go first)
+    busy_timeout_ms: int = 10_000  # SQLite: how long a writer waits for another process's write
+
+    def __post_init__(self) -> None:
+        if self.retention_s <= 0 or self.keep_done < 1:
+            raise ValueError(f"retention_s must be > 0 and keep_done >= 1, got {self.retention_s} and "
+                             f"{self.keep_done}")
+        if not (self.url.startswith("sqlite:") or self.url.startswith("postgresql+psycopg:")):
+            raise ValueError(f"db url {self.url!r} is neither sqlite:///FILE nor postgresql+psycopg://...")
+
+
+@dataclass(slots=True)
+class Loaded:
+    """Everything ``ControlStore.load`` finds: the registries and the operations still pending."""
+
+    sessions: list[Session]
+    runs: list[Run]
+    sampling: list[SamplingSession]
+    pending: list[Operation]
+
+
+def create_engine(cfg: StoreConfig) -> Engine:
+    url = sa.make_url(cfg.url)
+    if url.get_backend_name() != "sqlite":
+        return sa.create_engine(url, pool_pre_ping=True)
+    memory = url.database in (None, "", ":memory:")
+    if not memory:
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, poolclass=StaticPool if memory else None,
+                              connect_args={"check_same_thread": False})
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi: sqlite3.Connection, record: object) -> None:
+        dbapi.isolation_level = None  # SQLAlchemy emits BEGIN itself (below), so DDL is transactional too
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", f"busy_timeout={cfg.busy_timeout_ms}"):
+            dbapi.execute(f"PRAGMA {pragma}")
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        immediate = conn.get_execution_options().get("sqlite_immediate", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+def upgrade(engine: Engine) -> None:
+    """Run the migrations not yet applied, holding the database's write lock so two gateways migrate in turn."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.connect().execution_options(sqlite_immediate=True) as conn, conn.begin():
+        if engine.dialect.name == "postgresql":
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_LOCK_ID})
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+
+
+class ControlStore:
+    def __init__(self, cfg: StoreConfig | None = None) -> None:
+        self.cfg = cfg or StoreConfig()
+        self.engine = create_engine(self.cfg)
+        upgrade(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- registries ----
+
+    def number(self, session_id: str, counter: str, n: int | None) -> int:
+        """The session's model or sampler number for a new creation (``counter``: ``"next_model"`` or
+        ``"next_sampler"``): ``n`` when the client chose it, else the next one the database hands out. Either
+        way the counter ends past it, never lower than another gateway left it."""
+        column = sessions.c[counter]
+        with self.engine.begin() as c:
+            if n is None:
+                return c.execute(sessions.update().where(sessions.c.session_id == session_id)
+                                 .values({counter: column + 1}).returning(column)).scalar_one() - 1
+            c.execute(sessions.update().where(sessions.c.session_id == session_id, column <= n)
+                      .values({counter: n + 1}))
+            return n
+
+    def get_session(self, session_id: str) -> Session | None:
+        with self.engine.begin() as c:
+            r = c.execute(sa.select(sessions).where(sessions.c.session_id == session_id)).first()
+        return None if r is None else _session(r)
+
+    def get_run(self, model_id: str) -> Run | None:
+        with self.engine.begin() as c:
+            r = c.execute(sa.select(runs).where(runs.c.model_id == model_id)).first()
+        return None if r is None else _run(r)
+
+    def get_sampling(self, sampling_session_id: str) -> SamplingSession | None:
+        with self.engine.begin() as c:
+            r = c.execute(sa.select(sampling_sessions).where(
+                sampling_sessions.c.sampling_session_id == sampling_session_id)).first()
+        return None if r is None else _sampling(r)
+
+    def put_session(self, s: Session) -> None:
+        with self.engine.begin() as c:
+            c.execute(sessions.insert().values(
+                session_id=s.session_id, tenant=s.tenant, user_metadata=json.dumps(s.user_metadata),
+                next_model=s.next_model, next_sampler=s.next_sampler, finished=s.finished))
+
+    def finish_session(self, s: Session) -> None:
+        """Record why the session finished (its counters are the database's own, see ``number``)."""
+        with self.engine.begin() as c:
+            c.execute(sessions.update().where(sessions.c.session_id == s.session_id).values(finished=s.finished))
+
+    def count_runs(self, tenant: str) -> int:
+        with self.engine.begin() as c:
+            return c.execute(sa.select(sa.func.count()).select_from(runs).where(runs.c.tenant == tenant)).scalar_one()
+
+    @staticmethod
+    def _run_row(r: Run) -> dict[str, object]:
+        return {"tenant": r.tenant, "session_id": r.session_id, "base_model": r.base_model,
+                "lora": r.lora.SerializeToString(), "user_metadata": json.dumps(r.user_metadata),
+                "create_request_id": r.create_request_id, "created_at": r.created_at,
+                "last_request_time": r.last_request_time, "last_checkpoint": r.last_checkpoint,
+                "last_checkpoint_time": r.last_checkpoint_time, "last_sampler_checkpoint": r.last_sampler_checkpoint,
+                "last_sampler_checkpoint_time": r.last_sampler_checkpoint_time, "recovery_seq": r.recovery_seq}
+
+    def put_run(self, r: Run, create: Operation) -> str:
+        """Register a run and its creation operation, both or neither. Returns the request id that creates the
+        run: ``create``'s, or the first one's if the id is taken."""
+        try:
+            with self.engine.begin() as c:
+                c.execute(runs.insert().values(model_id=r.model_id, **self._run_row(r)))
+                c.execute(_INSERT_OP, _op_row(create))
+            return create.request_id
+        except sa.exc.IntegrityError:
+            with self.engine.begin() as c:
+                return c.execute(sa.select(runs.c.create_request_id).where(runs.c.model_id == r.model_id)).scalar_one()
+
+    def update_run(self, r: Run) -> None:
+        with self.engine.begin() as c:
+            c.execute(runs.update().where(runs.c.model_id == r.model_id).values(**self._run_row(r)))
+
+    def delete_run(self, model_id: str) -> None:
+        with self.engine.begin() as c:
+            c.execute(runs.delete().where(runs.c.model_id == model_id))
+
+    def put_sampling(self, rec: SamplingSession) -> None:
+        """Register a sampling session (a repeat of its id changes nothing)."""
+        with self.engine.begin() as c:
+            insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(sampling_sessions)
+            c.execute(insert.values(sampling_session_id=rec.sampling_session_id, tenant=rec.tenant,
+                                    base_model=rec.base_model, model_path=rec.model_path, version=rec.version
+                                    ).on_conflict_do_nothing())
+
+    # ---- the ledger ----
+
+    def add_op(self, op: Operation, run: Run | None = None) -> str:
+        """Record ``op`` (and ``run``'s last request time); returns the request id that holds ``(key, seq_id)``:
+        ``op``'s, or the one recorded first when that key is taken already."""
+        try:
+            with self.engine.begin() as c:
+                c.execute(_INSERT_OP, _op_row(op))
+                if run is not None:
+                    c.execute(_TOUCH_RUN, {"m": run.model_id, "t": run.last_request_time})
+            return op.request_id
+        except sa.exc.IntegrityError:
+            with self.engine.begin() as c:
+                holder = c.execute(_HOLDER, {"k": op.key, "s": op.seq_id}).scalar()
+            if holder is None:  # not the key (the request id itself is taken), or released since: the caller's
+                raise
+            return holder
+
+    def finish_op(self, request_id: str, result: pb.FutureResult, finished: float, release_key: bool) -> None:
+        """Record the result; ``release_key``: it answers no ``seq_id`` (a submit that failed on its way in)."""
+        with self.engine.begin() as c:
+            c.execute(_RELEASE if release_key else _FINISH,
+                      {"r": request_id, "result": result.SerializeToString(), "finished": finished})
+
+    def get_op(self, request_id: str) -> Operation | None:
+        with self.engine.begin() as c:
+            row = c.execute(_GET_OP, {"r": request_id}).first()
+        return None if row is None else Operation(**row._mapping)
+
+    def purge(self, now: float) -> int:
+        """Delete finished operations older than the retention, then all but the ``keep_done`` newest; returns
+        how many went. Kept whatever their age: a live run's operations after its recovery snapshot, which a
+        rebuild on a restarted trainer replays (``replay``)."""
+        snapshot_seq = sa.select(runs.c.recovery_seq).where(runs.c.model_id == operations.c.key).scalar_subquery()
+        replayable = sa.and_(operations.c.kind.in_(REPLAYED), operations.c.seq_id.is_not(None),
+                             operations.c.seq_id > sa.func.coalesce(snapshot_seq, MAX_SEQ))
+        done = sa.and_(operations.c.state == "done", sa.not_(replayable))
+        with self.engine.begin() as c:
+            old = operations.c.finished < now - self.cfg.retention_s
+            gone = c.execute(operations.delete().where(done, old)).rowcount
+            cut = c.execute(sa.select(operations.c.finished).where(done).order_by(operations.c.finished.desc())
+                            .offset(self.cfg.keep_done).limit(1)).scalar()
+            if cut is not None:
+                gone += c.execute(operations.delete().where(done, operations.c.finished <= cut)).rowcount
+        return gone
+
+    def replay(self, model_id: str, first: int) -> list[Operation]:
+        """The run's recorded operations from ``seq_id`` ``first`` on, in order (what a rebuild applies again)."""
+        with self.engine.begin() as c:
+            return [Operation(**r._mapping) for r in c.execute(
+                sa.select(operations).where(operations.c.key == model_id, operations.c.seq_id >= first,
+                                            operations.c.kind.in_(REPLAYED)).order_by(operations.c.seq_id))]
+
+    def load(self) -> Loaded:
+        with self.engine.begin() as c:
+            found = Loaded(
+                sessions=[_session(r) for r in c.execute(sa.select(sessions))],
+                runs=[_run(r) for r in c.execute(sa.select(runs))],
+                sampling=[_sampling(r) for r in c.execute(sa.select(sampling_sessions))],
+                pending=[Operation(**r._mapping) for r in c.execute(
+                    sa.select(operations).where(operations.c.state == "pending").order_by(operations.c.created))],
+            )
+        return found
+
+
+def _session(r: sa.Row) -> Session:
+    return Session(r.session_id, r.tenant, json.loads(r.user_metadata), r.next_model, r.next_sampler,
+                   finished=r.finished)
+
+
+def _run(r: sa.Row) -> Run:
+    return Run(r.model_id, r.tenant, r.session_id, r.base_model, pb.LoraConfig.FromString(r.lora),
+               json.loads(r.user_metadata), r.create_request_id, r.created_at, r.last_request_time, r.last_checkpoint,
+               r.last_checkpoint_time, r.last_sampler_checkpoint, r.last_sampler_checkpoint_time, r.recovery_seq)
+
+
+def _sampling(r: sa.Row) -> SamplingSession:
+    return SamplingSession(r.sampling_session_id, r.tenant, r.base_model, r.model_path, r.version)
+
+
+def _op_row(op: Operation) -> dict[str, object]:
+    return {"request_id": op.request_id, "tenant": op.tenant, "key": op.key, "seq_id": op.seq_id, "kind": op.kind,
+            "request": op.request, "sampling_seq_id": op.sampling_seq_id, "state": op.state, "result": op.result,
+            "created": op.created, "finished": op.finished}

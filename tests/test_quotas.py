@@ -1,0 +1,322 @@
+"""Per-tenant quotas (issue 9, item 4): each quota refused through a real door with the quota, the tenant's use
+and the limit in its message, leaving no state; another tenant untouched; resident adapters paged out per tenant
+and back in bit for bit; checkpoint bytes freed by delete and by expiry. Plus the quota book and file on their
+own (a clock the test moves, the bank with a pinned cycle)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+import lathe
+from lathe.errors import ResourceExhausted
+from lathe.gateway.quotas import QuotaConfig, Quotas, TenantQuotas
+from lathe.serving import CHANNEL_OPTIONS
+from lathe.stack import Stack, StackConfig
+from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+from lathe.v1 import tinker_public_pb2 as tp
+
+BASE = "lathe/tiny-llama"
+PROTO = "application/x-protobuf"
+RANK = 4
+TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free")
+
+
+def _sampler_checkpoint_bytes(tiny_dir: Path) -> int:
+    """The bytes of a rank-RANK sampler checkpoint of the tiny model (its size does not depend on the values)."""
+    from lathe.models.config import ModelConfig
+    from lathe.models.lora import LoraSpec
+    from lathe.trainer.bank import Adapter
+
+    adapter = Adapter.fresh("m", "t", BASE, ModelConfig.from_dir(tiny_dir), LoraSpec(rank=RANK), seed=0)
+    return sum(len(b) for b in adapter.sampler_files().values())
+
+
+@pytest.fixture(scope="module")
+def quota_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[tuple]:
+    root = tmp_path_factory.mktemp("quotas")
+    keys = root / "keys"
+    keys.write_text("".join(f"tml-{t}={t}\n" for t in TENANTS))
+    ckpt = _sampler_checkpoint_bytes(tiny_dir)
+    quotas = root / "quotas.json"
+    quotas.write_text(json.dumps({"default": {"max_runs": 8}, "tenants": {
+        "runs": {"max_runs": 2}, "tokens": {"max_tokens_per_minute": 40}, "busy": {"max_inflight_ops": 2},
+        "meta": {"max_user_metadata_bytes": 32}, "pager": {"max_resident_adapters": 1},
+        "roomy": {"max_resident_adapters": 2}, "bytes": {"max_checkpoint_bytes": 2 * ckpt + ckpt // 2}}}))
+    pages = root / "pages"
+    cfg = StackConfig(models=BASE, store_root=root / "store", cache_root=model_cache, trainer_threads=1,
+                      sampler_threads=1, api_keys_file=keys, quotas_file=quotas,
+                      trainer_args=("--page-store", str(pages)))
+    with Stack(cfg) as stack:
+        yield stack, pages, ckpt
+
+
+def _client(stack: Stack, tenant: str, **kw: object) -> lathe.ServiceClient:
+    return lathe.ServiceClient(base_url=stack.gateway, api_key=f"tml-{tenant}", **kw)
+
+
+def _http(stack: Stack, tenant: str) -> httpx.Client:
+    return httpx.Client(base_url=f"{stack.http_url}/api/v1", headers={"X-API-Key": f"tml-{tenant}"}, timeout=60)
+
+
+def _refused(r: httpx.Response, pattern: str, retry_after: bool) -> str:
+    """A quota refusal at the HTTP door: 429, the message, and retry-after exactly when waiting helps."""
+    assert r.status_code == 429, r.text
+    assert re.fullmatch(pattern, r.json()["error"]), r.json()
+    if retry_after:
+        assert int(r.headers["retry-after"]) >= 1 and "x-should-retry" not in r.headers
+    else:
+        assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"
+    return r.json()["error"]
+
+
+def _datum(n: int, seed: int = 0) -> lathe.Datum:
+    rng = np.random.default_rng(seed)
+    toks = [int(t) for t in rng.integers(3, 250, n + 1)]
+    return lathe.Datum(model_input=lathe.ModelInput.from_ints(toks[:-1]),
+                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n})
+
+
+def _logprobs(out: lathe.ForwardBackwardOutput) -> list[np.ndarray]:
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def _runs(sc: lathe.ServiceClient) -> int:
+    return sc.create_rest_client().list_training_runs().result().cursor.total_count
+
+
+# ---------- through the doors ----------
+
+
+def test_max_runs(quota_stack: tuple) -> None:
+    stack = quota_stack[0]
+    with _client(stack, "runs") as sc, _client(stack, "free") as other:
+        for seed in (1, 2):
+            sc.create_lora_training_client(BASE, rank=RANK, seed=seed)
+        with pytest.raises(ResourceExhausted) as e:
+            sc.create_lora_training_client(BASE, rank=RANK, seed=3)
+        assert e.value.message == "quota max_runs: tenant has 2 training runs, the limit is 2"
+        with _http(stack, "runs") as http:
+            session = http.post("/create_session", json={"user_metadata": {}}).json()["session_id"]
+            r = http.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": BASE,
+                                                 "lora_config": {"rank": RANK}})
+        _refused(r, "quota max_runs: tenant has 2 training runs, the limit is 2", retry_after=False)
+        assert _runs(sc) == 2  # the refusals registered nothing
+        for seed in (1, 2, 3):  # another tenant is not counted against it
+            other.create_lora_training_client(BASE, rank=RANK, seed=seed)
+        assert _runs(other) == 3
+
+
+def test_tokens_per_minute_count_datums_prompts_and_sampled_tokens(quota_stack: tuple) -> None:
+    stack = quota_stack[0]
+    with _client(stack, "tokens") as sc, _client(stack, "free") as other:
+        tc = sc.create_lora_training_client(BASE, rank=RANK, seed=1)
+        tc.forward([_datum(30)]).result()
+        with pytest.raises(ResourceExhausted) as e:
+            tc.forward([_datum(30, seed=1)]).result()
+        assert re.fullmatch(r"quota max_tokens_per_minute: tenant spent 30 tokens in the last 60 s and the request "
+                            r"has 30, the limit is 40; retry in \d+\.\d s", e.value.message), e.value.message
+        with pytest.raises(ResourceExhausted, match="the request has 41 tokens, more than the limit of 40 per minute"):
+            sc.create_lora_training_client(BASE, rank=RANK, seed=2).forward([_datum(41)]).result()
+        other.create_lora_training_client(BASE, rank=RANK, seed=1).forward([_datum(30)] * 3).result()
+
+        with _http(stack, "tokens") as http:  # a sample spends its prompt at once and its tokens once sampled
+            session = http.post("/create_session", json={"user_metadata": {}}).json()["session_id"]
+            sid = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                              "base_model": BASE}).json()["sampling_session_id"]
+            sample = {"sampling_session_id": sid, "seq_id": 1, "num_samples": 1, "prompt": {"chunks": [
+                {"tokens": list(range(5, 12))}]}, "sampling_params": {"max_tokens": 2, "temperature": 1.0}}
+            rid = http.post("/asample", json=sample).json()["request_id"]
+            while PROTO not in (res := http.post("/retrieve_future", json={"request_id": rid})).headers["content-type"]:
+                assert res.json()["type"] == "try_again", res.text
+            sampled = len(tp.SampleResponse.FromString(res.content).sequences[0].tokens) // 4  # int32s
+            message = _refused(http.post("/asample", json=sample | {"seq_id": 2}),
+                               r"quota max_tokens_per_minute: tenant spent \d+ tokens in the last 60 s and the "
+                               r"request has 7, the limit is 40; retry in \d+\.\d s", retry_after=True)
+        assert f"spent {30 + 7 + sampled} tokens" in message
+
+
+def test_max_inflight_ops(quota_stack: tuple) -> None:
+    stack = quota_stack[0]
+    channel = grpc.insecure_channel(stack.gateway, options=CHANNEL_OPTIONS)
+    stub, md = pb_grpc.GatewayStub(channel), (("x-api-key", "tml-busy"),)
+    with _client(stack, "busy") as sc:
+        model_id = sc.create_lora_training_client(BASE, rank=RANK).model_id
+
+    def fb(seq: int) -> pb.SubmitResponse:
+        req = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn="cross_entropy", forward_only=True,
+                                        data=[lathe.wire.datum_to_proto(_datum(4))])
+        return stub.ForwardBackward(req, metadata=md, timeout=60)
+
+    fb(3), fb(2)  # both wait for seq_id 1: two requests in flight
+    want = ("quota max_inflight_ops: tenant has 2 requests in flight, the limit is 2; retry in 1 s, once some have "
+            "finished")
+    for _ in range(2):  # refused twice alike: the first refusal took no place
+        with pytest.raises(grpc.RpcError) as e:
+            fb(4)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.details() == want
+    with _http(stack, "busy") as http:
+        r = http.post("/create_session", json={"user_metadata": {}})
+        assert r.status_code == 200  # a session is no request in flight
+        r = http.post("/create_model", json={"session_id": r.json()["session_id"], "model_seq_id": 0,
+                                             "base_model": BASE, "lora_config": {"rank": RANK}})
+    assert _refused(r, re.escape(want), retry_after=True) == want
+    channel.close()
+    with _client(stack, "free") as other:  # the other tenant's requests still go through
+        other.create_lora_training_client(BASE, rank=RANK).forward([_datum(4)]).result()
+
+
+def test_user_metadata_bytes(quota_stack: tuple) -> None:
+    stack = quota_stack[0]
+    big = {"note": "x" * 29}  # 4 + 29 = 33 bytes
+    want = "quota max_user_metadata_bytes: user_metadata has 33 bytes (1 entries), the limit is 32"
+    with _client(stack, "meta", user_metadata=big) as sc, pytest.raises(ResourceExhausted, match=re.escape(want)):
+        sc.create_lora_training_client(BASE, rank=RANK)
+    with _client(stack, "meta") as sc:
+        with pytest.raises(ResourceExhausted, match=re.escape(want)):
+            sc.create_lora_training_client(BASE, rank=RANK, user_metadata=big)
+        assert _runs(sc) == 0
+        tc = sc.create_lora_training_client(BASE, rank=RANK, user_metadata={"note": "x" * 28})  # 32: fits
+        with pytest.raises(ResourceExhausted, match=re.escape(want)):
+            tc.save_state("s", user_metadata=big).result()
+        assert sc.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints == []
+    with _http(stack, "meta") as http:
+        _refused(http.post("/create_session", json={"user_metadata": big}), re.escape(want), retry_after=False)
+    with _client(stack, "free", user_metadata=big) as other:
+        other.create_lora_training_client(BASE, rank=RANK, user_metadata=big)
+
+
+def _paged(pages: Path, model_id: str) -> bool:
+    """Whether the trainer holds ``model_id``'s adapter paged out in the page store (``bank._page_prefix``)."""
+    d = pages / "paged" / hashlib.sha256(model_id.encode()).hexdigest()[:32]
+    return d.is_dir() and any(d.iterdir())
+
+
+def test_resident_adapters_page_out_per_tenant_and_back_in_bit_for_bit(quota_stack: tuple) -> None:
+    stack, pages, _ = quota_stack
+    data = [_datum(12, seed=s) for s in range(3)]
+    with _client(stack, "pager") as sc, _client(stack, "roomy") as other:
+        a = sc.create_lora_training_client(BASE, rank=RANK, seed=1)
+        for _ in range(2):  # move the weights off their initial values
+            a.forward_backward(data, "cross_entropy")
+            a.optim_step(lathe.AdamParams(learning_rate=0.05)).result()
+        before = _logprobs(a.forward(data).result())
+        assert not _paged(pages, a.model_id)
+        mine = [other.create_lora_training_client(BASE, rank=RANK, seed=s) for s in (1, 2)]
+        b = sc.create_lora_training_client(BASE, rank=RANK, seed=2)  # over its quota of 1: its own oldest goes
+        assert _paged(pages, a.model_id) and not _paged(pages, b.model_id)
+        assert not any(_paged(pages, tc.model_id) for tc in mine)  # within its quota of 2: nothing paged
+        after = _logprobs(a.forward(data).result())  # paged back in ...
+        assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))  # ... bit for bit
+        a.forward(data[:1]).result()  # a later cycle: the one before has paged out what it had to
+        assert not _paged(pages, a.model_id) and _paged(pages, b.model_id)
+        assert not any(_paged(pages, tc.model_id) for tc in mine)
+
+
+def test_checkpoint_bytes_are_freed_by_delete_and_by_expiry(quota_stack: tuple) -> None:
+    stack, _, size = quota_stack
+    limit = 2 * size + size // 2
+    with _client(stack, "bytes") as sc:
+        tc = sc.create_lora_training_client(BASE, rank=RANK)
+        rest = sc.create_rest_client()
+        first = tc.save_weights_for_sampler("a", ttl_seconds=2).result().path
+        expires = time.monotonic() + 2
+        second = tc.save_weights_for_sampler("b").result().path
+        assert [c.size_bytes for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [size, size]
+        with pytest.raises(ResourceExhausted) as e:
+            tc.save_weights_for_sampler("c").result()
+        assert e.value.message == (f"quota max_checkpoint_bytes: tenant has {2 * size} bytes in live checkpoints and "
+                                   f"saving tinker://{tc.model_id}/sampler_weights/c would add {size}, the limit is "
+                                   f"{limit}; delete checkpoints to make room")
+        paths = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+        assert paths == [first, second]  # the refused save left nothing
+        time.sleep(max(0.0, expires - time.monotonic()) + 0.5)
+        third = tc.save_weights_for_sampler("c").result().path  # the expired one no longer counts
+        with pytest.raises(ResourceExhausted, match=f"tenant has {2 * size} bytes in live checkpoints"):
+            tc.save_weights_for_sampler("d").result()
+        rest.delete_checkpoint_from_tinker_path(second).result()
+        fourth = tc.save_weights_for_sampler("d").result().path  # the deleted one freed its room
+        assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [third, fourth]
+
+
+# ---------- the quota book and file on their own ----------
+
+
+def test_token_window_admits_again_once_the_oldest_tokens_leave_it() -> None:
+    now = [1000.0]
+    q = Quotas(QuotaConfig(TenantQuotas(max_tokens_per_minute=60)), clock=lambda: now[0])
+    fb = {"forward_backward": pb.ForwardBackwardRequest(data=[lathe.wire.datum_to_proto(_datum(30))])}
+    q.admit_op("t", 0, fb)
+    now[0] += 10
+    q.charge("t", 20)  # sampled tokens, paid after the fact
+    with pytest.raises(ResourceExhausted) as e:
+        q.admit_op("t", 0, fb)
+    assert e.value.retry_after_s == 50.0  # when the first 30 leave the window
+    assert e.value.message == ("quota max_tokens_per_minute: tenant spent 50 tokens in the last 60 s and the request "
+                               "has 30, the limit is 60; retry in 50.0 s")
+    q.admit_op("u", 0, fb)  # another tenant has its own window
+    now[0] = 1059.5
+    with pytest.raises(ResourceExhausted, match="tenant spent 50 tokens"):  # nothing was charged by the refusals
+        q.admit_op("t", 0, fb)
+    now[0] = 1060.0
+    q.admit_op("t", 0, fb)  # the first 30 have left: 20 + 30
+    with pytest.raises(ResourceExhausted, match="tenant spent 50 tokens"):
+        q.admit_op("t", 0, fb)
+    q.admit_op("t", 0, {"optim_step": pb.OptimStepRequest()})  # spends no tokens: admitted however full
+
+
+def test_quota_files_json_and_toml_override_per_tenant(tmp_path: Path) -> None:
+    doc = {"default": {"max_runs": 5}, "tenants": {"alice": {"max_inflight_ops": 3}}}
+    as_json = tmp_path / "q.json"
+    as_json.write_text(json.dumps(doc))
+    as_toml = tmp_path / "q.toml"
+    as_toml.write_text("[default]\nmax_runs = 5\n[tenants.alice]\nmax_inflight_ops = 3\n")
+    for path in (as_json, as_toml):
+        cfg = QuotaConfig.from_file(path)
+        assert cfg.of("alice") == TenantQuotas(max_runs=5, max_inflight_ops=3)
+        assert cfg.of("bob") == TenantQuotas(max_runs=5)
+    assert QuotaConfig.from_file(None) == QuotaConfig()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"tenants": {"alice": {"max_run": 3}}}))
+    with pytest.raises(ValueError, match=rf"quotas file {re.escape(str(bad))}: tenants.alice: unknown quota "
+                                         r"'max_run'"):
+        QuotaConfig.from_file(bad)
+    bad.write_text(json.dumps({"default": {"max_checkpoint_bytes": 0}}))
+    with pytest.raises(ValueError, match="default: quota max_checkpoint_bytes must be an integer >= 1, got 0"):
+        QuotaConfig.from_file(bad)
+
+
+def test_bank_pages_out_the_tenants_own_adapters_never_pinned_ones(tiny_dir: Path, tmp_path: Path) -> None:
+    from lathe.models.config import ModelConfig
+    from lathe.models.lora import LoraSpec
+    from lathe.trainer.bank import Adapter, AdapterBank
+    from lathe.trainer.pages import DirPages
+
+    cfg = ModelConfig.from_dir(tiny_dir)
+    bank = AdapterBank(8, DirPages(tmp_path), "float32", lambda _: cfg)
+    bank.limit_tenant("a", 1)
+    for mid, tenant in (("b1", "b"), ("a1", "a"), ("b2", "b"), ("a2", "a")):
+        bank.add(Adapter.fresh(mid, tenant, BASE, cfg, LoraSpec(rank=2), seed=len(mid)))
+    assert bank.evict(pinned={"a1", "a2"}) == 0  # a cycle holds both: they stay until it ends
+    assert bank.evict(pinned=set()) == 1 and (bank.resident, bank.paged) == (3, 1)
+    assert not _resident(bank, "a1") and all(_resident(bank, m) for m in ("a2", "b1", "b2"))
+    bank.get("a1")  # paged back in, now the most recent: a2 goes next
+    assert bank.evict(pinned=set()) == 1
+    assert _resident(bank, "a1") and not _resident(bank, "a2")
+    bank.limit_tenant("a", 0)  # no quota of its own: only the capacity binds
+    bank.get("a2")
+    assert bank.evict(pinned=set()) == 0 and bank.resident == 4
+
+
+def _resident(bank: object, model_id: str) -> bool:
+    return bank._slots[model_id].adapter is not None  # noqa: SLF001 - what the bank holds in memory

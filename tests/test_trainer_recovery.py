@@ -1,0 +1,126 @@
+"""Recovery snapshots in-process: a second trainer rebuilds a run from the first one's snapshot plus the
+operations after it, and ends with the weights of an uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lathe.checkpoints.service import CheckpointService
+from lathe.checkpoints.store import open_store
+from lathe.errors import NotFound
+from lathe.models.catalog import ModelCatalog
+from lathe.trainer.engine import TrainerConfig, TrainerEngine
+from lathe.trainer.recovery import SnapshotPolicy
+from lathe.types import recovery_path
+from lathe.v1 import lathe_pb2 as pb
+from tests.test_trainer_engine import BASE, batch, fb, opt, submit, weights
+
+LORA = pb.LoraConfig(rank=4, train_attn=True, train_mlp=True, train_unembed=True)  # seeded by the model id
+
+
+class ServiceStore:
+    """The engine's ``CheckpointStore`` over an in-process checkpoints service (the gRPC client's twin)."""
+
+    def __init__(self, root: Path) -> None:
+        self.service = CheckpointService(open_store(root))
+
+    def put(self, **kw: object) -> str:
+        return self.service.put(**kw).path
+
+    def get(self, *, tenant: str, path: str) -> dict[str, bytes]:
+        return self.service.get(tenant, path)[1]
+
+
+def trainer(model_cache: Path, store: ServiceStore, every: int = 2) -> TrainerEngine:
+    eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, snapshots=SnapshotPolicy(every_steps=every)),
+                        ModelCatalog.from_spec(BASE, model_cache), store)
+    eng.start()
+    return eng
+
+
+def save(seq: int) -> pb.TrainerOp:
+    return pb.TrainerOp(model_id="m", seq_id=seq, tenant="t", request_id=f"r{seq}",
+                        save=pb.SaveRequest(model_id="m", seq_id=seq, name=f"s{seq}", kind="weights"))
+
+
+# fb, opt, fb, opt, fb, save(weights: a snapshot with a gradient pending), opt, fb, opt
+OPS = [fb("m", 1, batch(1)), opt("m", 2), fb("m", 3, batch(2)), opt("m", 4), fb("m", 5, batch(3)), save(6),
+       opt("m", 7), fb("m", 8, batch(4)), opt("m", 9)]
+
+
+def run(eng: TrainerEngine, ops: list[pb.TrainerOp]) -> list[pb.TrainerResult]:
+    out = []
+    for op in ops:
+        res = submit(eng, op).result(timeout=120)
+        assert res.WhichOneof("result") != "error", res.error.message
+        out.append(res)
+    return out
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> ServiceStore:
+    return ServiceStore(tmp_path / "store")
+
+
+@pytest.mark.parametrize("crash_after", [0, 3, 5, 6, 7])
+def test_a_run_rebuilt_from_its_snapshot_and_the_ops_after_it_equals_the_uninterrupted_run(
+        model_cache: Path, tiny_dir: Path, tmp_path: Path, store: ServiceStore, crash_after: int) -> None:
+    whole = trainer(model_cache, ServiceStore(tmp_path / "uninterrupted"))
+    whole.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE, lora_config=LORA))
+    reference = run(whole, OPS)
+    expected = weights(whole, "m")
+    whole.stop()
+
+    first = trainer(model_cache, store)
+    first.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE, lora_config=LORA))
+    receipts = [r.receipt for r in run(first, OPS[:crash_after])]
+    first.stop()  # the crash: everything in memory is gone
+    snapshots = [r for r in receipts if r.recovery_path]
+    # every 2nd optim_step (seq 4) and the training-state save (seq 6) wrote one
+    assert [r.recovery_seq_id for r in snapshots] == [s for s in (4, 6) if s <= crash_after]
+
+    second = trainer(model_cache, store)
+    info = second.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE, lora_config=LORA,
+                                                         recover_from=recovery_path("m")))
+    assert info.next_seq_id == (snapshots[-1].recovery_seq_id if snapshots else 0) + 1
+    replayed = run(second, [op for op in OPS if op.seq_id >= info.next_seq_id])
+    got = weights(second, "m")
+    second.stop()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    # the replayed forward_backward results are the originals, bit for bit
+    for res in replayed:
+        if res.HasField("forward_backward"):
+            ref = reference[res.receipt.seq_id - 1].forward_backward
+            assert res.forward_backward.loss_fn_outputs == ref.loss_fn_outputs
+
+
+def test_snapshots_are_the_tenants_own_and_never_listed(model_cache: Path, tiny_dir: Path,
+                                                        store: ServiceStore) -> None:
+    eng = trainer(model_cache, store, every=1)
+    eng.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE, lora_config=LORA))
+    path = run(eng, OPS[:2])[1].receipt.recovery_path
+    eng.stop()
+    assert path == recovery_path("m") == "tinker://m/recovery/latest"
+    assert store.service.list("t").checkpoints == []  # internal: not among the user's checkpoints
+    with pytest.raises(NotFound):
+        store.service.get("someone-else", path)
+
+
+def test_a_run_started_from_a_saved_state_is_recovered_from_that_state(model_cache: Path, tiny_dir: Path,
+                                                                         store: ServiceStore) -> None:
+    first = trainer(model_cache, store, every=0)
+    first.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE, lora_config=LORA))
+    saved = run(first, OPS[:6])[-1].save.path  # a training state after two steps, with a gradient pending
+    first.create_adapter(pb.CreateAdapterRequest(model_id="resumed", tenant="t", from_path=saved, with_optimizer=True))
+    expected = weights(first, "resumed")
+    first.stop()
+    second = trainer(model_cache, store, every=0)
+    info = second.create_adapter(pb.CreateAdapterRequest(model_id="resumed", tenant="t", base_model=BASE,
+                                                         lora_config=LORA, recover_from=recovery_path("resumed")))
+    got = weights(second, "resumed")
+    second.stop()
+    assert info.next_seq_id == 1 and info.step == 2
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
