@@ -16,12 +16,13 @@ import concurrent.futures as cf
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from machine import cpu_line
 
 import lathe
 from lathe.stack import Stack, StackConfig
@@ -94,11 +95,6 @@ def run(args: argparse.Namespace) -> dict[str, float | int]:
             "gateway_hwm_mb": memory["gateway"], "trainer_hwm_mb": memory["trainer"]}
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=32)
@@ -115,7 +111,7 @@ def main() -> None:
     if args.append:
         command = "OMP_NUM_THREADS=1 .venv/bin/python bench/bench_load.py " + " ".join(sys.argv[1:])
         with (REPO / "bench" / "RESULTS.md").open("a") as f:
-            f.write(f"\n## Load: concurrent SDK clients (`bench/bench_load.py`)\n\n`{command}` on {cpu_model()} "
+            f.write(f"\n## Load: concurrent SDK clients (`bench/bench_load.py`)\n\n`{command}` on {cpu_line()} "
                     f"({os.cpu_count()} cores, shared):\n\n- {summary}.\n")
     if r["errors"] or r["mismatched"]:
         raise SystemExit(1)

@@ -75,6 +75,7 @@ def _data(args: argparse.Namespace, vocab: int):  # noqa: ANN202 - list of lathe
 
 def run_engine(args: argparse.Namespace) -> list[float]:
     from lathe.models.catalog import ModelCatalog
+    from lathe.trainer import intake
     from lathe.trainer.engine import TrainerConfig, TrainerEngine
     from lathe.v1 import lathe_pb2 as pb
     from lathe.wire import datum_to_proto
@@ -92,8 +93,8 @@ def run_engine(args: argparse.Namespace) -> list[float]:
     times = []
     for k in range(args.steps + 1):
         t = time.perf_counter()
-        f1 = eng.submit(pb.TrainerOp(model_id="m", seq_id=2 * k + 1, tenant="t", forward_backward=fb))
-        f2 = eng.submit(pb.TrainerOp(model_id="m", seq_id=2 * k + 2, tenant="t", optim_step=adam))
+        f1 = intake.submit(eng, pb.TrainerOp(model_id="m", seq_id=2 * k + 1, tenant="t", forward_backward=fb))
+        f2 = intake.submit(eng, pb.TrainerOp(model_id="m", seq_id=2 * k + 2, tenant="t", optim_step=adam))
         f1.result()
         f2.result()
         times.append(time.perf_counter() - t)
