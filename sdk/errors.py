@@ -53,6 +53,12 @@ class FailedPrecondition(LatheError):
     status, http_status, category = grpc.StatusCode.FAILED_PRECONDITION, 400, "user"
 
 
+class Cancelled(LatheError):
+    """The caller cancelled the request before it finished (HTTP 499, nginx's "client closed request")."""
+
+    status, http_status, category = grpc.StatusCode.CANCELLED, 499, "user"
+
+
 class ResourceExhausted(LatheError):
     """Quota, capacity or a full queue; carries ``retry_after_s`` when the caller should come back."""
 
@@ -76,6 +82,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[LatheError]] = {
         PermissionDenied,
         Unauthenticated,
         FailedPrecondition,
+        Cancelled,
         ResourceExhausted,
         Unavailable,
         Internal,

@@ -62,7 +62,7 @@ def test_the_migrated_schema_is_the_stores_and_migrations_run_once(db_url: str) 
     second = ControlStore(StoreConfig(db_url))  # a restart (or a second gateway): nothing runs again, nothing lost
     with second.engine.connect() as c:
         assert compare_metadata(MigrationContext.configure(c), metadata) == []
-        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0001"]
+        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0002"]  # the head
     upgrade(second.engine)
     assert [s.session_id for s in second.load().sessions] == ["s1"]
     first.close()
@@ -137,7 +137,8 @@ def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(tmp_path: Path) -> None:
         assert c.exec_driver_sql("PRAGMA busy_timeout").scalar() == 1234
     other = sqlite3.connect(tmp_path / "c.db")  # another process's writer holds the lock for a moment...
     other.execute("BEGIN IMMEDIATE")
-    other.execute("INSERT INTO sessions VALUES ('x', 't', '{}', 0, 0, '')")
+    other.execute("INSERT INTO sessions (session_id, tenant, user_metadata, next_model, next_sampler, finished) "
+                  "VALUES ('x', 't', '{}', 0, 0, '')")
     with pytest.raises(sa.exc.OperationalError, match="database is locked"):
         store.put_session(Session("y", "t", {}))  # ... past the busy timeout: a clear error, never corruption
     other.commit()

@@ -320,3 +320,17 @@ def test_bank_pages_out_the_tenants_own_adapters_never_pinned_ones(tiny_dir: Pat
 
 def _resident(bank: object, model_id: str) -> bool:
     return bank._slots[model_id].adapter is not None  # noqa: SLF001 - what the bank holds in memory
+
+
+def test_pressure_names_the_quota_that_holds_new_work_back() -> None:
+    now = [1000.0]
+    q = Quotas(QuotaConfig(TenantQuotas(max_tokens_per_minute=60, max_inflight_ops=3)), clock=lambda: now[0])
+    assert q.pressure("t", 2) is None
+    assert q.pressure("t", 3) == "quota max_inflight_ops: 3 requests in flight, the limit is 3"
+    q.charge("t", 59)
+    assert q.pressure("t", 0) is None  # one token of room left
+    q.charge("t", 1)
+    assert q.pressure("t", 0) == "quota max_tokens_per_minute: 60 tokens in the last 60 s, the limit is 60"
+    assert q.pressure("u", 0) is None  # another tenant's window is its own
+    now[0] += 60
+    assert q.pressure("t", 0) is None  # the tokens have left the window

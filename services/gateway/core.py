@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from lathe.errors import FailedPrecondition, Internal, InvalidArgument, LatheError, NotFound
+from lathe.errors import Cancelled, FailedPrecondition, Internal, InvalidArgument, LatheError, NotFound
 from lathe.internal_auth import internal_aio_channel
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.types import CHECKPOINT_TYPES, EPHEMERAL_TTL_S, recovery_path
@@ -53,6 +53,7 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.wire import error_from_proto, error_to_proto
 
 from .calls import RECONNECT_OPTIONS, Caller, CallPolicy
+from .completions import Completion, CompletionQueues, queue_key
 from .futures import Entry, FutureStore
 from .limits import DoorLimits, check_op
 from .quotas import Quotas
@@ -93,6 +94,7 @@ class GatewayCore:
         self.sampler = pb_grpc.SamplerStub(self._channels[2])
         self.sampling: dict[str, SamplingSession] = {}
         self.futures = FutureStore(keep_done=self.store.cfg.keep_done, on_drop=self._forget)
+        self.completions = CompletionQueues()
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
         self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
@@ -124,18 +126,20 @@ class GatewayCore:
                                                         category="server"))
             self._finish(entry, result)
 
-        self._background(runner())
+        entry.task = self._background(runner())
 
-    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+    def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
         """Run ``work`` as a task the core holds until it ends."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _finish(self, entry: Entry, result: pb.FutureResult) -> None:
         """Record ``result`` in the ledger, then resolve the future (its key goes if the submit failed on its way
         in); every ``PURGE_EVERY_S`` the ledger drops what is past its retention."""
         result.request_id, result.done = entry.request_id, True
+        entry.task = None
         now = time.time()
         try:
             self.store.finish_op(entry.request_id, result, now, release_key=entry.seq_key is None)
@@ -146,6 +150,7 @@ class GatewayCore:
             print(f"lathe.gateway: recording the result of {entry.request_id} failed: {type(e).__name__}: {e}",
                   file=sys.stderr, flush=True)
         self.futures.complete(entry, result)
+        self.completions.done(entry.request_id, failed=result.HasField("error"))
 
     def _record(self, entry: Entry, op: Operation, run: Run | None = None) -> str:
         """Write ``op`` to the ledger; the request id holding its key: ``entry``'s, or (the key was taken, e.g.
@@ -504,21 +509,86 @@ class GatewayCore:
             out.save.sampling_session_id = bound.sampling_session_id  # in the result: recorded with it
         return out
 
-    async def retrieve(self, tenant: str, request_id: str, timeout_s: float) -> pb.FutureResult:
-        """The result (held up to ``timeout_s`` while pending); one no longer in memory comes from the ledger."""
+    def _request(self, tenant: str, request_id: str) -> Entry | Operation:
+        """The tenant's request: its future here, or else its ledger record (finished, or running at another
+        gateway over this database); NotFound for anyone else's."""
         try:
-            entry = self.futures.get(request_id, tenant)
+            return self.futures.get(request_id, tenant)
         except NotFound:
             op = self.store.get_op(request_id)
             if op is None or op.tenant != tenant:
                 raise
-            if op.result is None:  # pending at another gateway over this database: held while it runs there
-                found = await self._recorded_result(request_id, min(timeout_s, MAX_WAIT_S))
-                return found or pb.FutureResult(request_id=request_id, done=False)
-            return pb.FutureResult.FromString(op.result)
-        return await self.futures.wait(entry, min(timeout_s, MAX_WAIT_S))
+            return op
+
+    async def retrieve(self, tenant: str, request_id: str, timeout_s: float) -> pb.FutureResult:
+        """The result (held up to ``timeout_s`` while pending); one no longer in memory comes from the ledger."""
+        found = self._request(tenant, request_id)
+        if isinstance(found, Entry):
+            return await self.futures.wait(found, min(timeout_s, MAX_WAIT_S))
+        if found.result is None:  # pending at another gateway over this database: held while it runs there
+            recorded = await self._recorded_result(request_id, min(timeout_s, MAX_WAIT_S))
+            return recorded or pb.FutureResult(request_id=request_id, done=False)
+        return pb.FutureResult.FromString(found.result)
+
+    def cancel(self, tenant: str, request_id: str) -> bool:
+        """Cancel a sample not finished yet: its future answers ``Cancelled`` at once and its call to the sampler
+        is cancelled, which drops it from the sampler's queue or, running, takes its sequences out of the batch
+        (the tokens generated so far are not returned). False when the request had already finished (its
+        result stays). Training operations are refused: a run's later ``seq_id``s wait for each one."""
+        entry = self._request(tenant, request_id)
+        if isinstance(entry, Operation):
+            if entry.result is not None:
+                return False
+            raise FailedPrecondition(f"request_id {request_id!r} is running at another gateway over this "
+                                     "database; it can be cancelled only there")
+        if entry.result is not None:
+            return False
+        op = self.store.get_op(request_id)
+        if op is None or op.kind != "sample":
+            kind = op.kind if op is not None else "unknown"
+            raise FailedPrecondition(f"request_id {request_id!r} is a {kind} operation; only samples can be "
+                                     "cancelled (a training run applies its operations in seq_id order)")
+        if entry.task is not None:
+            entry.task.cancel()
+        self._finish(entry, pb.FutureResult(error=error_to_proto(Cancelled(f"request_id {request_id!r} was "
+                                                                             "cancelled by the client"))))
+        return True
+
+    async def completed_samples(self, tenant: str, sampling_session_id: str, client: int, prev_cursor: int,
+                                timeout_s: float) -> tuple[list[Completion], int]:
+        """The samples of one client of the tenant's sampling session finished since ``prev_cursor`` (held up to
+        ``timeout_s`` while none are), and the cursor to pass next (``completions.CompletionQueues``)."""
+        self.sampling_session(tenant, sampling_session_id)
+        if client < 0 or prev_cursor < 0:
+            raise InvalidArgument(f"cloned_sampler_id = {client} and prev_cursor = {prev_cursor} must be >= 0")
+        return await self.completions.wait((sampling_session_id, client), prev_cursor, min(timeout_s, MAX_WAIT_S))
+
+    def join_sampling_session(self, tenant: str, sampling_session_id: str) -> int:
+        """A client number for a new client of the tenant's sampling session, unique among its clients."""
+        self.sampling_session(tenant, sampling_session_id)
+        return self.store.join_sampling(sampling_session_id)
+
+    def queue_state(self, tenant: str) -> tuple[str, str | None]:
+        """Why the tenant's requests wait, as Tinker's ``queue_state`` and a reason: ``paused_rate_limit`` while
+        one of its own quotas (requests in flight, tokens per minute) refuses new work, else ``active``."""
+        reason = self.quotas.pressure(tenant, self.futures.pending(tenant))
+        return ("active", None) if reason is None else ("paused_rate_limit", reason)
 
     # ---- listings ----
+
+    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[str]:
+        """A page of the tenant's session ids, newest first."""
+        if limit < 1 or offset < 0:
+            raise InvalidArgument(f"limit and offset must be >= 1 and >= 0, got limit={limit} offset={offset}")
+        return self.store.list_sessions(tenant, limit, offset)
+
+    def session_members(self, tenant: str, session_id: str) -> tuple[Session, list[str], list[str]]:
+        """The tenant's session, its training run ids and its sampling session ids."""
+        s = self._find_session(session_id)
+        if s is None or s.tenant != tenant:
+            raise NotFound(f"unknown session_id {session_id!r}")
+        return s, *self.store.session_members(session_id)
+
 
     def list_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[Run], int]:
         """A page of the tenant's training runs, oldest first (``limit`` 0: 20), and how many there are."""
@@ -602,6 +672,7 @@ class GatewayCore:
         holder = self._record(entry, Operation(entry.request_id, tenant, rec.sampling_session_id, req.seq_id or None,
                                                "sample", full.SerializeToString()))
         if holder == entry.request_id:
+            self.completions.watch(entry.request_id, queue_key(rec.sampling_session_id, req.seq_id))
             work = self._run_sample(full)
             self._spawn(entry, self._remember(entry, key, work) if req.seq_id else work)
         return pb.SubmitResponse(request_id=holder)
@@ -628,6 +699,8 @@ class GatewayCore:
                 run.ready.set()
         for op in loaded.pending:
             entry = self.futures.create(op.tenant, op.request_id)
+            if op.kind == "sample":
+                self.completions.watch(op.request_id, queue_key(op.key, op.seq_id or 0))
             work = self._resume(op)
             if op.seq_id is not None:
                 work = self._remember(entry, (op.key, op.seq_id), work)

@@ -30,6 +30,7 @@ class Entry:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: pb.FutureResult | None = None
     seq_key: tuple[str, int] | None = None  # the (model or sampling session, seq_id) it answers, if any
+    task: asyncio.Task | None = None  # the work producing its result, while it runs here
 
 
 class FutureStore:

@@ -199,6 +199,20 @@ class Quotas:
             w.events.append((now, tokens))
             w.total += tokens
 
+    def pressure(self, tenant: str, in_flight: int) -> str | None:
+        """Which of the tenant's quotas refuses new work now (with ``in_flight`` unfinished requests), in words;
+        None while each still has room. Reads, never charges."""
+        q = self.of(tenant)
+        if in_flight >= q.max_inflight_ops:
+            return f"quota max_inflight_ops: {in_flight} requests in flight, the limit is {q.max_inflight_ops}"
+        w = self._windows.get(tenant)
+        if w is not None:
+            w.expire(self.clock())
+            if w.total >= q.max_tokens_per_minute:
+                return (f"quota max_tokens_per_minute: {w.total} tokens in the last {WINDOW_S:.0f} s, the limit is "
+                        f"{q.max_tokens_per_minute}")
+        return None
+
     # ---- helpers ----
 
     @staticmethod

@@ -2,10 +2,12 @@
 
 Tables (created and changed only by the alembic scripts in ``migrations/``, which ``upgrade`` runs; alembic's
 ``alembic_version`` table says which ran):
-- ``sessions``: session id -> tenant, metadata, the next model and sampler numbers, why it finished;
+- ``sessions``: session id -> tenant, metadata, the next model and sampler numbers, why it finished, when it
+  was created (listings are newest first);
 - ``runs``: model id -> tenant (its owner), session, base model, LoRA config (``pb.LoraConfig`` bytes),
   metadata, creation and last-request times, the last checkpoints, the request id of its creation;
-- ``sampling_sessions``: sampling session id -> tenant, base model, pinned checkpoint and version;
+- ``sampling_sessions``: sampling session id -> tenant, base model, pinned checkpoint and version, how many
+  clients joined it (``join_sampling``);
 - ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
   the serialized request sent on, state (``pending``/``done``), the serialized ``pb.FutureResult`` and times.
   ``(key, seq_id)`` is unique (NULL while an operation answers no ``seq_id``), so the database, not a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +55,8 @@ sessions = sa.Table(
     sa.Column("next_model", sa.Integer, nullable=False),
     sa.Column("next_sampler", sa.Integer, nullable=False),
     sa.Column("finished", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False, server_default="0"),
+    sa.Index("ix_sessions_tenant_created", "tenant", "created_at"),
 )
 runs = sa.Table(
     "runs", metadata,
@@ -77,6 +82,7 @@ sampling_sessions = sa.Table(
     sa.Column("base_model", sa.String(256), nullable=False),
     sa.Column("model_path", sa.Text, nullable=False),
     sa.Column("version", sa.Float, nullable=False),
+    sa.Column("clients", sa.Integer, nullable=False, server_default="0"),
 )
 operations = sa.Table(
     "operations", metadata,
@@ -210,7 +216,33 @@ class ControlStore:
         with self.engine.begin() as c:
             c.execute(sessions.insert().values(
                 session_id=s.session_id, tenant=s.tenant, user_metadata=json.dumps(s.user_metadata),
-                next_model=s.next_model, next_sampler=s.next_sampler, finished=s.finished))
+                next_model=s.next_model, next_sampler=s.next_sampler, finished=s.finished, created_at=time.time()))
+
+    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[str]:
+        """A page of the tenant's session ids, newest first."""
+        with self.engine.begin() as c:
+            return list(c.execute(sa.select(sessions.c.session_id).where(sessions.c.tenant == tenant)
+                                  .order_by(sessions.c.created_at.desc(), sessions.c.session_id)
+                                  .limit(limit).offset(offset)).scalars())
+
+    def session_members(self, session_id: str) -> tuple[list[str], list[str]]:
+        """The training run ids and sampling session ids made in the session, oldest first."""
+        with self.engine.begin() as c:
+            run_ids = c.execute(sa.select(runs.c.model_id).where(runs.c.session_id == session_id)
+                                .order_by(runs.c.created_at)).scalars()
+            sampler_ids = c.execute(sa.select(sampling_sessions.c.sampling_session_id).where(
+                sampling_sessions.c.sampling_session_id.startswith(f"{session_id}:sample:", autoescape=True))
+                ).scalars()
+            return list(run_ids), sorted(sampler_ids, key=lambda sid: int(sid.rsplit(":", 1)[1]))
+
+    def join_sampling(self, sampling_session_id: str) -> int:
+        """A number for a new client of the sampling session, unique among its clients (the first is 0, so
+        joiners get 1, 2, ...), counted by the database for every gateway."""
+        column = sampling_sessions.c.clients
+        with self.engine.begin() as c:
+            return c.execute(sampling_sessions.update().where(
+                sampling_sessions.c.sampling_session_id == sampling_session_id)
+                .values(clients=column + 1).returning(column)).scalar_one()
 
     def finish_session(self, s: Session) -> None:
         """Record why the session finished (its counters are the database's own, see ``number``)."""

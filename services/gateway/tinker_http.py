@@ -5,9 +5,13 @@ its body (JSON through ``json_fields``, the ``forward_backward`` protobuf throug
 one core call and answers in Tinker's shapes. Model operations answer a future ``{"request_id", ...}`` at
 once; ``/retrieve_future`` long-polls the core and answers the result (protobuf for forward/backward and
 sampling outputs, JSON otherwise), ``{"type": "try_again"}`` when nothing came within the wait, or
-``{"error", "category"}`` when the operation failed. A rejected call answers the core error's HTTP status
-with the same ``{"error", "category"}`` body, never an empty one. A body longer than the core's
-``limits.max_message_bytes`` is refused with 413 before it is read to its end.
+``{"error", "category"}`` when the operation failed; its ``queue_state`` says whether one of the tenant's own
+quotas holds new work back (``GatewayCore.queue_state``). ``/retrieve_futures`` long-polls a sampling client's
+completion queue (``completions``), which the SDK then fetches one by one. A rejected call answers the core
+error's HTTP status with the same ``{"error", "category"}`` body, never an empty one (429 with ``retry-after``
+when waiting helps). A body longer than the core's ``limits.max_message_bytes`` is refused with 413 before it is
+read to its end; a ``Content-Encoding: zstd`` body (the SDK's compressed forward_backward) is refused the same
+way when it would decompress past that limit.
 
 State of its own: only what an HTTP request said that its result does not carry (the layout of a sample's sparse
 ``target_prompt_logprobs``), kept by request id for the latest requests; a gateway restart forgets it, and the
@@ -16,12 +20,14 @@ result is then answered dense.
 
 from __future__ import annotations
 
+import io
 import json
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import zstandard
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -45,7 +51,9 @@ from .tinker_proto import (
 )
 
 PREFIX = "/api/v1"
-CLIENT_CONFIG = {"use_pyqwest_transport": False, "pjwt_auth_enabled": False}
+CLIENT_CONFIG = {"use_pyqwest_transport": False, "pjwt_auth_enabled": False, "proto_compress_fwdbwd": True,
+                 "sample_use_retrieve_futures": True, "sample_join_sampling_session": True}
+DYNAMIC_CONFIG = {"sample_cancel_enabled": True}
 POLL_MARGIN_S = 15.0  # a long-poll ends this long before the client's read timeout (its x-stainless header)
 
 Handler = Callable[[Request, str], Awaitable[Response | dict[str, Any]]]
@@ -100,6 +108,8 @@ class TinkerHttpDoor:
             ("POST", "/session_heartbeat", self.session_heartbeat),
             ("POST", "/telemetry", self.telemetry),
             ("POST", "/sessions/{session_id}/finish", self.finish_session),
+            ("GET", "/sessions", self.list_sessions),
+            ("GET", "/sessions/{session_id}", self.get_session),
             ("GET", "/get_server_capabilities", self.get_server_capabilities),
             ("POST", "/create_model", self.create_model),
             ("POST", "/get_info", self.get_info),
@@ -109,9 +119,12 @@ class TinkerHttpDoor:
             ("POST", "/save_weights_for_sampler", self.save_weights_for_sampler),
             ("POST", "/load_weights", self.load_weights),
             ("POST", "/create_sampling_session", self.create_sampling_session),
+            ("POST", "/join_sampling_session", self.join_sampling_session),
             ("GET", "/samplers/{sampling_session_id}", self.get_sampler),
             ("POST", "/asample", self.asample),
             ("POST", "/retrieve_future", self.retrieve_future),
+            ("POST", "/retrieve_futures", self.retrieve_futures),
+            ("POST", "/cancel_future", self.cancel_future),
             ("GET", "/training_runs", self.list_training_runs),
             ("GET", "/training_runs/{run_id}", self.get_training_run),
             ("GET", "/training_runs/{run_id}/checkpoints", self.list_run_checkpoints),
@@ -144,7 +157,8 @@ class TinkerHttpDoor:
         return endpoint
 
     async def _body(self, request: Request) -> bytes:
-        """The request body, read no further than the size limit."""
+        """The request body, read no further than the size limit, and decompressed no further either when it
+        comes ``Content-Encoding: zstd``."""
         cap = self.core.limits.max_message_bytes
         declared = request.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared) > cap:
@@ -155,7 +169,20 @@ class TinkerHttpDoor:
             if size > cap:
                 raise RequestTooLarge(f"the request body is over the limit of {cap} bytes")
             chunks.append(chunk)
-        return b"".join(chunks)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "identity")
+        if encoding == "identity":
+            return body
+        if encoding != "zstd":
+            raise InvalidArgument(f"Content-Encoding {encoding!r} is not accepted; send 'zstd' or 'identity'")
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+                plain = reader.read(cap + 1)
+        except zstandard.ZstdError as e:
+            raise InvalidArgument(f"the zstd request body does not decompress: {e}") from None
+        if len(plain) > cap:
+            raise RequestTooLarge(f"the zstd request body decompresses to over the limit of {cap} bytes")
+        return plain
 
     async def _fields(self, request: Request) -> Fields:
         return Fields.parse(await self._body(request))
@@ -179,7 +206,7 @@ class TinkerHttpDoor:
         return CLIENT_CONFIG
 
     async def dynamic_config(self, request: Request, tenant: str) -> dict[str, Any]:
-        return {}
+        return DYNAMIC_CONFIG
 
     async def create_session(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
@@ -196,6 +223,15 @@ class TinkerHttpDoor:
         reason = (await self._fields(request)).sub("reason", required=False).get("type", str, "")
         self.core.finish_session(tenant, request.path_params["session_id"], reason)
         return {}
+
+    async def list_sessions(self, request: Request, tenant: str) -> dict[str, Any]:
+        """The caller's sessions, newest first (``access_scope`` aside: a tenant sees only its own)."""
+        limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
+        return {"sessions": self.core.list_sessions(tenant, limit, offset)}
+
+    async def get_session(self, request: Request, tenant: str) -> dict[str, Any]:
+        s, run_ids, sampler_ids = self.core.session_members(tenant, request.path_params["session_id"])
+        return {"training_run_ids": run_ids, "sampler_ids": sampler_ids, "user_metadata": s.user_metadata}
 
     async def get_server_capabilities(self, request: Request, tenant: str) -> dict[str, Any]:
         return tj.capabilities(await self.core.capabilities())
@@ -218,9 +254,6 @@ class TinkerHttpDoor:
         if not content_type.startswith(PROTO_CONTENT_TYPE):
             raise InvalidArgument(f"forward_backward takes a {PROTO_CONTENT_TYPE} body (tinker_public."
                                   f"ForwardBackwardRequest), not {content_type or 'no Content-Type'!r}")
-        encoding = request.headers.get("content-encoding", "identity")
-        if encoding != "identity":
-            raise InvalidArgument(f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed")
         req = forward_backward_from_proto(await self._body(request), self.core.limits.max_tensor_elements)
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
 
@@ -277,6 +310,10 @@ class TinkerHttpDoor:
             base_model=f.get("base_model", str, "")), seq_id=f.get("sampling_session_seq_id", int))
         return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
 
+    async def join_sampling_session(self, request: Request, tenant: str) -> dict[str, Any]:
+        sid = (await self._fields(request)).get("sampling_session_id", str)
+        return {"type": "join_sampling_session", "client_counter": self.core.join_sampling_session(tenant, sid)}
+
     async def get_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
         s = self.core.sampling_session(tenant, request.path_params["sampling_session_id"])
         return {"sampler_id": s.sampling_session_id, "base_model": s.base_model, "model_path": s.model_path or None}
@@ -291,16 +328,41 @@ class TinkerHttpDoor:
 
     # ---- futures ----
 
+    @staticmethod
+    def _poll_s(request: Request) -> float:
+        """How long a long-poll may hold: until shortly before the client's read timeout."""
+        try:
+            return max(1.0, float(request.headers.get("x-stainless-read-timeout", "")) - POLL_MARGIN_S)
+        except ValueError:
+            return MAX_WAIT_S
+
     async def retrieve_future(self, request: Request, tenant: str) -> Response | dict[str, Any]:
         request_id = (await self._fields(request)).get("request_id", str)
-        try:
-            wait_s = float(request.headers.get("x-stainless-read-timeout", "")) - POLL_MARGIN_S
-        except ValueError:
-            wait_s = MAX_WAIT_S
-        res = await self.core.retrieve(tenant, request_id, max(1.0, wait_s))
+        res = await self.core.retrieve(tenant, request_id, self._poll_s(request))
         if not res.done:
-            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            state, reason = self.core.queue_state(tenant)
+            return {"type": "try_again", "request_id": request_id, "queue_state": state, "queue_state_reason": reason}
         return self._result(res, self._notes.get(request_id, _Note()))
+
+    async def retrieve_futures(self, request: Request, tenant: str) -> dict[str, Any]:
+        """The samples of one sampling client finished since ``prev_cursor``; ``timeout`` 0 answers at once.
+        ``retrieved_request_ids`` is accepted and not needed: results stay as long as the core keeps them."""
+        f = await self._fields(request)
+        target = f.sub("target")
+        kind = target.get("type", str, "sampling_session")
+        if kind != "sampling_session":
+            raise InvalidArgument(f"{target.path('type')} = {kind!r}: only 'sampling_session' targets are served")
+        timeout = f.get("timeout", float, None)
+        events, cursor = await self.core.completed_samples(
+            tenant, target.get("sampling_session_id", str), target.get("cloned_sampler_id", int, 0),
+            f.get("prev_cursor", int, 0), self._poll_s(request) if timeout is None else max(0.0, timeout))
+        return {"completions": [{"state": "failed" if e.failed else "finished", "request_id": e.request_id}
+                                for e in events], "cursor": cursor}
+
+    async def cancel_future(self, request: Request, tenant: str) -> dict[str, Any]:
+        """Cancel a sample not finished yet (``GatewayCore.cancel``); one already finished keeps its result."""
+        request_id = (await self._fields(request)).get("request_id", str)
+        return {"request_id": request_id, "cancelled": self.core.cancel(tenant, request_id)}
 
     @staticmethod
     def _result(res: pb.FutureResult, note: _Note) -> Response | dict[str, Any]:
