@@ -111,8 +111,8 @@ def main() -> None:
     if args.append:
         command = "OMP_NUM_THREADS=1 .venv/bin/python bench/bench_load.py " + " ".join(sys.argv[1:])
         with (REPO / "bench" / "RESULTS.md").open("a") as f:
-            f.write(f"\n## Load: concurrent SDK clients (`bench/bench_load.py`)\n\n`{command}` on {cpu_line()} "
-                    f"({os.cpu_count()} cores, shared):\n\n- {summary}.\n")
+            f.write(f"\n## Load: concurrent SDK clients (`bench/bench_load.py`)\n\n`{command}` on {cpu_line()}:"
+                    f"\n\n- {summary}.\n")
     if r["errors"] or r["mismatched"]:
         raise SystemExit(1)
 
