@@ -25,6 +25,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+
+def reconnect_options(first_s: float, max_s: float) -> list[tuple[str, int]]:
+    """Channel options that make a channel try to reconnect to a service that went away after ``first_s``, then
+    at least every ``max_s``: a restarted service is found within its callers' retry backoff instead of gRPC's
+    default of up to two minutes."""
+    return [("grpc.initial_reconnect_backoff_ms", int(first_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(max_s * 1000))]
+
 READY_MARK = " listening on "
 
 

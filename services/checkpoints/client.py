@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 
 from lathe.errors import AlreadyExists, Unavailable, from_rpc_error
 from lathe.internal_auth import internal_channel
-from lathe.serving import CHANNEL_OPTIONS
+from lathe.serving import CHANNEL_OPTIONS, reconnect_options
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
@@ -66,10 +66,9 @@ class CheckpointsClient:
         self.target = target
         self.timeout_s = timeout_s
         self.retry = retry
-        # reconnect to a restarted service as soon as the retries would (gRPC's own backoff grows to 120 s)
-        reconnect_ms = int(retry.max_backoff_s * 1000)
-        self._channel = internal_channel(target, [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
-                                                  ("grpc.max_reconnect_backoff_ms", reconnect_ms)])
+        # reconnect to a restarted service as soon as the retries would
+        self._channel = internal_channel(target, [*CHANNEL_OPTIONS,
+                                                  *reconnect_options(retry.max_backoff_s, retry.max_backoff_s)])
         self._stub = cpb_grpc.CheckpointsStub(self._channel)
 
     def _retrying(self, what: str, attempt: Callable[[], T]) -> T:

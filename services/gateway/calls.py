@@ -21,10 +21,9 @@ from typing import Any
 import grpc
 
 from lathe.errors import Unavailable, from_rpc_error
+from lathe.serving import reconnect_options
 
-# the gateway's channels try to reconnect to a service that went away at least this often, so one that comes
-# back is found within the retry backoff instead of gRPC's default of up to two minutes
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT_OPTIONS = reconnect_options(0.1, 1.0)  # the gateway's channels to the services it calls
 
 
 @dataclass(frozen=True, slots=True)
