@@ -1,0 +1,262 @@
+"""The Helm chart (helm/lathe) and the images (docker/Dockerfile).
+
+The chart is linted (``helm lint --strict``), rendered (``helm template``) and the rendered objects checked against
+Kubernetes 1.35's schemas (``kubernetes-validate --strict``) for the default and the multi-pool values, then read
+as YAML: the trainer's rank wiring, GPU requests, NetworkPolicies, PDBs, pod security, monitoring objects. helm is
+the pinned static binary helm/fetch_helm.py installs into .venv/bin (``make test`` does); without it these tests skip
+and say so. No image can be built here (no docker), so the Dockerfile is checked as text: a target per service,
+each installing its pyproject extra, non-root, starting a module that exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "lathe"
+MULTIPOOL = CHART / "values-gpu-multipool.yaml"
+K8S_VERSION = "1.35.0"
+RELEASE = "rel"
+
+
+def helm() -> str:
+    local = Path(sys.executable).parent / "helm"
+    found = str(local) if local.is_file() else shutil.which("helm")
+    if found is None:
+        pytest.skip("no helm binary: run `python helm/fetch_helm.py` (make test does) to install the pinned one")
+    return found
+
+
+@functools.cache
+def render(values: str = "") -> str:
+    args = [helm(), "template", RELEASE, str(CHART), "--namespace", "lathe"] + (["-f", values] if values else [])
+    return subprocess.run(args, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
+def objects(values: str = "") -> list[dict]:
+    return [d for d in yaml.safe_load_all(render(values)) if d]
+
+
+def one(objs: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind} {name}: {[(o['kind'], o['metadata']['name']) for o in objs]}"
+    return found[0]
+
+
+def env_of(container: dict) -> dict[str, object]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+VALUES = pytest.mark.parametrize("values", ["", str(MULTIPOOL)], ids=["default", "gpu-multipool"])
+
+
+@VALUES
+def test_the_chart_lints_strictly(values: str) -> None:
+    args = [helm(), "lint", "--strict", str(CHART)] + (["-f", values] if values else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@VALUES
+def test_the_rendered_objects_are_valid_for_kubernetes_1_35(values: str, tmp_path: Path) -> None:
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(render(values))
+    validate = Path(sys.executable).parent / "kubernetes-validate"
+    out = subprocess.run([str(validate), "-k", K8S_VERSION, "--strict", "--quiet", str(rendered)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ERROR" not in out.stdout + out.stderr
+
+
+def test_each_trainer_rank_gets_its_ordinal_the_world_size_and_rank_0_as_master() -> None:
+    objs = objects(str(MULTIPOOL))
+    for pool, gpus, product in (("llama-8b", 1, "NVIDIA-H100-80GB-HBM3"), ("qwen3-32b", 2, "NVIDIA-H200")):
+        sts = one(objs, "StatefulSet", f"{RELEASE}-lathe-{pool}-trainer")
+        headless = one(objs, "Service", f"{RELEASE}-lathe-{pool}-ranks")
+        assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == headless["metadata"]["name"]
+        assert headless["spec"]["clusterIP"] == "None"
+        pod = sts["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        env = env_of(c)
+        assert env["RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+        assert env["WORLD_SIZE"] == "2" and env["MASTER_PORT"] == "29500"
+        assert env["MASTER_ADDR"] == f"{RELEASE}-lathe-{pool}-trainer-0.{RELEASE}-lathe-{pool}-ranks.lathe.svc"
+        assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_DEBUG"] == "WARN"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus == c["resources"]["limits"]["nvidia.com/gpu"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": product}
+        assert c["image"].endswith("/lathe-trainer-cuda:0.1.0")
+        sampler = one(objs, "Deployment", f"{RELEASE}-lathe-{pool}-sampler")["spec"]["template"]["spec"]
+        assert sampler["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == gpus
+    default = one(objects(), "StatefulSet", f"{RELEASE}-lathe-smollm2-trainer")
+    (c,) = default["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["WORLD_SIZE"] == "1" and "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert c["image"].endswith("/lathe-trainer:0.1.0")
+
+
+def test_the_gateway_discovers_pools_through_labelled_services_and_may_only_read_endpointslices() -> None:
+    objs = objects(str(MULTIPOOL))
+    gw = one(objs, "Deployment", f"{RELEASE}-lathe-gateway")
+    assert gw["spec"]["replicas"] >= 2
+    args = gw["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--discovery=kubernetes" in args and "--discovery-namespace=lathe" in args
+    for pool in ("llama-8b", "qwen3-32b"):
+        for role in ("trainer", "sampler"):
+            svc = one(objs, "Service", f"{RELEASE}-lathe-{pool}-{role}")
+            assert svc["metadata"]["labels"]["lathe.dev/pool"] == pool
+            assert svc["metadata"]["labels"]["lathe.dev/role"] == role
+            assert [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+        trainer = one(objs, "Service", f"{RELEASE}-lathe-{pool}-trainer")
+        assert trainer["spec"]["selector"]["apps.kubernetes.io/pod-index"] == "0"  # rank 0 serves the pool
+    # no other Service carries a role, so no other EndpointSlice looks like a pool's
+    roles = [o["metadata"]["name"] for o in objs if o["kind"] == "Service" and "lathe.dev/role" in
+             o["metadata"]["labels"]]
+    assert len(roles) == 4
+    (rule,) = one(objs, "Role", f"{RELEASE}-lathe-gateway-discovery")["rules"]
+    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}
+
+
+def test_only_the_gateway_is_open_and_only_checkpoints_reaches_the_store() -> None:
+    objs = objects()
+    policies = {o["metadata"]["name"].removeprefix(f"{RELEASE}-lathe-"): o["spec"] for o in objs
+                if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"gateway", "checkpoints", "sampler", "smollm2-trainer", "postgres", "minio"}
+
+    def callers(spec: dict) -> set[str]:
+        return {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                for rule in spec["ingress"] for peer in rule.get("from", [])}
+
+    open_ports = {name: {p["port"] for rule in spec["ingress"] if "from" not in rule for p in rule["ports"]}
+                  for name, spec in policies.items()}
+    assert open_ports["gateway"] == {"grpc", "http", "metrics"}
+    assert all(ports <= {"metrics"} for name, ports in open_ports.items() if name != "gateway")
+    assert callers(policies["minio"]) == {"checkpoints"}
+    assert callers(policies["postgres"]) == {"gateway"}
+    assert callers(policies["checkpoints"]) == {"gateway", "trainer", "sampler"}
+    assert callers(policies["sampler"]) == {"gateway"}
+    assert callers(policies["smollm2-trainer"]) == {"gateway", "trainer"}  # the pool's own ranks, for NCCL
+    release = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "lathe",
+                                               "app.kubernetes.io/instance": RELEASE}}}
+    for name in ("sampler", "smollm2-trainer"):  # no way out of the release but DNS: no external store either
+        assert "Egress" in policies[name]["policyTypes"]
+        assert [peer for rule in policies[name]["egress"] for peer in rule.get("to", [])] == [release]
+
+
+@VALUES
+def test_every_lathe_pod_runs_as_non_root_on_a_read_only_root_filesystem(values: str) -> None:
+    workloads = [o for o in objects(values) if o["kind"] in ("Deployment", "StatefulSet")]
+    assert len(workloads) >= 6
+    for w in workloads:
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, w
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_disruption_budgets_cover_every_lathe_component() -> None:
+    objs = objects(str(MULTIPOOL))
+    pdbs = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "PodDisruptionBudget"}
+    expected = {"gateway", "checkpoints"} | {f"{p}-{r}" for p in ("llama-8b", "qwen3-32b")
+                                             for r in ("trainer", "sampler")}
+    assert set(pdbs) == {f"{RELEASE}-lathe-{n}" for n in expected}
+    assert pdbs[f"{RELEASE}-lathe-gateway"]["minAvailable"] == 1
+    sts = one(objs, "StatefulSet", f"{RELEASE}-lathe-qwen3-32b-trainer")
+    assert pdbs[f"{RELEASE}-lathe-qwen3-32b-trainer"]["selector"] == sts["spec"]["selector"]
+
+
+def test_services_probe_grpc_health_and_are_scraped() -> None:
+    objs = objects()
+    for kind, name in (("Deployment", "gateway"), ("Deployment", "checkpoints"),
+                       ("StatefulSet", "smollm2-trainer"), ("Deployment", "smollm2-sampler")):
+        w = one(objs, kind, f"{RELEASE}-lathe-{name}")
+        (c,) = w["spec"]["template"]["spec"]["containers"]
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        metrics_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": grpc_port}, (name, probe)
+        assert f"--metrics-port={metrics_port}" in c["args"]
+        annotations = w["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(metrics_port)
+
+
+def test_dashboards_and_alert_rules_ship_as_the_chart_files() -> None:
+    objs = objects(str(MULTIPOOL))
+    dashboards = {}
+    for cm in (o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["labels"].get("grafana_dashboard")):
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        dashboards.update(cm["data"])
+    files = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    assert {"cycles.json", "service.json"} <= set(files)
+    assert {k: v.strip() for k, v in dashboards.items()} == {k: v.strip() for k, v in files.items()}
+    rule = next(o for o in objs if o["kind"] == "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "alerts" / "rules.yaml").read_text())
+    monitor = next(o for o in objs if o["kind"] == "ServiceMonitor")
+    scraped = [o["metadata"]["name"] for o in objs if o["kind"] == "Service"
+               and o["metadata"]["labels"].get("lathe.dev/scrape") == "true"]
+    assert monitor["spec"]["selector"]["matchLabels"]["lathe.dev/scrape"] == "true"
+    assert sorted(scraped) == sorted(f"{RELEASE}-lathe-{n}" for n in (
+        "gateway", "checkpoints", "llama-8b-ranks", "llama-8b-sampler", "qwen3-32b-ranks", "qwen3-32b-sampler"))
+    assert not [o for o in objects() if o["kind"] in ("PrometheusRule", "ServiceMonitor")]  # CRDs: opt-in
+
+
+def test_secrets_reach_containers_through_the_environment_or_files_never_argv() -> None:
+    objs = objects()
+    for w in (o for o in objs if o["kind"] in ("Deployment", "StatefulSet")):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            assert not [a for a in c.get("args", []) if re.search(r"token=|password|secret|://\w+:", a.lower())]
+            if c["image"].split("/")[-1].startswith("lathe-"):
+                assert env_of(c)["LATHE_INTERNAL_TOKEN"]["secretKeyRef"]["key"] == "token"
+    gateway = env_of(one(objs, "Deployment", f"{RELEASE}-lathe-gateway")["spec"]["template"]["spec"]["containers"][0])
+    assert gateway["LATHE_DB_URL"] == f"postgresql+psycopg://lathe:$(POSTGRES_PASSWORD)@{RELEASE}-lathe-postgres:5432/lathe"
+    assert gateway["POSTGRES_PASSWORD"] == {"secretKeyRef": {"name": f"{RELEASE}-lathe-postgres", "key": "password"}}
+    ckpt = one(objs, "Deployment", f"{RELEASE}-lathe-checkpoints")["spec"]["template"]["spec"]["containers"][0]
+    env = env_of(ckpt)
+    assert env["LATHE_S3_ENDPOINT"] == f"http://{RELEASE}-lathe-minio:9000" and "--root=s3://lathe-checkpoints" in \
+        ckpt["args"]
+    assert env["LATHE_S3_SECRET_KEY"] == {"secretKeyRef": {"name": f"{RELEASE}-lathe-minio", "key": "secret-key"}}
+
+
+# ---------- the images ----------
+
+TARGETS = ("gateway", "checkpoints", "trainer", "sampler")
+
+
+def stages() -> dict[str, str]:
+    """docker/Dockerfile's stages by name: the text from ``FROM ... AS name`` to the next FROM."""
+    text = (REPO / "docker" / "Dockerfile").read_text()
+    parts = re.split(r"^FROM\s+", text, flags=re.M)[1:]
+    return {re.match(r"\S+\s+AS\s+(\S+)", p, flags=re.I).group(1): p for p in parts}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_service_image_is_non_root_installs_its_extra_and_runs_its_module(target: str) -> None:
+    stage = stages()[target]
+    user = re.search(r"^USER\s+(\d+)", stage, flags=re.M)
+    assert user is not None and int(user.group(1)) != 0
+    entry = re.search(r'^ENTRYPOINT \["python", "-m", "lathe\.(\w+)"\]', stage, flags=re.M)
+    assert entry is not None and entry.group(1) == target
+    assert (REPO / "services" / target / "__main__.py").is_file()
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"[{target}]" in stage and target in extras
+    torch_based = stage.split("\n", 1)[0].split()[0] == "torch"
+    assert torch_based == (target in ("trainer", "sampler"))  # gateway and checkpoints stay slim
+
+
+def test_the_torch_stage_takes_cpu_or_cuda_wheels_and_the_context_leaves_out_local_state() -> None:
+    torch = stages()["torch"]
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in torch and '"torch==2.13.0"' in torch
+    assert "whl/cu128" in (REPO / "docker" / "Dockerfile").read_text()  # the documented CUDA build
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv", ".cache", ".git", "sdk/v1/*_pb2*.py"} <= set(ignored)
