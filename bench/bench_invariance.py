@@ -8,7 +8,10 @@ and its LM head (vocab 49152), random weights, each case timed in both modes:
   attention, as the sampler runs it), and the same for a single sequence
   LM head + log_softmax of the 32 decoded tokens, and of one
   and, to split the layer figures, attention alone for the 8x256 prefill and the 32-sequence decode
-Prints the median wall time of --repeats runs (after --warmup) per mode and the ratio invariant/plain.
+Three modes, interleaved run by run: plain ops, invariant ops with the reference 16-row linear tiles, and
+invariant ops with the tile ladder this machine's self-check chooses (``choose_row_tiles``, printed; what a
+pool runs). Prints the median wall time of --repeats runs (after --warmup) per mode and each invariant
+mode's ratio to plain.
 
 Run it alone: other processes on the same cores distort these timings badly.
 Run: python bench/bench_invariance.py [--repeats 5 --warmup 1 --threads 2 --dtypes fp32 bf16]
@@ -24,10 +27,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from machine import cpu_line
 
 from lathe.kernels import ops
+from lathe.models.exactness import HEAD_ROWS, choose_row_tiles
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Mode = tuple[bool, tuple[int, ...]]
+"""(invariant, the linears' tile ladder)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,46 +92,54 @@ class Layer:
         self.down = weight(s.hidden, s.intermediate)
         self.head = weight(s.vocab, s.hidden)
 
+    def weights(self) -> list[torch.Tensor]:
+        """The weights a pool's ``choose_row_tiles`` tries: each distinct linear shape and the LM head's start."""
+        return [w.detach() for w in (self.q, self.k, self.gate, self.down, self.head[:HEAD_ROWS])]
+
     def forward(
         self,
         x: torch.Tensor,
         attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-        invariant: bool,
+        mode: Mode,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; attend(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]."""
-        s = self.s
-        h = ops.rms_norm(x, self.norm1, s.eps, invariant=invariant)
-        q = ops.linear(h, self.q, invariant=invariant).view(-1, s.heads, s.head_dim)
-        k = ops.linear(h, self.k, invariant=invariant).view(-1, s.kv_heads, s.head_dim)
-        v = ops.linear(h, self.v, invariant=invariant).view(-1, s.kv_heads, s.head_dim)
-        x = x + ops.linear(attend(q, k, v).reshape(x.shape[0], -1), self.o, invariant=invariant)
-        h = ops.rms_norm(x, self.norm2, s.eps, invariant=invariant)
-        gate, up = ops.linear(h, self.gate, invariant=invariant), ops.linear(h, self.up, invariant=invariant)
-        return x + ops.linear(F.silu(gate) * up, self.down, invariant=invariant)
+        s, (invariant, tiles) = self.s, mode
 
-    def logprobs(self, x: torch.Tensor, invariant: bool) -> list[torch.Tensor]:
+        def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return ops.linear(h, w, invariant=invariant, tiles=tiles)
+
+        h = ops.rms_norm(x, self.norm1, s.eps, invariant=invariant)
+        q = linear(h, self.q).view(-1, s.heads, s.head_dim)
+        k = linear(h, self.k).view(-1, s.kv_heads, s.head_dim)
+        v = linear(h, self.v).view(-1, s.kv_heads, s.head_dim)
+        x = x + linear(attend(q, k, v).reshape(x.shape[0], -1), self.o)
+        h = ops.rms_norm(x, self.norm2, s.eps, invariant=invariant)
+        return x + linear(F.silu(linear(h, self.gate)) * linear(h, self.up), self.down)
+
+    def logprobs(self, x: torch.Tensor, mode: Mode) -> list[torch.Tensor]:
         """Full-vocabulary log-softmax of x [T, hidden], ``logit_chunk`` rows at a time."""
-        out = []
+        (invariant, tiles), out = mode, []
         for rows in x.split(self.s.logit_chunk):
             h = ops.rms_norm(rows, self.final_norm, self.s.eps, invariant=invariant)
-            out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant), invariant=invariant))
+            out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant, tiles=tiles),
+                                       invariant=invariant))
         return out
 
 
-def train_forward(layer: Layer, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+def train_forward(layer: Layer, x: torch.Tensor, mode: Mode) -> torch.Tensor:
     s = layer.s
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pieces = (t.split(s.train_length) for t in (q, k, v))
         scale = s.head_dim**-0.5
         return torch.cat(
-            [ops.attention(*qkv, q_offset=0, scale=scale, invariant=invariant) for qkv in zip(*pieces, strict=True)]
+            [ops.attention(*qkv, q_offset=0, scale=scale, invariant=mode[0]) for qkv in zip(*pieces, strict=True)]
         )
 
-    return layer.forward(x, attend, invariant)
+    return layer.forward(x, attend, mode)
 
 
-def decode_step(layer: Layer, x: torch.Tensor, cache: torch.Tensor, invariant: bool) -> torch.Tensor:
+def decode_step(layer: Layer, x: torch.Tensor, cache: torch.Tensor, mode: Mode) -> torch.Tensor:
     """One token for each of the B sequences at position decode_cache, through ``ops.decode_attention`` (the
     sampler's pure-decode path); cache [2, B, N, Hkv, D] with N whole key chunks, zeros past the token."""
     s, t = layer.s, layer.s.decode_cache
@@ -132,29 +147,29 @@ def decode_step(layer: Layer, x: torch.Tensor, cache: torch.Tensor, invariant: b
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = cache[:, : q.shape[0]]
         keys[:, t], values[:, t] = k, v
-        return ops.decode_attention(q, keys, values, [t] * q.shape[0], scale=s.head_dim**-0.5, invariant=invariant)
+        return ops.decode_attention(q, keys, values, [t] * q.shape[0], scale=s.head_dim**-0.5, invariant=mode[0])
 
-    return layer.forward(x, attend, invariant)
+    return layer.forward(x, attend, mode)
 
 
-def median_ms(fn: Callable[[bool], object], repeats: int, warmup: int) -> tuple[float, float]:
-    """Median ms of fn(False) and fn(True), alternated run by run so that drift hits both alike."""
+def median_ms(fn: Callable[[Mode], object], modes: list[Mode], repeats: int, warmup: int) -> list[float]:
+    """Median ms of fn(mode) for each mode, the modes alternated run by run so that drift hits all alike."""
     for _ in range(warmup):
-        for invariant in (False, True):
-            fn(invariant)
-    times: dict[bool, list[float]] = {False: [], True: []}
+        for mode in modes:
+            fn(mode)
+    times: list[list[float]] = [[] for _ in modes]
     for _ in range(repeats):
-        for invariant in (False, True):
+        for i, mode in enumerate(modes):
             start = time.perf_counter()
-            fn(invariant)
-            times[invariant].append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True])
+            fn(mode)
+            times[i].append(time.perf_counter() - start)
+    return [1e3 * statistics.median(t) for t in times]
 
 
-def cases(s: Shapes, dtype: torch.dtype) -> dict[str, Callable[[bool], object]]:
-    """Each case as fn(invariant) -> result; inputs built once, shared by both modes."""
+def cases(s: Shapes, infer_layer: Layer, dtype: torch.dtype) -> dict[str, Callable[[Mode], object]]:
+    """Each case as fn(mode) -> result; inputs built once, shared by every mode."""
     gen = torch.Generator().manual_seed(1)
-    train_layer, infer_layer = Layer(s, dtype, requires_grad=True), Layer(s, dtype, requires_grad=False)
+    train_layer = Layer(s, dtype, requires_grad=True)
     tokens = s.train_sequences * s.train_length
     x_train = torch.randn(tokens, s.hidden, generator=gen).to(dtype)
     x_decode = torch.randn(s.decode_sequences, s.hidden, generator=gen).to(dtype)
@@ -162,45 +177,45 @@ def cases(s: Shapes, dtype: torch.dtype) -> dict[str, Callable[[bool], object]]:
     cache = torch.randn(2, s.decode_sequences, slots, s.kv_heads, s.head_dim, generator=gen).to(dtype)
     cache[:, :, s.decode_cache + 1 :] = 0  # spare slots hold zeros, as in the sampler's cache
 
-    def train(invariant: bool) -> object:
-        return train_forward(train_layer, x_train, invariant)
+    def train(mode: Mode) -> object:
+        return train_forward(train_layer, x_train, mode)
 
-    def train_head(invariant: bool) -> object:
+    def train_head(mode: Mode) -> object:
         with torch.no_grad():
-            return infer_layer.logprobs(x_train, invariant)
+            return infer_layer.logprobs(x_train, mode)
 
-    def decode(invariant: bool) -> object:
+    def decode(mode: Mode) -> object:
         with torch.no_grad():
-            return decode_step(infer_layer, x_decode, cache, invariant)
+            return decode_step(infer_layer, x_decode, cache, mode)
 
-    def decode_one(invariant: bool) -> object:
+    def decode_one(mode: Mode) -> object:
         with torch.no_grad():
-            return decode_step(infer_layer, x_decode[:1], cache, invariant)
+            return decode_step(infer_layer, x_decode[:1], cache, mode)
 
-    def decode_one_head(invariant: bool) -> object:
+    def decode_one_head(mode: Mode) -> object:
         with torch.no_grad():
-            return infer_layer.logprobs(x_decode[:1], invariant)
+            return infer_layer.logprobs(x_decode[:1], mode)
 
-    def decode_head(invariant: bool) -> object:
+    def decode_head(mode: Mode) -> object:
         with torch.no_grad():
-            return infer_layer.logprobs(x_decode, invariant)
+            return infer_layer.logprobs(x_decode, mode)
 
     scale = s.head_dim**-0.5
     q_train = torch.randn(s.train_length, s.heads, s.head_dim, generator=gen).to(dtype)
     q_decode = torch.randn(s.decode_sequences, s.heads, s.head_dim, generator=gen).to(dtype)
 
-    def prefill_attention(invariant: bool) -> object:
+    def prefill_attention(mode: Mode) -> object:
         with torch.no_grad():
             kv = cache[0, 0, : s.train_length]
             return [
-                ops.attention(q_train, kv, kv, q_offset=0, scale=scale, invariant=invariant)
+                ops.attention(q_train, kv, kv, q_offset=0, scale=scale, invariant=mode[0])
                 for _ in range(s.train_sequences)
             ]
 
-    def decode_attention(invariant: bool) -> object:
+    def decode_attention(mode: Mode) -> object:
         with torch.no_grad():
             positions = [s.decode_cache] * s.decode_sequences
-            return ops.decode_attention(q_decode, cache[0], cache[1], positions, scale=scale, invariant=invariant)
+            return ops.decode_attention(q_decode, cache[0], cache[1], positions, scale=scale, invariant=mode[0])
 
     return {
         f"layer forward {s.train_sequences}x{s.train_length} (autograd on)": train,
@@ -218,12 +233,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     cpu = torch.backends.cpu.get_cpu_capability()
-    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {cpu}")
-    print(f"{'dtype':5}  {'case':48}  {'plain ms':>9}  {'invariant ms':>12}  {'ratio':>6}")
+    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {cpu}; {cpu_line()}")
     for name in args.dtypes:
-        for case, fn in cases(SMOLLM2, DTYPES[name]).items():
-            plain, invariant = median_ms(fn, args.repeats, args.warmup)
-            print(f"{name:5}  {case:48}  {plain:9.2f}  {invariant:12.2f}  {invariant / plain:6.2f}")
+        layer = Layer(SMOLLM2, DTYPES[name], requires_grad=False)
+        ladder = choose_row_tiles(layer.weights(), sorted({1, args.threads}))
+        modes: list[Mode] = [(False, (ops.ROW_TILE,)), (True, (ops.ROW_TILE,)), (True, ladder)]
+        print(f"{name}: tile ladder chosen by the self-check on this machine: {ladder}")
+        print(f"{'dtype':5}  {'case':48}  {'plain ms':>9}  {'16-row ms':>9}  {'ratio':>6}  {'ladder ms':>9}  "
+              f"{'ratio':>6}")
+        for case, fn in cases(SMOLLM2, layer, DTYPES[name]).items():
+            plain, tile16, chosen = median_ms(fn, modes, args.repeats, args.warmup)
+            print(f"{name:5}  {case:48}  {plain:9.2f}  {tile16:9.2f}  {tile16 / plain:6.2f}  {chosen:9.2f}  "
+                  f"{chosen / plain:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The GPU check: one run on a machine with an NVIDIA GPU, from a plain checkout, writing one report.
 
-    python bench/gpu_check.py --out bench/gpu_report          the full check (an H200: about 5 minutes)
+    python bench/gpu_check.py --out bench/gpu_report          the full check (an H200: under 8 minutes)
     python bench/gpu_check.py --smoke --out bench/gpu_smoke      tiny shapes; runs on a CPU-only machine too
 
 No install and no network: the ``lathe`` packages are found in this checkout through the mapping of
@@ -12,11 +12,14 @@ ImportError on use: no section needs it, and the tests that do skip.
 Sections (``bench/gpu_sections.py``), each in its own child process with its own time limit, so a crash,
 a hung kernel or a timeout loses that section only (what it recorded before stays):
     env        g. versions, GPU, CPU model and flags
-    tests      a. the ``gpu``-marked tests (tests/test_gpu_pools.py)
+    tests      a. the ``gpu``-marked tests (tests/test_gpu_pools.py, tests/test_cuda_graphs.py)
     exactness  c. ``lathe.models.exactness.self_check`` on the GPU decoder
     sgmv       b. SGMV/BGMV vs the torch reference; GB/s vs a device copy, rank 32
     cycle      d. 8 tenants x (1 x 128) forward_backward + optim_step, packed vs one tenant per cycle, 1B config
     sampler    e. 64 sequences over 8 adapters vs transformers + peft ``generate``; f. sampler-trainer KL
+    bgmv       i. BGMV at a decode step's shape (64 rows): Triton vs the torch reference; GB/s vs a device copy
+    decode     j. paged-KV decode attention; decode tokens/s with CUDA graphs on vs off; the slot-pool (BGMV)
+               decode path vs the invariant per-segment path: tokens/s and logprob differences, 1B config
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every section, prints the markdown at
 the end. Every cache (Triton, CUDA, Hugging Face, pytest, tiny models) goes to ``--out``/.scratch, which is
 removed at the end: nothing is written outside ``--out``.
@@ -49,6 +52,9 @@ SECTIONS = [
     ("sgmv", "b. SGMV/BGMV kernels", 50),
     ("cycle", "d. 8-tenant clock cycle, 1B config", 70),
     ("sampler", "e/f. sampler throughput and sampler-trainer KL, 1B config", 120),
+    ("ranks", "h. trainer pool collectives (NCCL), one rank", 40),
+    ("bgmv", "i. BGMV at the decode shape", 40),
+    ("decode", "j. paged-KV decode, CUDA graphs, slot pool vs invariant path, 1B config", 120),
 ]
 
 
@@ -178,6 +184,12 @@ def _headline(sections: dict[str, dict]) -> list[tuple[str, str, str]]:
     for op in ("sgmv shrink", "sgmv expand, += base", "bgmv shrink", "lora fwd, triton"):
         rows.append((f"{op}: % of copy bandwidth", str(get("sgmv", "rows", op, "% of copy")), ">= 70"))
     rows.append(("exactness self-check exact", str(get("exactness", "exact")), "True"))
+    rows.append(("bgmv delta at decode shape: % of copy bandwidth",
+                 str(get("bgmv", "16 slots", "bgmv delta, triton", "% of copy")), "as high as it goes"))
+    graphs = get("decode", "decode with CUDA graphs on vs off")
+    if isinstance(graphs, dict) and all(f"invariant, base model, graphs {x}" in graphs for x in ("on", "off")):
+        on, off = (graphs[f"invariant, base model, graphs {x}"]["tokens/s"] for x in ("on", "off"))
+        rows.append(("decode tokens/s, CUDA graphs on / off", f"{on} / {off}", "on > off"))
     for path in ("per-segment LoRA", "sgmv"):
         rows.append((f"cycle packed / serial ({path})", str(get("cycle", path, "packed / serial")), ">= 3"))
     rows.append(("sampler / transformers+peft tokens/s",
@@ -226,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script itself, on any machine")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when torch sees one")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the base weights' dtype")
-    p.add_argument("--budget", type=float, default=340.0, help="seconds for all sections together")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for all sections together")
     p.add_argument("--sections", default=",".join(n for n, _, _ in SECTIONS), help="comma-separated subset")
     p.add_argument("--stub-protos", action="store_true", help="stub lathe.v1 even where the generated code imports")
     p.add_argument("--child", choices=[n for n, _, _ in SECTIONS], help=argparse.SUPPRESS)

@@ -1,12 +1,16 @@
 """The sections of ``bench/gpu_check.py``: each runs in its own child process and records into a ``Context``.
 
     env        versions, GPU, CPU model and flags
-    tests      the ``gpu``-marked tests (tests/test_gpu_pools.py) through pytest, results from its JUnit XML
+    tests      the ``gpu``-marked tests (tests/test_gpu_pools.py, tests/test_cuda_graphs.py) through pytest, results
+               from its JUnit XML
     sgmv       SGMV/BGMV kernels: ``bench/gpu_sgmv.py``'s check and its timings against a device copy
     exactness  ``lathe.models.exactness.self_check`` on the GPU decoder, where that module exists
     cycle      8 tenants x (1 x 128 tokens) forward_backward + optim_step: one packed cycle vs one tenant per cycle
     sampler    64 sequences over 8 adapters: the sampler's steps vs transformers + peft ``generate``, and the
                sampler-trainer KL (the sampled tokens' logprobs recomputed by the trainer's forward)
+    bgmv       BGMV at a decode step's shape (the slot pool's path): Triton vs the torch reference, GB/s vs a copy
+    decode     paged-KV decode attention; decode tokens/s with CUDA graphs on vs off; the slot-pool (BGMV,
+               throughput) decode path vs the invariant per-segment path: tokens/s and logprob differences
 
 Models are random (no download): a 1B-class Llama (``FULL``; ``SMOKE`` is tiny) whose weights are drawn on
 the device. Trainer adapters are fp32 on the device, the base and the sampler's adapters in ``--dtype``.
@@ -32,15 +36,19 @@ from typing import Any, TypeVar
 
 import torch
 
+from lathe.kernels import ops
 from lathe.kernels.sgmv_triton import triton_available
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.tiny import hf_config, tensor_shapes
 from lathe.sampler.adapters import adapter_dtype, load_adapter
-from lathe.sampler.kv import SeqCache
+from lathe.sampler.blocks import blocks_for
+from lathe.sampler.graphs import DecodeRunner, GraphConfig
+from lathe.sampler.kv import KVPool, StepKV
 from lathe.sampler.sampling import Rule, choose
-from lathe.sampler.step import Item, run_step
+from lathe.sampler.slots import SlotPool
+from lathe.sampler.step import Item, ItemOut, run_step
 from lathe.trainer.bank import Adapter
 from lathe.trainer.optimizer import AdamState, adamw_step
 from lathe.trainer.step import Job, run_jobs
@@ -72,14 +80,15 @@ class Sizes:
     new_tokens: int
     repeats: int  # timed runs after one warm-up (median reported)
     sgmv: tuple[int, int, int, int]  # kernel problem: tokens, hidden, rank, adapters
+    decode_context: int  # decode section: tokens already cached per sequence in the attention timing
 
 
 FULL = Sizes(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000, rank=32, tenants=8,
              tenant_tokens=128, sequences=64, adapters=8, prompt_tokens=64, new_tokens=64, repeats=3,
-             sgmv=(4096, 4096, 32, 8))
+             sgmv=(4096, 4096, 32, 8), decode_context=1024)
 SMOKE = Sizes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, rank=4, tenants=4,
               tenant_tokens=16, sequences=8, adapters=4, prompt_tokens=8, new_tokens=4, repeats=1,
-              sgmv=(256, 256, 8, 4))
+              sgmv=(256, 256, 8, 4), decode_context=100)
 
 
 @dataclass(slots=True)
@@ -220,7 +229,8 @@ def tests(ctx: Context) -> None:
     import pytest
 
     xml = ctx.scratch / "pytest.xml"
-    code = pytest.main([str(REPO / "tests" / "test_gpu_pools.py"), "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+    files = [str(REPO / "tests" / name) for name in ("test_gpu_pools.py", "test_cuda_graphs.py")]
+    code = pytest.main([*files, "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
                         "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), f"--junitxml={xml}",
                         f"--basetemp={ctx.scratch / 'pytest-tmp'}"])
     ctx.record("exit code", int(code))
@@ -320,6 +330,47 @@ def cycle(ctx: Context) -> None:
         ctx.record("peak GPU memory GiB", round(torch.cuda.max_memory_allocated() / 2**30, 2))
 
 
+def ranks(ctx: Context) -> None:
+    """The trainer pool's collectives (``lathe.trainer.dist``: NCCL on cuda, gloo on cpu) in a pool of one rank:
+    a cycle through the sharded path (plan broadcast, results gather, one gradient all_gather) gives the same
+    losses, logprobs and gradients as the plain packed pass, bit for bit."""
+    from lathe.trainer.dist import PoolConfig, free_port, join
+    from lathe.trainer.shard import run_sharded
+
+    s = ctx.sizes
+    _, _, model = random_model(ctx)
+    data = [example(t) for t in random_tokens(s.vocab, s.tenants, s.tenant_tokens + 1, seed=3)]
+
+    def jobs_of(adapters: list[LoraWeights]) -> list[Job]:  # every third tenant forward-only
+        return [Job(w, [data[i]], "cross_entropy", {}, i % 3 != 2) for i, w in enumerate(adapters)]
+
+    plain, sharded = random_adapters(ctx, model.cfg, s.tenants), random_adapters(ctx, model.cfg, s.tenants)
+    expected = run_jobs(model, jobs_of(plain))
+    group = join(PoolConfig(world_size=1, rank=0, master_port=free_port(), timeout_s=120), ctx.device)
+    try:
+        plan = group.broadcast({"cycle": 1, "tenants": s.tenants})
+        t0 = time.perf_counter()
+        got = run_sharded(group, jobs_of(sharded), lambda jobs: run_jobs(model, jobs))
+        sync(ctx.device)
+        seconds, backend = time.perf_counter() - t0, group.backend
+        collectives = dict(group.seconds)
+    finally:
+        group.close()
+    same_results = all(a.error is None and b.error is None and a.loss == b.loss and len(a.logprobs) == len(b.logprobs)
+                       and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+                       for a, b in zip(expected, got, strict=True))
+    same_grads = all((p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
+                     for w, v in zip(plain, sharded, strict=True)
+                     for p, q in zip(w.named_parameters().values(), v.named_parameters().values(), strict=True))
+    ctx.record("pool of one", {"backend": backend, "plan broadcast": plan == {"cycle": 1, "tenants": s.tenants},
+                               "results equal": same_results, "gradients equal": same_grads,
+                               "sharded cycle s": round(seconds, 4),
+                               "collective s": {k: round(v, 4) for k, v in collectives.items()}})
+    if not (same_results and same_grads):
+        raise RuntimeError(f"the {backend} pool of one differs from the plain pass (results equal: {same_results}, "
+                           f"gradients equal: {same_grads})")
+
+
 # ---------------------------------------------------------------- e, f. sampler throughput and KL
 
 
@@ -327,8 +378,8 @@ def lathe_generate(model: Decoder, prompts: list[list[int]], adapters: list[Lora
                    ) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy through the sampler's steps: every prompt prefilled in one step (as the engine admits 64
     prompts of 64 tokens), then one decode step per token for all; (tokens, their logprobs) per sequence."""
-    cfg = model.cfg
-    caches = [SeqCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device) for _ in prompts]
+    pool = KVPool.for_model(model, len(prompts) * blocks_for(max(map(len, prompts)) + new_tokens) + 1)
+    caches = [pool.sequence(b"") for _ in prompts]
     feed = [list(p) for p in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
@@ -427,6 +478,134 @@ def sampler(ctx: Context) -> None:
         ctx.record("peak GPU memory GiB", round(torch.cuda.max_memory_allocated() / 2**30, 2))
 
 
+
+# ---------------------------------------------------------------- BGMV and the decode step
+
+
+def bgmv(ctx: Context) -> None:
+    if not ctx.cuda:
+        return ctx.skip("needs a CUDA device (the Triton kernels are compiled for it); torch sees none here")
+    if not triton_available():
+        return ctx.skip("Triton cannot run kernels here (not installed, or no GPU driver)")
+    import gpu_sgmv  # bench/, the script's own folder
+
+    s = ctx.sizes
+    for label, slots in (("16 slots", 16), ("64 slots", 64)):
+        ctx.record(label, gpu_sgmv.measure_bgmv_decode(s.sequences, s.hidden, s.rank, slots, DTYPES[ctx.dtype],
+                                                       torch.device("cuda"), warmup=5, iters=20))
+
+
+def _paged_attention(ctx: Context) -> dict[str, object]:
+    """One layer's decode attention for ``sequences`` sequences of ``decode_context`` cached tokens read through
+    their block tables (write the new rows, gather the blocks, attend), invariant and plain."""
+    s = ctx.sizes
+    heads, kv_heads, head_dim = s.heads, s.kv_heads, s.hidden // s.heads
+    blocks = s.sequences * blocks_for(s.decode_context + 1) + 1
+    pool = KVPool(1, kv_heads, head_dim, blocks, DTYPES[ctx.dtype], ctx.device, preallocate=True)
+    caches = [pool.sequence(b"") for _ in range(s.sequences)]
+    for c in caches:
+        c.reserve(s.decode_context + 1)
+        c.length = s.decode_context
+    with torch.inference_mode():
+        for t in (pool.k[0], pool.v[0]):
+            t.normal_()
+            t[0].zero_()  # the null block stays zeros
+    step = StepKV(caches, [[1]] * s.sequences)
+    gen = torch.Generator(device=ctx.device).manual_seed(4)
+    q = torch.randn(s.sequences, heads, head_dim, generator=gen, device=ctx.device).to(DTYPES[ctx.dtype])
+    k = torch.randn(s.sequences, kv_heads, head_dim, generator=gen, device=ctx.device).to(DTYPES[ctx.dtype])
+    nbytes = 2 * s.sequences * (s.decode_context + 1) * kv_heads * head_dim * pool.k[0].element_size()
+    out: dict[str, object] = {"sequences": s.sequences, "context": s.decode_context,
+                              "KV MB read": round(nbytes / 1e6, 2)}
+    for invariant in (True, False):
+        def run(invariant: bool = invariant) -> torch.Tensor:
+            ks, vs, positions = step.decode(0, k, k)
+            return ops.decode_attention(q, ks, vs, positions, scale=head_dim**-0.5, invariant=invariant)
+
+        seconds, _ = median_s(ctx, run)
+        out["invariant" if invariant else "plain"] = {"ms": round(1e3 * seconds, 4),
+                                                      "KV GB/s": round(nbytes / seconds / 1e9, 1)}
+    return out
+
+
+Step = Callable[[list[Item]], list[ItemOut]]
+
+
+def _decode_run(ctx: Context, model: Decoder, prompts: list[list[int]], owners: list[LoraWeights | None],
+                make_step: Callable[[KVPool], Step], forced: list[list[int]] | None = None
+                ) -> tuple[float, list[list[int]], list[list[float]]]:
+    """Prefill ``prompts`` (run_step), 2 untimed decode steps (graph capture, kernel compilation), then
+    ``new_tokens - 4`` timed decode steps through ``make_step(pool)``: (seconds of the timed steps, every
+    sequence's tokens from the prefill's on, the logprob of each token after the first). Greedy, or the tokens
+    of ``forced`` (another run's), so two paths can be compared on the same inputs."""
+    steps = max(ctx.sizes.new_tokens - 4, 1)
+    pool = KVPool.for_model(model, len(prompts) * blocks_for(max(map(len, prompts)) + steps + 4) + 1)
+    caches = [pool.sequence(b"") for _ in prompts]
+    first = run_step(model, [Item(list(p), c, a) for p, c, a in zip(prompts, caches, owners, strict=True)])
+    tokens = [[forced[i][0] if forced else int(o.logits.argmax())] for i, o in enumerate(first)]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    step = make_step(pool)
+    for k in range(steps + 2):
+        if k == 2:
+            sync(ctx.device)
+            t0 = time.perf_counter()
+        outs = step([Item([t[-1]], c, a) for t, c, a in zip(tokens, caches, owners, strict=True)])
+        for i, o in enumerate(outs):
+            token = forced[i][len(tokens[i])] if forced else int(o.logits.argmax())
+            tokens[i].append(token)
+            logprobs[i].append(float(o.logprobs[token]))
+    sync(ctx.device)
+    return time.perf_counter() - t0, tokens, logprobs
+
+
+def decode(ctx: Context) -> None:
+    s = ctx.sizes
+    ctx.record("paged-KV decode attention, one layer", _paged_attention(ctx))
+    _, _, model = random_model(ctx)
+    adapters = [LoraWeights(w.spec, {k: t.detach() for k, t in w.a.items()}, {k: t.detach() for k, t in w.b.items()})
+                for w in random_adapters(ctx, model.cfg, s.adapters)]
+    owners = [adapters[i % s.adapters] for i in range(s.sequences)]
+    prompts = random_tokens(s.vocab, s.sequences, s.prompt_tokens, seed=5)
+    timed = s.sequences * max(s.new_tokens - 4, 1)
+
+    def rate(seconds: float) -> dict[str, float]:
+        return {"seconds": round(seconds, 4), "tokens/s": round(timed / seconds, 1)}
+
+    def runner(slots: SlotPool | None, capture: bool, idx: list[int] | None = None) -> Callable[[KVPool], Step]:
+        def make(pool: KVPool) -> Step:
+            r = DecodeRunner(model, pool, slots, GraphConfig(capture=capture))
+            return lambda items: r.run(items, idx)
+        return make
+
+    base = [None] * s.sequences
+    graphs: dict[str, object] = {"shape": {"sequences": s.sequences, "timed decode steps": max(s.new_tokens - 4, 1),
+                                           "prompt tokens": s.prompt_tokens, "dtype": ctx.dtype}}
+    for capture in (False, True) if ctx.cuda else (False,):
+        graphs[f"invariant, base model, graphs {'on' if capture else 'off'}"] = rate(
+            _decode_run(ctx, model, prompts, base, runner(None, capture))[0])
+    if not ctx.cuda:
+        graphs["graphs on"] = "not measured: CUDA graphs need a CUDA device"
+    ctx.record("decode with CUDA graphs on vs off", graphs)
+
+    seg_seconds, seg_tokens, seg_lps = _decode_run(ctx, model, prompts, owners, lambda pool: (
+        lambda items: run_step(model, items)))
+    paths: dict[str, object] = {"invariant, per-segment LoRA, eager (run_step)": rate(seg_seconds)}
+    impl = "triton" if ctx.cuda and triton_available() else "torch"
+    model.invariant = False
+    slots = SlotPool(model.cfg, s.adapters, s.rank, model.dtype, ctx.device, impl)
+    idx = slots.place([(id(w), w) for w in owners])
+    for capture in (False, True) if ctx.cuda else (False,):
+        seconds, _, lps = _decode_run(ctx, model, prompts, owners, runner(slots, capture, idx), forced=seg_tokens)
+        d = (torch.tensor(lps, dtype=torch.float64) - torch.tensor(seg_lps, dtype=torch.float64)).abs()
+        paths[f"slots + {impl} BGMV, plain ops, graphs {'on' if capture else 'off'}"] = rate(seconds) | {
+            "max |delta logprob| vs invariant path": float(d.max()), "mean |delta|": float(d.mean()),
+            "tokens differing in bits": f"{int((d != 0).sum())}/{d.numel()}"}
+    model.invariant = True
+    ctx.record("slot-pool path vs invariant path (same tokens)", paths)
+    if ctx.cuda:
+        ctx.record("peak GPU memory GiB", round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
 SECTIONS: dict[str, Callable[[Context], None]] = {
     "env": env, "tests": tests, "sgmv": sgmv, "exactness": exactness, "cycle": cycle, "sampler": sampler,
+    "ranks": ranks, "bgmv": bgmv, "decode": decode,
 }

@@ -11,6 +11,8 @@
    the torch reference loop (``measure``; ``bench/gpu_check.py`` reuses it).
 3. Prints a table (time, minimum bytes moved, achieved bandwidth and its share of the copy bandwidth)
    and the ratios: LoRA over the base GEMM (next to the FLOP ratio) and the reference over the kernels.
+``measure_bgmv_decode`` times BGMV at a sampler decode step's shape (the slot pool's path) for
+``bench/gpu_check.py``.
 
 Defaults: rank 32, hidden 4096, 8 adapters, 4096 tokens, bf16.
 Run: python bench/gpu_sgmv.py [--tokens 4096 --hidden 4096 --rank 32 --adapters 8 --layout equal]
@@ -235,6 +237,47 @@ def measure(
     }
     return {name: (time_ms(fn, warmup, iters, flusher), nbytes) for name, (fn, nbytes) in rows.items()}
 
+
+
+def measure_bgmv_decode(
+    tokens: int, hidden: int, rank: int, slots: int, dtype: torch.dtype, device: torch.device, warmup: int, iters: int
+) -> dict[str, object]:
+    """BGMV at a decode step's shape (``tokens`` rows, one slot index each, every slot used, one row in 8
+    without an adapter) through ``lathe.sampler.slots.BGMV``: the Triton kernels against the torch reference
+    (relative error of the delta against fp32 math on the same inputs), and each one's median ms, bytes and
+    GB/s, with a 1 GiB device copy's GB/s as the yardstick. L2 is flushed before each timed call."""
+    from lathe.sampler.slots import BGMV
+
+    shape = Shape(tokens, hidden, hidden, rank, slots)
+    p = problem(shape, dtype, device, seed=3)
+    idx = torch.arange(tokens, device=device) % slots
+    idx[::8] = -1
+    x, A, B, scale = p["x"], p["A"], p["B"], p["scale"]
+    want = BGMV["torch"](x.float(), A.float(), B.float(), scale, idx)
+    err = rel_err(BGMV["triton"](x, A, B, scale, idx), want)
+    flusher = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / time_ms(lambda: dst.copy_(src), warmup, iters, flusher) / 1e6
+    v = st.bgmv_shrink(x, A, idx)
+    e = x.element_size()
+    shrink_bytes = e * (tokens * hidden + slots * rank * hidden + tokens * rank)
+    expand_bytes = e * (tokens * rank + slots * hidden * rank + tokens * hidden)
+    rows = {
+        "bgmv shrink, triton": (lambda: st.bgmv_shrink(x, A, idx), shrink_bytes),
+        "bgmv expand, triton": (lambda: st.bgmv_expand(v, B, idx, scale, add=False), expand_bytes),
+        "bgmv delta, triton": (lambda: BGMV["triton"](x, A, B, scale, idx), shrink_bytes + expand_bytes),
+        "bgmv delta, torch ref": (lambda: BGMV["torch"](x, A, B, scale, idx), shrink_bytes + expand_bytes),
+    }
+    out: dict[str, object] = {"shape": {"tokens": tokens, "hidden": hidden, "rank": rank, "slots": slots,
+                                        "dtype": str(dtype)},
+                              "relative error vs fp32": err, "correct": err < 2e-2, "copy GB/s": round(copy_gbs, 1)}
+    for name, (fn, nbytes) in rows.items():
+        ms = time_ms(fn, warmup, iters, flusher)
+        gbs = nbytes / ms / 1e6
+        out[name] = {"ms": round(ms, 4), "MB": round(nbytes / 1e6, 2), "GB/s": round(gbs, 1),
+                     "% of copy": round(100 * gbs / copy_gbs, 1)}
+    return out
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)

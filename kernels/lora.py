@@ -16,6 +16,14 @@ Tokens of a packed batch are sorted by adapter; a segment is a run of rows that 
 
 Rows not covered by any segment do not exist (segments tile [0, T)). The reference is differentiable
 with respect to x, A and B through torch autograd.
+
+BGMV (decode: one adapter slot per row instead of per segment):
+
+    idx:   [T]   int64 adapter slot of each row; -1: no adapter (the row's correction is 0)
+
+    bgmv_shrink:  v[t] = x[t] @ A[idx[t]].T                                               -> v: [T, R]
+    bgmv_expand:  y[t] = v[t] @ B[idx[t]].T * scale[idx[t]]                               -> y: [T, O]
+    lora_delta_bgmv: bgmv_expand(bgmv_shrink(x, A, idx), B, idx, scale)
 """
 
 from __future__ import annotations
@@ -56,3 +64,31 @@ def lora_delta(
 ) -> torch.Tensor:
     """The LoRA correction of a packed batch: lora_expand(lora_shrink(x, A, seg, ids), B, seg, ids, scale)."""
     return lora_expand(lora_shrink(x, A, seg, ids), B, seg, ids, scale)
+
+
+def _gathered(w: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w[idx[t]] for every row ([T, *w.shape[1:]], slot 0 standing in for -1) and the rows' mask [T, 1]."""
+    if idx.dim() != 1 or idx.dtype.is_floating_point:
+        raise ValueError(f"idx must be a 1-d integer tensor, got {idx.dtype} {tuple(idx.shape)}")
+    # reading idx's largest value syncs with the device, which a CUDA graph capture does not allow
+    if idx.numel() and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()) and int(idx.max()) >= w.shape[0]:
+        raise ValueError(f"idx holds slot {int(idx.max())}, but only {w.shape[0]} slots are stacked")
+    return w[idx.clamp(min=0)], (idx >= 0)[:, None]
+
+
+def bgmv_shrink(x: torch.Tensor, A: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """v[t] = x[t] @ A[idx[t]].T (0 where idx[t] < 0); x [T, H], A [N, R, H], idx [T] -> v [T, R]."""
+    a, used = _gathered(A, idx)
+    return torch.bmm(a, x[:, :, None])[:, :, 0] * used
+
+
+def bgmv_expand(v: torch.Tensor, B: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y[t] = v[t] @ B[idx[t]].T * scale[idx[t]] (0 where idx[t] < 0); v [T, R], B [N, O, R] -> y [T, O]."""
+    b, used = _gathered(B, idx)
+    return torch.bmm(b, v[:, :, None])[:, :, 0] * (scale[idx.clamp(min=0)][:, None] * used)
+
+
+def lora_delta_bgmv(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+                    idx: torch.Tensor) -> torch.Tensor:
+    """The LoRA correction with one adapter slot per row: bgmv_expand(bgmv_shrink(x, A, idx), B, idx, scale)."""
+    return bgmv_expand(bgmv_shrink(x, A, idx), B, idx, scale)

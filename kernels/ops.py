@@ -36,7 +36,11 @@ matmul (``torch.bmm`` with the shared operand expanded, never copied), so the li
 problem whatever the batch, and a row's bits depend only on its own values:
 - ``linear``: rows in tiles of ``ROW_TILE`` (zero-padded), the weight's columns in blocks of at most
   ``COL_BLOCK_BYTES`` (a block stays in cache while every tile reads it; the blocks depend only on the
-  weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``.
+  weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``. A pool may pass a
+  ladder of tile heights (``tiles``): rows are then cut largest tile first (``row_groups``), which keeps a
+  row's bits only because the pool's self-check admitted each height to the ladder after finding its rows
+  bitwise equal to the ``ROW_TILE`` tile's on that machine (larger tiles re-pack each weight block less
+  often; a 1-row tile is a GEMV).
 - ``attention`` and ``decode_attention``: keys are cut into chunks of ``KEY_CHUNK`` on the absolute key
   grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of
   ``ATTN_ROW_TILE``; scores are ``[ATTN_ROW_TILE, D] @ [D, KEY_CHUNK]`` products and each chunk's
@@ -65,8 +69,12 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16
-"""Rows of every ``linear`` tile in invariant mode (measured invariant at every position on AVX2 and on
-AVX-512 with and without MKL's AVX2 path; 8 was not, under that path)."""
+"""Rows of the reference ``linear`` tile in invariant mode (measured invariant at every position on AVX2 and
+on AVX-512 with and without MKL's AVX2 path; 8 was not, under that path)."""
+
+ROW_TILE_CANDIDATES = (1, 4, 64)
+"""Other tile heights a pool may add to its ladder (``linear``'s ``tiles``) when its self-check finds their
+rows bitwise equal to the reference tile's on that machine (``lathe.models.exactness.choose_row_tiles``)."""
 
 COL_BLOCK_BYTES = 1 << 19
 """Most bytes of weight one ``linear`` product reads; wider weights are cut into column blocks."""
@@ -119,15 +127,38 @@ def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> t
     return y.view(count * tile, n)[:m]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool) -> torch.Tensor:
+def row_groups(rows: int, tiles: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """How ``linear`` cuts ``rows`` rows over a ladder of tile heights: ``[(start, stop, tile), ...]``.
+
+    Largest tile first, each taking as many whole tiles as fit; the smallest tile takes the rest (its
+    last tile zero-padded). Depends on the row count only; with one tile height it is one group.
+    """
+    ladder = sorted(set(tiles), reverse=True)
+    groups, start = [], 0
+    for tile in ladder[:-1]:
+        stop = start + (rows - start) // tile * tile
+        if stop > start:
+            groups.append((start, stop, tile))
+            start = stop
+    if rows > start or not groups:
+        groups.append((start, rows, ladder[-1]))
+    return groups
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool,
+           tiles: tuple[int, ...] = (ROW_TILE,)) -> torch.Tensor:
     """y = x @ weight.T + bias; x [..., K], weight [N, K], bias [N] or None -> y [..., N].
 
-    Invariant mode flattens the leading dims to M rows and runs ``tiled_matmul``; the bias is added
-    after. Differentiable in both modes.
+    Invariant mode flattens the leading dims to M rows, cuts them into ``row_groups(M, tiles)`` and runs
+    ``tiled_matmul`` on each group with its tile height; the bias is added after. Mixing heights keeps a
+    row's bits only where every height gives the reference tile's bits: the self-check picks the ladder
+    (``tiles``) per machine and verifies that. Differentiable in both modes.
     """
     if not invariant:
         return F.linear(x, weight, bias)
-    y = tiled_matmul(x.reshape(-1, x.shape[-1]), weight.t())
+    rows, w = x.reshape(-1, x.shape[-1]), weight.t()
+    parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in row_groups(rows.shape[0], tiles)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -225,6 +256,7 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
     # first[c]: the first tile whose last row sees chunk c; the tiles before it have the chunk in their future.
     tile_ends = [q_offset + min(i * t + t - 1, lq * g - 1) // g for i in range(tiles)]
     first = [bisect.bisect_left(tile_ends, c * KEY_CHUNK) for c in range(chunks)]
+    future = torch.arange(n, device=q.device) > position.view(tiles, t, 1)  # the same for every kv head
     heads = []
     for h in range(hkv):
         mine = rows[h].view(tiles, t, d)
@@ -233,7 +265,6 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
             f = first[c]
             cols = slice(c * KEY_CHUNK, (c + 1) * KEY_CHUNK)
             scores[f:, :, cols] = _bmm(mine[f:], keys[h, c].expand(tiles - f, d, KEY_CHUNK))
-        future = torch.arange(n, device=q.device) > position.view(tiles, t, 1)
         scores = scores.masked_fill(future, float("-inf"))
         # The max only stabilises exp; the result does not depend on it, so it carries no gradient.
         # Every row sees key 0, so it is finite.
@@ -250,7 +281,8 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], *, scale: float, invariant: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | list[int], *, scale: float,
+    invariant: bool,
 ) -> torch.Tensor:
     """One decode token for each of S sequences at once; q [S, Hq, D], k/v [S, N, Hkv, D] -> [S, Hq, D].
 
@@ -259,14 +291,15 @@ def decode_attention(
     positions[s] + 1) must be finite. In invariant mode every bit equals ``attention`` called per
     sequence: the same row tiles of GQA groups, the same fixed-shape products per key chunk on the same
     grid, the same exact max, and the same chunk-ordered sums (chunks past a sequence's end add exactly
-    zero).
+    zero). ``positions`` may be an int64 tensor on q's device ([S]; what a captured CUDA graph reads: no
+    host value enters the computation), or a list.
     """
     s, hq, d = q.shape
     _, n, hkv, _ = k.shape
     g = hq // hkv
     if not invariant:
         keys = torch.arange(n, device=q.device)
-        visible = keys <= torch.tensor(positions, device=q.device)[:, None]  # [S, N]
+        visible = keys <= torch.as_tensor(positions, device=q.device)[:, None]  # [S, N]
         o = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=visible[:, None, None], scale=scale, enable_gqa=True)
         return o[:, :, 0]
@@ -281,7 +314,7 @@ def decode_attention(
     batch = (s * hkv, tiles, chunks)
     scores = _bmm(rows.view(s * hkv, tiles, 1, t, d).expand(*batch, t, d).reshape(-1, t, d),
                   keys[:, None].expand(*batch, d, KEY_CHUNK).reshape(-1, d, KEY_CHUNK)).view(*batch, t, KEY_CHUNK)
-    pos = torch.tensor(positions, device=q.device).repeat_interleave(hkv)
+    pos = torch.as_tensor(positions, device=q.device).repeat_interleave(hkv)
     future = torch.arange(n, device=q.device).view(chunks, 1, KEY_CHUNK) > pos.view(-1, 1, 1, 1, 1)
     scores = scores.masked_fill(future, float("-inf"))
     probs = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))

@@ -32,7 +32,8 @@ LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logp
 
 class KVCache(Protocol):
     """What the decoder needs from a KV cache (the sampler owns the storage). A cache that also has
-    ``stacked(layer) -> (k, v [S, N, Hkv, D])`` gets pure decode steps as one batched attention."""
+    ``decode(layer, k, v [S, Hkv, D]) -> (k, v [S, N, Hkv, D], positions [S])`` (append one row per
+    sequence, return every sequence's keys and values) gets pure decode steps as one batched attention."""
 
     def extend(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Append ``k, v [L, Hkv, D]`` of sequence ``seq``; return all its keys, values and the
@@ -98,6 +99,7 @@ class Decoder(torch.nn.Module):
         self.invariant = invariant
         self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: memory for time
         self.sgmv = False  # LoRA through the Triton SGMV kernels (GPU pools) instead of the per-segment path
+        self.row_tiles = (ops.ROW_TILE,)  # invariant linears' tile ladder; the pool's self-check may widen it
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -135,7 +137,8 @@ class Decoder(torch.nn.Module):
     # ---- building blocks ----
 
     def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraBatch | None) -> torch.Tensor:
-        y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant)
+        y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant,
+                       tiles=self.row_tiles)
         if lora is not None:
             d = lora.delta(key, x)
             if d is not None:
@@ -159,10 +162,9 @@ class Decoder(torch.nn.Module):
         cos, sin = self.cos[batch.positions].to(x.dtype), self.sin[batch.positions].to(x.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         cu = batch.cu_seqlens
-        stacked = getattr(kv, "stacked", None)
-        if stacked is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence
-            positions = [kv.extend(i, s, k[s:s + 1], v[s:s + 1])[2] for s in range(t)]
-            ks, vs = stacked(i)
+        decode = getattr(kv, "decode", None)
+        if decode is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence
+            ks, vs, positions = decode(i, k, v)
             o = ops.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant)
             return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
         outs = []
@@ -203,7 +205,7 @@ class Decoder(torch.nn.Module):
 
     def logits(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
-        y = ops.linear(h, self.lm_head, invariant=self.invariant)
+        y = ops.linear(h, self.lm_head, invariant=self.invariant, tiles=self.row_tiles)
         if lora is not None:
             d = lora.delta((-1, UNEMBED), h)
             if d is not None:

@@ -5,8 +5,11 @@ Owns: ``self_check(decoder)`` -> ``ExactnessReport``. Touches nothing but the de
 the report goes into their logs, their Prometheus gauge, ``get_server_capabilities`` and every receipt.
 
 Why at start, on the pool's own shapes: batch invariance is a property of the kernel library's code
-paths on this machine, not of Lathe's code alone (``lathe.kernels.ops`` explains the tiles). The check
-runs, at every thread count the pool may use:
+paths on this machine, not of Lathe's code alone (``lathe.kernels.ops`` explains the tiles). Before the
+check, ``choose_row_tiles`` picks the pool's ladder of ``linear`` tile heights: the reference tile
+(``ops.ROW_TILE``) plus each candidate (``ops.ROW_TILE_CANDIDATES``) whose rows are bitwise the reference's
+for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread count.
+The check runs, with that ladder, at every thread count the pool may use:
 
 1. ops at the model's shapes, rows alone vs in batches of 1, 3, 13, 17, 64 and 300 rows, and the
    300-row batch shifted by one row (which moves every row to the next position of its tile): each
@@ -17,7 +20,7 @@ runs, at every thread count the pool may use:
    one batch vs each alone, and prefill vs token-by-token decode through a KV cache (the stacked,
    batched decode path the sampler takes);
 3. the fingerprint: a hash of the bits of one canonical packed forward (plus dtype, device kind and
-   tile sizes). Two pools' logprobs are bitwise comparable only when their fingerprints match, so a
+   tile sizes, the ladder included). Two pools' logprobs are bitwise comparable only when their fingerprints match, so a
    trainer and a sampler on different machines are reported exact only then. The fingerprint must
    also be the same at every thread count checked.
 
@@ -71,7 +74,7 @@ class ExactnessReport:
     device: str
     dtype: str
     threads: list[int]
-    tiles: dict[str, int]
+    tiles: dict[str, object]
     seconds: float
     checks: list[Check] = field(default_factory=list)
 
@@ -94,8 +97,9 @@ class ExactnessReport:
 class PoolExactness:
     """The self-check reports of one pool's loaded base models; owned by a trainer or sampler engine.
 
-    ``check`` runs when the pool loads a model and logs the verdict on stderr. A pool that runs the plain
-    ops (``--no-invariant``) is not exact by construction: it records that without running the check.
+    ``check`` runs when the pool loads a model: it sets the model's tile ladder (``choose_row_tiles``),
+    runs the self-check and logs the verdict on stderr. A pool that runs the plain ops (``--no-invariant``)
+    is not exact by construction: it records that without running the check.
     """
 
     def __init__(self, pool: str, invariant: bool) -> None:
@@ -104,10 +108,11 @@ class PoolExactness:
 
     def check(self, name: str, model: Decoder) -> ExactnessReport:
         if self.invariant:
+            model.row_tiles = choose_row_tiles(_model_weights(model), default_threads(model))
             report = self_check(model)
         else:
             report = ExactnessReport(False, "plain ops (--no-invariant) are not batch-invariant", "", model.device.type,
-                                     str(model.dtype).removeprefix("torch."), [], tiles(), 0.0)
+                                     str(model.dtype).removeprefix("torch."), [], tiles(model), 0.0)
         print(f"lathe.{self.pool} {name}: {report.summary()}", file=sys.stderr, flush=True)
         self.reports[name] = report
         return report
@@ -118,10 +123,66 @@ class PoolExactness:
         return report.fields() if report is not None else {"checked": False}
 
 
-def tiles() -> dict[str, int]:
-    """The tile sizes the invariant ops use (part of the fingerprint)."""
-    return {"row_tile": ops.ROW_TILE, "attn_row_tile": ops.ATTN_ROW_TILE, "key_chunk": ops.KEY_CHUNK,
-            "col_block_bytes": ops.COL_BLOCK_BYTES}
+def tiles(model: Decoder) -> dict[str, object]:
+    """The tile sizes the invariant ops use on ``model`` (part of the fingerprint)."""
+    return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.row_tiles), "attn_row_tile": ops.ATTN_ROW_TILE,
+            "key_chunk": ops.KEY_CHUNK, "col_block_bytes": ops.COL_BLOCK_BYTES}
+
+
+def default_threads(model: Decoder) -> list[int]:
+    """The thread counts a pool checks: 1 and torch's current count on CPU, the current count elsewhere."""
+    if model.device.type == "cpu":
+        return sorted({1, torch.get_num_threads()})
+    return [torch.get_num_threads()]
+
+
+HEAD_ROWS = 1024
+"""Vocabulary rows of the LM head that ``choose_row_tiles`` tries (its products have the full head's shapes:
+column blocks depend on K alone); the self-check then runs the whole head with the chosen ladder."""
+
+
+def _model_weights(model: Decoder) -> list[torch.Tensor]:
+    """One ``[N, K]`` base weight per distinct shape of layer 0, and the first ``HEAD_ROWS`` of the LM head."""
+    shapes: dict[tuple[int, int], torch.Tensor] = {}
+    for target in ATTN_TARGETS + MLP_TARGETS:
+        block = "self_attn" if target in ATTN_TARGETS else "mlp"
+        weight = model.w[f"model.layers.0.{block}.{target}.weight"]
+        shapes.setdefault(tuple(weight.shape), weight)
+    return [*shapes.values(), model.lm_head[:HEAD_ROWS]]
+
+
+def _same_as_reference(weight: torch.Tensor, tile: int, pool: torch.Tensor) -> bool:
+    """Whether ``tile``-row tiles give every row of ``pool @ weight.T`` the reference tile's bits: the whole
+    batch, the batch shifted by one row (every row at the next position of its tile) and two lone rows."""
+    w = weight.t()
+    ref = ops.tiled_matmul(pool, w, tile=ops.ROW_TILE)
+    starts_stops = ((0, len(pool)), (1, len(pool)), (0, 1), (1, 2))
+    return not any(_differing(ops.tiled_matmul(pool[a:b], w, tile=tile), ref[a:b]) for a, b in starts_stops)
+
+
+def _tile_agrees(tile: int, weights: list[torch.Tensor], pools: list[torch.Tensor], threads: list[int]) -> bool:
+    """``_same_as_reference`` for every weight (with its row pool) at every thread count."""
+    for n in threads:
+        with _threads(n):
+            if not all(_same_as_reference(w, tile, p) for w, p in zip(weights, pools, strict=True)):
+                return False
+    return True
+
+
+def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
+    """The tile ladder for ``linear`` on this machine: ``ops.ROW_TILE`` and every ``ops.ROW_TILE_CANDIDATES``
+    height whose rows are bitwise the reference tile's for each ``[N, K]`` weight at each thread count.
+
+    Decided by bits, not by timing, so the same machine and library always choose the same ladder. Off
+    the CPU the products do not use row tiles, so the ladder is the reference tile alone.
+    """
+    if any(w.device.type != "cpu" for w in weights):
+        return (ops.ROW_TILE,)
+    gen = torch.Generator().manual_seed(seed)
+    pools = [torch.randn(BATCH_ROWS[-1], w.shape[1], generator=gen).to(w.dtype) for w in weights]
+    with torch.no_grad():
+        chosen = [t for t in ops.ROW_TILE_CANDIDATES if _tile_agrees(t, weights, pools, threads)]
+    return tuple(sorted({ops.ROW_TILE, *chosen}))
 
 
 @contextmanager
@@ -175,11 +236,12 @@ def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Che
             continue
         seen.add((weight.shape[0], weight.shape[1], bias is not None))
         checks.append(_rows(f"linear {target} {weight.shape[1]}->{weight.shape[0]}",
-                            lambda x, weight=weight, bias=bias: ops.linear(x, weight, bias, invariant=True),
+                            lambda x, weight=weight, bias=bias: ops.linear(x, weight, bias, invariant=True,
+                                                                           tiles=model.row_tiles),
                             pool(weight.shape[1])))
     head = model.lm_head
     checks.append(_rows(f"linear lm_head {head.shape[1]}->{head.shape[0]}",
-                        lambda x: ops.linear(x, head, invariant=True), pool(head.shape[1])))
+                        lambda x: ops.linear(x, head, invariant=True, tiles=model.row_tiles), pool(head.shape[1])))
     ins = sorted({module_shape(cfg, t)[0] for t in ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)})
     outs = sorted({module_shape(cfg, t)[1] for t in ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)})
     for width in ins:
@@ -251,8 +313,9 @@ class _Cache:
         self.length[layer][seq] = end
         return self.k[layer, seq, :end], self.v[layer, seq, :end], start
 
-    def stacked(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]
+    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        positions = [self.extend(layer, s, k[s:s + 1], v[s:s + 1])[2] for s in range(k.shape[0])]
+        return self.k[layer], self.v[layer], positions
 
 
 def _logprobs(model: Decoder, seqs: list[list[int]], positions: list[list[int]], lora: LoraBatch,
@@ -326,17 +389,17 @@ def _model_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> tuple
 
 def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:
     h = hashlib.sha256()
-    h.update(f"{model.dtype}|{model.device.type}|{sorted(tiles().items())}|".encode())
+    h.update(f"{model.dtype}|{model.device.type}|{sorted(tiles(model).items())}|".encode())
     h.update(packed.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
 def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: int = 8,
                seed: int = 0) -> ExactnessReport:
-    """Run every check on ``model`` at each thread count (default: 1 and torch's current count on CPU)."""
+    """Run every check on ``model`` (with its ``row_tiles``) at each thread count (default: ``default_threads``)."""
     start = time.perf_counter()
     if threads is None:
-        threads = sorted({1, torch.get_num_threads()}) if model.device.type == "cpu" else [torch.get_num_threads()]
+        threads = default_threads(model)
     checks: list[Check] = []
     prints: dict[int, str] = {}
     for n in threads:
@@ -356,7 +419,7 @@ def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: i
         device=model.device.type,
         dtype=str(model.dtype).removeprefix("torch."),
         threads=list(threads),
-        tiles=tiles(),
+        tiles=tiles(model),
         seconds=time.perf_counter() - start,
         checks=checks,
     )

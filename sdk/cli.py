@@ -21,7 +21,8 @@ from lathe.stack import Stack, StackConfig
 
 
 def _serve(args: argparse.Namespace) -> None:
-    cfg = StackConfig(gateway_port=args.port, http_port=args.http_port, models=args.models, store_root=args.store,
+    cfg = StackConfig(trainer_ranks=args.trainer_ranks, gateway_port=args.port, http_port=args.http_port,
+                      models=args.models, store_root=args.store,
                       cache_root=args.cache, trainer_threads=args.threads, trainer_dtype=args.dtype,
                       invariant=not args.no_invariant, api_keys_file=args.api_keys_file, log_dir=args.log_dir,
                       tls_cert=args.tls_cert, tls_key=args.tls_key, restart_budget=args.restart_budget,
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
                             "variables, never argv) or s3-local (a SeaweedFS under --cache)")
     serve.add_argument("--cache", type=Path, default=Path(".cache/lathe"), help="model cache directory")
     serve.add_argument("--threads", type=int, default=0, help="trainer torch threads (0: all cores)")
+    serve.add_argument("--trainer-ranks", type=int, default=1,
+                       help="processes in the trainer pool (gloo on CPU, NCCL on GPU; docs/distributed.md)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     serve.add_argument("--no-invariant", action="store_true")
     serve.add_argument("--api-keys-file", type=Path, default=None,

@@ -6,7 +6,7 @@ The secret is a random token that the launcher generates (``lathe serve`` / ``la
 stores in a Secret. It reaches each process through the environment, ``LATHE_INTERNAL_TOKEN``, or a file named by
 ``LATHE_INTERNAL_TOKEN_FILE`` (never argv, which ``ps`` shows). Internal clients send it as the gRPC metadata
 entry ``x-lathe-internal-token``; internal servers check it in constant time and answer UNAUTHENTICATED otherwise,
-before the request is even deserialized.
+before the request is even deserialized. The gRPC health service (``OPEN_PREFIX``) is the one exception.
 
 A service started without a secret serves anyone, so it may listen on loopback only (for tests and local runs;
 it says so on stderr at start) and refuses to start on any other address.
@@ -32,6 +32,7 @@ TOKEN_ENV = "LATHE_INTERNAL_TOKEN"
 TOKEN_FILE_ENV = "LATHE_INTERNAL_TOKEN_FILE"
 METADATA_KEY = "x-lathe-internal-token"
 REFUSAL = "this service answers Lathe's own services only (missing or wrong internal token)"
+OPEN_PREFIX = "/grpc.health.v1.Health/"  # health probes (kubelet's carry no secret) say only SERVING or not
 
 
 def new_token() -> str:
@@ -98,7 +99,7 @@ class RequireToken(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if handler is None or self.holds_token(details.invocation_metadata):
+        if handler is None or details.method.startswith(OPEN_PREFIX) or self.holds_token(details.invocation_metadata):
             return handler
         return _refusal(handler)
 
@@ -149,25 +150,36 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
     intercept_stream_stream = intercept_stream_unary
 
 
-class _AioToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+class _AioToken:
+    """Adds the secret to an asyncio call's metadata. ``grpc.aio`` files an interceptor under the first call kind
+    whose base class it has (an ``isinstance`` elif chain), so one object cannot serve every kind: ``_AIO_TOKEN_KINDS``
+    holds one subclass per kind, and a channel gets one of each."""
+
     def __init__(self, token: str) -> None:
         self._token = token
 
-    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        return d._replace(metadata=grpc.aio.Metadata(*_with_token(d.metadata, self._token)))
+    async def _intercept(self, continuation: Callable, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        metadata = grpc.aio.Metadata(*_with_token(details.metadata, self._token))
+        return await continuation(details._replace(metadata=metadata), request)
 
-    async def intercept_unary_unary(self, continuation: Callable, details: grpc.aio.ClientCallDetails,
-                                    request: Any) -> Any:
-        return await continuation(self._details(details), request)
 
-    intercept_unary_stream = intercept_unary_unary
+class _AioUnaryUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _AioToken._intercept
 
-    async def intercept_stream_unary(self, continuation: Callable, details: grpc.aio.ClientCallDetails,
-                                     requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
 
-    intercept_stream_stream = intercept_stream_unary
+class _AioUnaryStreamToken(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _AioToken._intercept
+
+
+class _AioStreamUnaryToken(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _AioToken._intercept
+
+
+class _AioStreamStreamToken(_AioToken, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _AioToken._intercept
+
+
+_AIO_TOKEN_KINDS = (_AioUnaryUnaryToken, _AioUnaryStreamToken, _AioStreamUnaryToken, _AioStreamStreamToken)
 
 
 ChannelOptions = Sequence[tuple[str, Any]]
@@ -184,4 +196,4 @@ def internal_aio_channel(target: str, options: ChannelOptions, token: str | None
     """An asyncio channel to an internal service that sends this process's secret with every call."""
     token = load_token() if token is None else token
     return grpc.aio.insecure_channel(target, options=options,
-                                     interceptors=[_AioToken(token)] if token else None)
+                                     interceptors=[kind(token) for kind in _AIO_TOKEN_KINDS] if token else None)

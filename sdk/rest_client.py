@@ -5,28 +5,43 @@ Made by ``ServiceClient.create_rest_client()`` (sharing its connection) or on it
 session. As in Tinker, every method returns an ``APIFuture`` at once (``.result()`` it, or ``await`` it), and
 its ``_async`` twin is a coroutine that returns the value. The gateway answers only with what the caller's API
 key owns, so ``access_scope="accessible"`` (owned plus shared with the caller) answers the same as ``"owned"``:
-Lathe shares no runs across tenants.
+Lathe shares no runs across tenants. Lathe has no projects: a project id given is refused (``InvalidArgument``).
+Sessions, storage usage, weights info and download URLs come back as ``lathe.registry_types`` values.
 """
 
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from google.protobuf.message import Message
 
-from lathe import wire
+from lathe import registry_wire, wire
 from lathe.connect import open_connection
 from lathe.errors import InvalidArgument
 from lathe.futures import APIFuture, Connection, call_future
+from lathe.registry_types import (
+    CurrentCheckpointStorageUsageResponse,
+    ExternalWeightsUrlsResponse,
+    GetSamplerResponse,
+    GetSessionResponse,
+    ListSessionsResponse,
+    SessionSearchRequest,
+    SessionSearchResponse,
+    WeightsInfoResponse,
+    WhoamiResponse,
+)
 from lathe.types import (
     CheckpointsListResponse,
     GetServerCapabilitiesResponse,
     ParsedCheckpointTinkerPath,
     TrainingRun,
     TrainingRunsResponse,
+    check_no_project,
+    check_weights_access_token,
 )
 from lathe.v1 import lathe_pb2 as pb
 
@@ -78,10 +93,11 @@ class RestClient:
     def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
         return self._query("GetServerCapabilities", pb.GetServerCapabilitiesRequest(), wire.capabilities_from_proto)
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
-                           ) -> APIFuture[TrainingRunsResponse]:
+    def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned",
+                           project_id: str | None = None) -> APIFuture[TrainingRunsResponse]:
         """The caller's training runs, oldest first, one page."""
         _check_scope(access_scope)
+        check_no_project("project_id", project_id)
         return self._query("ListTrainingRuns", pb.ListTrainingRunsRequest(limit=limit, offset=offset),
                            lambda msg: wire.training_runs_from_proto(msg, limit, offset))
 
@@ -113,6 +129,76 @@ class RestClient:
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         return self._query("DeleteCheckpoint", pb.DeleteCheckpointRequest(tinker_path=tinker_path), lambda _: None)
 
+    def copy_weights(self, path: str, destination_project_id: str | None = None, *, ttl_seconds: int | None = None,
+                     weights_access_token: str | None = None) -> APIFuture[str]:
+        """Copy one of the caller's checkpoints (either kind) to a run of its own, ``copy-<id>`` (it samples and
+        loads like any checkpoint, but cannot be trained on); the copy's path. It expires after ``ttl_seconds``
+        (None: never) and counts against the caller's checkpoint quota. A retried call makes no second copy."""
+        check_no_project("destination_project_id", destination_project_id)
+        check_weights_access_token(weights_access_token)
+        request = pb.CopyWeightsRequest(source_path=path, ttl_seconds=ttl_seconds, idempotency_key=uuid.uuid4().hex)
+        return self._query("CopyWeights", request, lambda msg: msg.tinker_path)
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None
+                                            ) -> APIFuture[None]:
+        """Make the checkpoint expire ``ttl_seconds`` from now (None: never)."""
+        return self._query("SetCheckpointTtl", pb.SetCheckpointTtlRequest(tinker_path=tinker_path,
+                                                                          ttl_seconds=ttl_seconds), lambda _: None)
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Mark the checkpoint ``public`` in listings (Lathe lets no other tenant read it; doing it twice is fine)."""
+        return self._query("SetCheckpointPublic", pb.SetCheckpointPublicRequest(tinker_path=tinker_path, public=True),
+                           lambda _: None)
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        return self._query("SetCheckpointPublic", pb.SetCheckpointPublicRequest(tinker_path=tinker_path,
+                                                                                public=False), lambda _: None)
+
+    def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
+        return self._query("GetWeightsInfo", pb.WeightsInfoRequest(tinker_path=tinker_path),
+                           registry_wire.weights_info_from_proto)
+
+    def get_current_checkpoint_storage_usage(self, project_id: str | None = None
+                                             ) -> APIFuture[CurrentCheckpointStorageUsageResponse]:
+        """The caller's live checkpoints now, counted and summed (no lag; unpriced)."""
+        return self._query("GetCheckpointStorageUsage", pb.StorageUsageRequest(project_id=project_id or ""),
+                           registry_wire.storage_usage_from_proto)
+
+    def get_external_weights_urls(self, tinker_path: str) -> APIFuture[ExternalWeightsUrlsResponse]:
+        """Download URLs (no key needed) of each file of an external weights checkpoint
+        (``TrainingClient.save_weights_external``), valid for an hour."""
+        return self._query("GetExternalWeightsUrls", pb.ExternalWeightsUrlsRequest(tinker_path=tinker_path),
+                           registry_wire.external_urls_from_proto)
+
+    def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
+        """A sampling client's binding: its base model and the checkpoint it samples (None: the base model)."""
+        return self._query("GetSamplingSession", pb.GetSamplingSessionRequest(sampling_session_id=sampler_id),
+                           registry_wire.sampler_from_proto)
+
+    # ---- sessions ----
+
+    def list_sessions(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
+                      ) -> APIFuture[ListSessionsResponse]:
+        """The caller's session ids, newest first, one page."""
+        _check_scope(access_scope)
+        return self._query("ListSessions", pb.ListSessionsRequest(limit=limit, offset=offset),
+                           lambda msg: ListSessionsResponse(sessions=list(msg.session_ids)))
+
+    def get_session(self, session_id: str, access_scope: AccessScope = "owned") -> APIFuture[GetSessionResponse]:
+        """A session's training runs and sampling clients, its metadata and display name."""
+        _check_scope(access_scope)
+        return self._query("GetSession", pb.GetSessionRequest(session_id=session_id), registry_wire.session_from_proto)
+
+    def search_sessions(self, request: SessionSearchRequest) -> APIFuture[SessionSearchResponse]:
+        """A page of the caller's sessions matching ``request`` (Lathe's ``SessionSearchRequest`` or tinker's),
+        newest first, each with its runs' live checkpoints counted; pass ``next_cursor`` on for the next page."""
+        return self._query("SearchSessions", registry_wire.session_search_to_proto(request),
+                           registry_wire.session_search_from_proto)
+
+    def whoami(self) -> APIFuture[WhoamiResponse]:
+        """The caller's tenant, as its user and its organization."""
+        return self._query("Whoami", pb.WhoamiRequest(), registry_wire.whoami_from_proto)
+
     list_training_runs_async = _async_twin(list_training_runs)
     get_training_run_async = _async_twin(get_training_run)
     get_training_run_by_tinker_path_async = _async_twin(get_training_run_by_tinker_path)
@@ -120,3 +206,12 @@ class RestClient:
     list_user_checkpoints_async = _async_twin(list_user_checkpoints)
     delete_checkpoint_async = _async_twin(delete_checkpoint)
     delete_checkpoint_from_tinker_path_async = _async_twin(delete_checkpoint_from_tinker_path)
+    copy_weights_async = _async_twin(copy_weights)
+    set_checkpoint_ttl_from_tinker_path_async = _async_twin(set_checkpoint_ttl_from_tinker_path)
+    publish_checkpoint_from_tinker_path_async = _async_twin(publish_checkpoint_from_tinker_path)
+    unpublish_checkpoint_from_tinker_path_async = _async_twin(unpublish_checkpoint_from_tinker_path)
+    get_current_checkpoint_storage_usage_async = _async_twin(get_current_checkpoint_storage_usage)
+    get_external_weights_urls_async = _async_twin(get_external_weights_urls)
+    get_sampler_async = _async_twin(get_sampler)
+    list_sessions_async = _async_twin(list_sessions)
+    get_session_async = _async_twin(get_session)

@@ -1,35 +1,40 @@
 """``ServiceClient``: the entry point of Lathe's SDK, shaped like Tinker's.
 
 Owns the ``Connection`` to the gateway (see ``lathe.futures``) and the session: created lazily by the first
-call that needs one (``CreateSession``, with the client's ``user_metadata``), then kept alive by a heartbeat
-every ``HEARTBEAT_S`` seconds until ``close()``. Creates ``TrainingClient``s (waiting for the model to exist
-and reading its info) and ``RestClient``s, which share its connection. Where the gateway is found (arguments,
-else ``LATHE_BASE_URL`` / ``LATHE_API_KEY``) is ``lathe.connect``'s.
+call that needs one (``CreateSession``, with the client's ``user_metadata`` and ``display_name``), then kept
+alive by a heartbeat every ``HEARTBEAT_S`` seconds until ``close(status)``, which records why the session
+finished. Creates ``TrainingClient``s (waiting for the model to exist and reading its info) and ``RestClient``s,
+which share its connection. Where the gateway is found (arguments, else ``LATHE_BASE_URL`` / ``LATHE_API_KEY``)
+is ``lathe.connect``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from lathe import wire
 from lathe.connect import DEFAULT_BASE_URL, grpc_target, open_connection
-from lathe.errors import InvalidArgument, LatheError
+from lathe.errors import FailedPrecondition, InvalidArgument, LatheError
 from lathe.futures import APIFuture, RetryPolicy, call_future, poll
+from lathe.loss_trace import LossHandle, trace
+from lathe.registry_types import FINISH_STATUSES, FinishStatus
 from lathe.rest_client import RestClient
 from lathe.sampling_client import SamplingClient
 from lathe.training_client import TrainingClient
 from lathe.types import (
-    AdamOptimizerConfig,
     CreateModelResponse,
     GetServerCapabilitiesResponse,
     LoraConfig,
-    check_optimizer,
+    OptimizerConfig,
+    check_no_project,
     check_weights_access_token,
+    optimizer_family,
 )
 from lathe.v1 import lathe_pb2 as pb
 
@@ -38,6 +43,7 @@ __all__ = ["DEFAULT_BASE_URL", "HEARTBEAT_S", "ServiceClient", "grpc_target"]
 log = logging.getLogger("lathe")
 
 HEARTBEAT_S = 10.0
+FINISH_TIMEOUT_S = 10.0  # how long close() tries to have the gateway record the session's status
 
 
 class ServiceClient:
@@ -50,9 +56,14 @@ class ServiceClient:
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
                  user_metadata: dict[str, str] | None = None, retry: RetryPolicy | None = None,
-                 tls: bool | None = None, root_certificates: bytes | str | Path | None = None) -> None:
+                 tls: bool | None = None, root_certificates: bytes | str | Path | None = None,
+                 project_id: str | None = None, display_name: str | None = None) -> None:
+        """``display_name``: the session's name for people (``RestClient.get_session`` and ``search_sessions``
+        answer it). ``project_id``: Tinker's; Lathe has none, so one given is refused."""
+        check_no_project("project_id", project_id)
         self._conn = open_connection(base_url, api_key, retry, tls=tls, root_certificates=root_certificates)
         self._user_metadata = dict(user_metadata or {})
+        self._display_name = display_name
         # Touched only on the connection's loop:
         self._session: asyncio.Task[str] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -74,7 +85,8 @@ class ServiceClient:
             raise
 
     async def _create_session(self) -> str:
-        resp = await self._conn.call("CreateSession", pb.CreateSessionRequest(user_metadata=self._user_metadata))
+        resp = await self._conn.call("CreateSession", pb.CreateSessionRequest(user_metadata=self._user_metadata,
+                                                                              display_name=self._display_name))
         self._heartbeat = asyncio.create_task(self._beat(resp.session_id))
         return resp.session_id
 
@@ -98,28 +110,29 @@ class ServiceClient:
         return TrainingClient(self._conn, wire.get_info_from_proto(info), self._sampling_client)
 
     def _lora(self, base_model: str, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
-              train_unembed: bool, user_metadata: dict[str, str] | None, optimizer: AdamOptimizerConfig | None
+              train_unembed: bool, user_metadata: dict[str, str] | None, optimizer: OptimizerConfig | None
               ) -> Coroutine[Any, Any, TrainingClient]:
-        check_optimizer(optimizer)
+        family = optimizer_family(optimizer)
         lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
                           train_unembed=train_unembed)
         return self._new_training_client("CreateModel", pb.CreateModelRequest(
-            base_model=base_model, lora_config=wire.lora_config_to_proto(lora), user_metadata=user_metadata or {}))
+            base_model=base_model, lora_config=wire.lora_config_to_proto(lora), user_metadata=user_metadata or {},
+            optimizer=family))
 
     async def _from_state(self, path: str, with_optimizer: bool, base_model: str | None,
                           user_metadata: dict[str, str] | None, weights_access_token: str | None,
-                          optimizer: AdamOptimizerConfig | None) -> TrainingClient:
+                          optimizer: OptimizerConfig | None) -> TrainingClient:
         """``base_model`` (Tinker's override of the checkpoint's) must be the checkpoint's own: Lathe knows no
         other model compatible with an adapter."""
         check_weights_access_token(weights_access_token)
-        check_optimizer(optimizer)
+        family = optimizer_family(optimizer)
         if base_model is not None:
             run = await self.create_rest_client().get_training_run_by_tinker_path(path)
             if run.base_model != base_model:
                 raise InvalidArgument(f"base_model = {base_model!r}, but {path} was trained on {run.base_model!r}; "
                                       "Lathe loads a checkpoint only onto its own base model")
         return await self._new_training_client("CreateModelFromState", pb.CreateModelFromStateRequest(
-            path=path, with_optimizer=with_optimizer, user_metadata=user_metadata or {}))
+            path=path, with_optimizer=with_optimizer, user_metadata=user_metadata or {}, optimizer=family))
 
     def _run(self, work: Coroutine[Any, Any, Any]) -> APIFuture[Any]:
         return call_future(self._conn, work)
@@ -127,9 +140,9 @@ class ServiceClient:
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     user_metadata: dict[str, str] | None = None,
-                                    optimizer: AdamOptimizerConfig | None = None) -> TrainingClient:
+                                    optimizer: OptimizerConfig | None = None) -> TrainingClient:
         """A new LoRA adapter on ``base_model``; returns once the server has created it. ``optimizer``: None
-        or ``AdamOptimizerConfig()`` (AdamW, Lathe's only optimizer)."""
+        or ``AdamOptimizerConfig()`` (AdamW), or ``DimuonOptimizerConfig()``; fixed for the run's lifetime."""
         return self._run(self._lora(base_model, rank, seed, train_mlp, train_attn, train_unembed,
                                     user_metadata, optimizer)).result()
 
@@ -137,14 +150,14 @@ class ServiceClient:
                                                 train_mlp: bool = True, train_attn: bool = True,
                                                 train_unembed: bool = True,
                                                 user_metadata: dict[str, str] | None = None,
-                                                optimizer: AdamOptimizerConfig | None = None) -> TrainingClient:
+                                                optimizer: OptimizerConfig | None = None) -> TrainingClient:
         return await self._run(self._lora(base_model, rank, seed, train_mlp, train_attn, train_unembed,
                                           user_metadata, optimizer))
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
                                           weights_access_token: str | None = None,
-                                          optimizer: AdamOptimizerConfig | None = None) -> TrainingClient:
+                                          optimizer: OptimizerConfig | None = None) -> TrainingClient:
         """A new training run starting from the weights saved at ``path``; its optimizer starts over."""
         return self._run(self._from_state(path, False, base_model, user_metadata, weights_access_token,
                                           optimizer)).result()
@@ -152,7 +165,7 @@ class ServiceClient:
     async def create_training_client_from_state_async(self, path: str, base_model: str | None = None,
                                                       user_metadata: dict[str, str] | None = None,
                                                       weights_access_token: str | None = None,
-                                                      optimizer: AdamOptimizerConfig | None = None
+                                                      optimizer: OptimizerConfig | None = None
                                                       ) -> TrainingClient:
         return await self._run(self._from_state(path, False, base_model, user_metadata, weights_access_token,
                                                 optimizer))
@@ -182,19 +195,44 @@ class ServiceClient:
         return SamplingClient(self._conn, session, retry)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
-                               retry_config: RetryPolicy | None = None) -> SamplingClient:
+                               retry_config: RetryPolicy | None = None, record_stability_info: bool = False
+                               ) -> SamplingClient:
         """A client bound to the sampler checkpoint at ``model_path`` as it is now, or to ``base_model``;
-        ``retry_config`` replaces the connection's retry policy for its calls."""
+        ``retry_config`` replaces the connection's retry policy for its calls. ``record_stability_info``
+        (Tinker's, for StableReinforce) asks nothing more of Lathe: every sample already returns its record,
+        the sampled tokens' logprobs, which the trainer reproduces bit for bit."""
         return self._run(self._sampling_client(model_path, base_model, retry_config)).result()
 
     async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
-                                           retry_config: RetryPolicy | None = None) -> SamplingClient:
+                                           retry_config: RetryPolicy | None = None,
+                                           record_stability_info: bool = False) -> SamplingClient:
         return await self._run(self._sampling_client(model_path, base_model, retry_config))
+
+    def create_custom_loss(self, fn: Callable[..., Any], input_ranks: Mapping[str, int]) -> APIFuture[LossHandle]:
+        """A custom loss that runs on the server, for ``TrainingClient.forward_backward_custom``.
+
+        ``fn(logprobs, *inputs) -> (loss, metrics)`` runs once per datum (the losses are summed): ``logprobs``
+        [T] are the datum's target logprobs, each further parameter the ``loss_fn_inputs`` key of its name;
+        metrics are scalar tensors keyed ``custom/<name>:sum`` or ``:mean``. ``input_ranks`` gives each
+        parameter's rank (0 scalar, 1 [T], 2 [T, K]; logprobs 1). ``fn`` is traced with torch.fx and checked as
+        the server checks it (``lathe.loss_trace``); what cannot run there raises ``InvalidArgument`` here."""
+        future: cf.Future[LossHandle] = cf.Future()
+        try:
+            future.set_result(trace(fn, input_ranks))
+        except LatheError as e:
+            future.set_exception(e)
+        return APIFuture(future)
 
     # ---- registry ----
 
     def create_rest_client(self) -> RestClient:
         return RestClient(self._conn)
+
+    def copy_weights(self, path: str, *, ttl_seconds: int | None = None, weights_access_token: str | None = None
+                     ) -> APIFuture[str]:
+        """``RestClient.copy_weights``: a copy of one of the caller's checkpoints under a run of its own."""
+        return self.create_rest_client().copy_weights(path, ttl_seconds=ttl_seconds,
+                                                      weights_access_token=weights_access_token)
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """The base models this server trains, with their context lengths."""
@@ -205,13 +243,40 @@ class ServiceClient:
 
     # ---- lifetime ----
 
-    def close(self) -> None:
-        """Stop the heartbeat, cancel what is in flight and close the connection (idempotent)."""
+    async def _finish(self, status: FinishStatus, detail: str | None) -> None:
+        """Record why the session finished, if there is one (none is created for it)."""
+        if self._session is None or not self._session.done() or self._session.exception() is not None:
+            return
+        await self._conn.call("FinishSession", pb.FinishSessionRequest(
+            session_id=self._session.result(), status=status, detail=detail or ""), timeout=FINISH_TIMEOUT_S,
+            retry=RetryPolicy(max_s=1.0, budget_s=FINISH_TIMEOUT_S))
+
+    def close(self, status: FinishStatus = "success", detail: str | None = None) -> APIFuture[None]:
+        """Record the session's final ``status`` (``"success"``, ``"errored"`` or ``"interrupted"``; the first
+        one recorded wins; ``detail`` is for people and not kept), then stop the heartbeat, cancel what is in
+        flight and close the connection. Idempotent; returns a finished future, as Tinker's does once awaited. A
+        status the gateway could not record is logged, and the connection is closed all the same."""
+        if status not in FINISH_STATUSES:
+            raise InvalidArgument(f"status = {status!r} must be one of {list(FINISH_STATUSES)}")
+        done: cf.Future[None] = cf.Future()
+        done.set_result(None)
+        try:
+            self._conn.spawn(self._finish(status, detail)).result()
+        except FailedPrecondition:  # closed already
+            return APIFuture(done)
+        except LatheError as e:
+            log.warning("recording the finish of the session failed: %s", e)
         self._conn.close()
+        return APIFuture(done)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        """As Tinker's: the session finished ``"success"``; ``"errored"`` by an exception, ``"interrupted"`` by
+        anything else (Ctrl-C)."""
+        if exc_type is None:
+            self.close("success")
+        else:
+            self.close("errored" if issubclass(exc_type, Exception) else "interrupted")

@@ -5,7 +5,8 @@ a free port), prints exactly one ready line ``<name> listening on HOST:PORT`` (`
 tests wait for it), and serves until SIGINT or SIGTERM, then stops gracefully. ``run`` serves internal
 services: it installs the shared-secret check of ``lathe.internal_auth``. Internal services take
 messages up to ``MAX_MESSAGE_BYTES`` (checkpoint bytes travel through them); the public gateway passes
-its own, much smaller ``max_receive_bytes``, and its TLS ``credentials`` when it has a certificate.
+its own, much smaller ``max_receive_bytes``, and its TLS ``credentials`` when it has a certificate. Given the
+service's ``Probes`` (``lathe.probes``), the server also answers gRPC health and counts its calls.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 
 from lathe.internal_auth import server_interceptors
+from lathe.probes import Probes
 
 MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [
@@ -45,13 +47,19 @@ async def serve_until_stopped(
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    probes: Probes | None = None,
 ) -> None:
+    if probes is not None:
+        interceptors = [probes.requests, *interceptors]
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", max_receive_bytes)])
     add_servicers(server)
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if probes is not None:
+        probes.install(server)
+        await probes.start()
     await server.start()
     print(f"{name}{READY_MARK}{host}:{bound}", flush=True)
     stop = asyncio.Event()
@@ -59,6 +67,8 @@ async def serve_until_stopped(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if probes is not None:
+        await probes.shutdown()
     await server.stop(grace=2.0)
     if on_stop is not None:
         res = on_stop()
@@ -68,7 +78,7 @@ async def serve_until_stopped(
 
 
 def run(name: str, host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
-        on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
-    """Serve an internal service: only callers holding the stack's secret get through."""
+        on_stop: Callable[[], Awaitable[None] | None] | None = None, probes: Probes | None = None) -> None:
+    """Serve an internal service: only callers holding the stack's secret get through (health probes excepted)."""
     asyncio.run(serve_until_stopped(name, host, port, add_servicers, on_stop,
-                                    interceptors=server_interceptors(name, host)))
+                                    interceptors=server_interceptors(name, host), probes=probes))

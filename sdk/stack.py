@@ -9,6 +9,8 @@ reports, so ``restart`` (and the supervisor thread, after a crash) starts it aga
 arguments on the same address, and the services that call it reconnect without being told. The
 supervisor restarts a child at most ``restart_budget`` times per ``restart_window_s``, then stops the
 stack and says why; ``stop`` sets the stack stopping first, so its own SIGTERMs are never taken for crashes.
+A trainer pool of several ranks (``trainer_ranks``) is one child: its rank 0 starts the others, and when any rank
+is lost the whole pool exits and is restarted as one (docs/distributed.md).
 
 Each stack makes a fresh shared secret and hands it to its children in their environment (never argv), so
 trainer, sampler and checkpoints answer the stack's own services only (``lathe.internal_auth``).
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lathe.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token
+from lathe.probes import METRICS_MARK
 from lathe.serving import READY_MARK
 
 if TYPE_CHECKING:
@@ -57,18 +60,22 @@ class StackConfig:
     tls_cert: Path | None = None  # PEM certificate and key: both public doors serve TLS
     tls_key: Path | None = None
     trainer_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.trainer`
+    trainer_ranks: int = 1  # processes in the trainer pool: one service, whose rank 0 starts the others
     log_dir: Path | None = None
     # the gateway's control-plane database (sqlite:///FILE, postgresql+psycopg://...); "": a SQLite file of this
     # stack's own under cache_root/control, so a restarted gateway finds its sessions, runs and futures
     db_url: str = ""
     gateways: int = 1  # gateway replicas over the one control-plane database (the first on the ports above)
     supervise: bool = True  # restart a child that exits while the stack runs
+    metrics: bool = False  # every child serves Prometheus /metrics on a free loopback port (Stack.metrics_urls)
     restart_budget: int = 3  # restarts per child within restart_window_s; one more exit stops the stack
     restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"the embedded stack listens on loopback only, not {self.host!r}")
+        if self.trainer_ranks < 1:
+            raise ValueError(f"trainer_ranks = {self.trainer_ranks} must be >= 1")
         if self.gateways < 1:
             raise ValueError(f"gateways = {self.gateways} must be >= 1")
         if self.restart_budget < 0 or self.restart_window_s <= 0:
@@ -80,8 +87,9 @@ class StackConfig:
 class Service:
     """One child of the stack: the flags it runs with, its current process and what that process printed.
 
-    ``ports`` maps each port flag (``--port``, and the gateway's ``--http-port``) to its port: 0 (any free
-    port) until the first process binds one, then the bound port, so that a restart serves the same address.
+    ``ports`` maps each port flag (``--port``, the gateway's ``--http-port``, ``--metrics-port``) to its port: 0
+    (any free port) until the first process binds one, then the bound port, so that a restart serves the same
+    address.
     """
 
     name: str
@@ -135,6 +143,15 @@ class Stack:
         """Every gateway replica's gRPC address (``StackConfig.gateways``), the first one first."""
         return [s.address for s in self.services if s.name == "gateway"]
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's ``/metrics`` URL (``StackConfig.metrics``; the first of each name), by service name."""
+        urls: dict[str, str] = {}
+        for s in self.services:
+            if "--metrics-port" in s.addresses:
+                urls.setdefault(s.name, f"http://{s.addresses['--metrics-port']}/metrics")
+        return urls
+
     def service(self, name: str) -> Service:
         for s in self.services:
             if s.name == name:
@@ -151,7 +168,9 @@ class Stack:
                 self.local_s3 = LocalS3(Path(c.cache_root) / "seaweed").start()
                 root = self.local_s3.url
             ckpt = self._spawn("checkpoints", ["--root", root])
-            trainer = self._spawn("trainer", [*self._pool_args(ckpt.address, c.trainer_threads), *c.trainer_args])
+            ranks = ["--world-size", str(c.trainer_ranks)] if c.trainer_ranks > 1 else []
+            trainer = self._spawn("trainer", [*self._pool_args(ckpt.address, c.trainer_threads), *ranks,
+                                              *c.trainer_args])
             sampler = self._spawn("sampler", self._pool_args(ckpt.address, c.sampler_threads))
             gw_args = ["--trainer", trainer.address, "--checkpoints", ckpt.address, "--sampler", sampler.address,
                        "--db", c.db_url or f"sqlite:///{Path(c.cache_root).resolve()}/control/{os.urandom(6).hex()}.db"]
@@ -204,7 +223,7 @@ class Stack:
         return args
 
     def _spawn(self, name: str, args: list[str], ports: dict[str, int] | None = None) -> Service:
-        s = Service(name, args, ports or {"--port": 0})
+        s = Service(name, args, {**(ports or {"--port": 0}), **({"--metrics-port": 0} if self.cfg.metrics else {})})
         self.services.append(s)
         self._launch(s)
         return s
@@ -231,6 +250,9 @@ class Stack:
             assert proc.stdout is not None
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
+                name, metrics_mark, url = line.partition(METRICS_MARK)
+                if metrics_mark and name == f"lathe.{s.name}":
+                    addresses["--metrics-port"] = url.strip().removeprefix("http://").removesuffix("/metrics")
                 head, mark, address = line.partition(READY_MARK)
                 if mark and head in flags and not ready.is_set():
                     addresses[flags[head]] = address.strip()

@@ -28,6 +28,8 @@ from google.protobuf.message import Message
 from lathe import wire
 from lathe.errors import FailedPrecondition, InvalidArgument, LatheError
 from lathe.futures import APIFuture, Connection, RetryPolicy, server_future
+from lathe.loss_trace import LossHandle
+from lathe.registry_types import SamplingClientKind
 from lathe.sampling_client import SamplingClient
 from lathe.tokenizer import load_tokenizer
 from lathe.types import (
@@ -38,12 +40,14 @@ from lathe.types import (
     ForwardBackwardOutput,
     GetInfoResponse,
     LoadWeightsResponse,
+    OptimParams,
     OptimStepResponse,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     TensorData,
-    adam_params_of,
     check_weights_access_token,
+    optim_params_of,
 )
 from lathe.v1 import lathe_pb2 as pb
 
@@ -83,6 +87,12 @@ def _custom_loss_weights(data: Sequence[Datum], out: ForwardBackwardOutput, loss
     loss.backward()
     weights = [(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).numpy() for lp in logprobs]
     return weights, float(loss.detach()), dict(metrics)
+
+
+def _check_kind(kind: str) -> None:
+    if kind != "snapshot":
+        raise InvalidArgument(f"kind = {kind!r}: Lathe serves 'snapshot' sampling clients only (pinned to the weights "
+                              "saved now); 'inflight' clients that follow the training weights are not served")
 
 
 def _sampler_name(name: str | None) -> tuple[str, int | None]:
@@ -165,18 +175,27 @@ class TrainingClient:
                                             forward_only=forward_only)
         return self._submit("ForwardBackward", request, ForwardBackwardOutput)
 
-    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn, *,
+    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn | LossHandle, *,
                                 loss_type_input: Literal["logprobs"] | None = None
                                 ) -> APIFuture[ForwardBackwardOutput]:
-        """Tinker's custom loss, with no user code on the server (1.5x the FLOPs of a plain step).
+        """Tinker's custom loss.
 
-        A forward returns each datum's target logprobs; ``loss_fn(data, logprobs) -> (loss, metrics)`` runs
-        here in torch; then a ``cross_entropy`` forward_backward with ``weights = -dloss/dlogprobs`` puts
-        exactly that gradient into the adapter. Datums need ``target_tokens``; other inputs are the loss's.
-        ``loss_type_input``: what ``loss_fn`` reads, ``"logprobs"`` (the default and only kind, as in Tinker).
+        A ``LossHandle`` (``ServiceClient.create_custom_loss``) runs on the server: one forward_backward with
+        ``loss_fn="custom"`` carrying the traced graph. A callable runs here, with no user code on the server
+        (1.5x the FLOPs of a plain step): a forward returns each datum's target logprobs;
+        ``loss_fn(data, logprobs) -> (loss, metrics)`` runs in torch; then a ``cross_entropy`` forward_backward
+        with ``weights = -dloss/dlogprobs`` puts exactly that gradient into the adapter. Datums need
+        ``target_tokens``; other inputs are the loss's. ``loss_type_input``: what ``loss_fn`` reads,
+        ``"logprobs"`` (the default and only kind, as in Tinker).
         """
         if loss_type_input not in (None, "logprobs"):
             raise InvalidArgument(f"loss_type_input = {loss_type_input!r}; custom losses read 'logprobs'")
+        if isinstance(loss_fn, LossHandle):
+            if not data:
+                raise ValueError("no data given: pass at least one Datum")
+            return self._submit("ForwardBackward", pb.ForwardBackwardRequest(
+                model_id=self.model_id, data=[wire.datum_to_proto(d) for d in data], loss_fn="custom",
+                custom_loss=loss_fn.to_proto()), ForwardBackwardOutput)
         forward = self.forward([_ce_datum(d, None) for d in data], "cross_entropy")
         custom: dict[str, Any] = {}
 
@@ -198,19 +217,19 @@ class TrainingClient:
 
         return APIFuture(self._conn.spawn(combine()))
 
-    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: CustomLossFn, *,
+    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: CustomLossFn | LossHandle, *,
                                             loss_type_input: Literal["logprobs"] | None = None
                                             ) -> APIFuture[ForwardBackwardOutput]:
         return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
 
-    def optim_step(self, optim_params: AdamParams | None = None, *, adam_params: AdamParams | None = None
+    def optim_step(self, optim_params: OptimParams | None = None, *, adam_params: AdamParams | None = None
                    ) -> APIFuture[OptimStepResponse]:
-        """One AdamW update of the adapter with the gradients accumulated since the last step.
+        """One update of the adapter with the gradients accumulated since the last step.
 
-        ``optim_params`` (or Tinker's legacy keyword ``adam_params``) is an ``AdamParams``. Raises
-        ``InvalidArgument`` at once for anything else and for hyperparameters AdamW cannot use."""
-        request = pb.OptimStepRequest(model_id=self.model_id,
-                                      adam_params=wire.adam_params_to_proto(adam_params_of(optim_params, adam_params)))
+        ``optim_params`` (or Tinker's legacy keyword ``adam_params``) is an ``AdamParams`` or a ``DimuonParams``,
+        matching the optimizer the run was created with (the server refuses the other). Raises
+        ``InvalidArgument`` at once for anything else and for hyperparameters the optimizer cannot use."""
+        request = wire.optim_step_to_proto(self.model_id, optim_params_of(optim_params, adam_params))
         return self._submit("OptimStep", request, OptimStepResponse)
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
@@ -226,24 +245,42 @@ class TrainingClient:
         return self._submit("Save", self._save_request(name, "sampler_weights", ttl_seconds, False, user_metadata),
                             SaveWeightsForSamplerResponse)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: RetryPolicy | None = None
-                                             ) -> SamplingClient:
-        """Save the adapter for sampling (under ``name``, or an ephemeral name) and bind a client to it."""
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: list[str] | None = None
+                              ) -> APIFuture[SaveWeightsExternalResponse]:
+        """Export the adapter as ``tinker://<model_id>/external_weights/<name>``: PEFT files to download
+        (``RestClient.get_external_weights_urls``), age-encrypted to the given recipients (1 to 10 public keys),
+        expiring after ``ttl_seconds`` (None: never)."""
+        request = pb.SaveWeightsExternalRequest(model_id=self.model_id, name=name, ttl_seconds=ttl_seconds,
+                                                age_encryption_recipients=age_encryption_recipients or [])
+        return self._submit("SaveWeightsExternal", request, SaveWeightsExternalResponse)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: RetryPolicy | None = None,
+                                             record_stability_info: bool = False,
+                                             kind: SamplingClientKind = "snapshot") -> SamplingClient:
+        """Save the adapter for sampling (under ``name``, or an ephemeral name) and bind a client to it.
+        ``kind``: ``"snapshot"``, the only kind Lathe serves (a client pinned to the weights saved now)."""
+        _check_kind(kind)
         path = self.save_weights_for_sampler(*_sampler_name(name)).result().path
         return self.create_sampling_client(path, retry_config)
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None,
-                                                         retry_config: RetryPolicy | None = None) -> SamplingClient:
+                                                         retry_config: RetryPolicy | None = None,
+                                                         record_stability_info: bool = False,
+                                                         kind: SamplingClientKind = "snapshot") -> SamplingClient:
+        _check_kind(kind)
         path = (await self.save_weights_for_sampler(*_sampler_name(name))).path
         return await self.create_sampling_client_async(path, retry_config)
 
-    def create_sampling_client(self, model_path: str, retry_config: RetryPolicy | None = None) -> SamplingClient:
+    def create_sampling_client(self, model_path: str, retry_config: RetryPolicy | None = None,
+                               record_stability_info: bool = False) -> SamplingClient:
         """A client bound to the sampler checkpoint at ``model_path`` (``tinker://...``) as it is now;
-        ``retry_config`` replaces the connection's retry policy for its calls."""
+        ``retry_config`` replaces the connection's retry policy for its calls; ``record_stability_info`` as
+        ``ServiceClient.create_sampling_client`` says (every sample already carries its record)."""
         return self._conn.spawn(self._sampling_client(model_path, retry=retry_config)).result()
 
-    async def create_sampling_client_async(self, model_path: str, retry_config: RetryPolicy | None = None
-                                           ) -> SamplingClient:
+    async def create_sampling_client_async(self, model_path: str, retry_config: RetryPolicy | None = None,
+                                           record_stability_info: bool = False) -> SamplingClient:
         return await asyncio.wrap_future(self._conn.spawn(self._sampling_client(model_path, retry=retry_config)))
 
     def _save_request(self, name: str, kind: str, ttl_seconds: int | None, overwrite: bool,
@@ -300,6 +337,11 @@ class TrainingClient:
                                              user_metadata: dict[str, str] | None = None
                                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
         return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
+
+    async def save_weights_external_async(self, name: str, ttl_seconds: int | None = None,
+                                          age_encryption_recipients: list[str] | None = None
+                                          ) -> APIFuture[SaveWeightsExternalResponse]:
+        return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
 
     async def load_state_async(self, path: str, weights_access_token: str | None = None
                                ) -> APIFuture[LoadWeightsResponse]:

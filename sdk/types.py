@@ -7,10 +7,12 @@ back, and nothing here knows about gRPC. Code written against ``tinker.types`` k
 - Inputs: ``ModelInput`` (a list of ``EncodedTextChunk``), ``TensorData`` (a flat array + dtype + shape),
   ``Datum`` (model input + ``loss_fn_inputs``), ``AdamParams``, ``LoraConfig``.
 - Results of training futures: ``ForwardBackwardOutput``, ``OptimStepResponse``, ``SaveWeightsResponse``,
-  ``SaveWeightsForSamplerResponse``, ``LoadWeightsResponse``, ``CreateModelResponse``; each carries the
+  ``SaveWeightsForSamplerResponse``, ``SaveWeightsExternalResponse``, ``LoadWeightsResponse``,
+  ``CreateModelResponse``; each carries the
   ``Receipt`` of the operation that produced it (None when the server sent none).
 - Registry views: ``GetInfoResponse`` (+ ``ModelData``), ``TrainingRun``, ``Checkpoint``, the list responses
-  with their ``Cursor``, and ``GetServerCapabilitiesResponse`` (+ ``SupportedModel``, ``RequestLimits``).
+  with their ``Cursor``, and ``GetServerCapabilitiesResponse`` (+ ``SupportedModel``, ``RequestLimits``);
+  sessions, storage usage, weights info and the like are ``lathe.registry_types``.
 
 torch is never imported here at module level: only ``TensorData.from_torch`` / ``to_torch`` import it, and
 a ``Datum`` recognises a torch tensor only when the caller has already imported torch.
@@ -242,29 +244,78 @@ class AdamParams:
 
 
 @dataclass(frozen=True, slots=True)
+class DimuonParams:
+    """One Dimuon step's hyperparameters (a run created with ``DimuonOptimizerConfig``; grad_clip_norm <= 0 =
+    no clipping). The update itself is ``lathe.trainer.dimuon``'s."""
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0
+    beta1: float = 0.9
+    type: Literal["dimuon"] = "dimuon"
+
+    def check(self) -> DimuonParams:
+        """Refuse what Dimuon cannot use (``InvalidArgument`` naming the field and value); returns ``self``:
+        every value finite, learning_rate >= 0, beta1 in [0, 1)."""
+        for name in ("learning_rate", "grad_clip_norm", "beta1"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidArgument(f"dimuon_params.{name} = {value!r} must be a finite number")
+        if self.learning_rate < 0:
+            raise InvalidArgument(f"dimuon_params.learning_rate = {self.learning_rate} must be >= 0")
+        if not 0 <= self.beta1 < 1:
+            raise InvalidArgument(f"dimuon_params.beta1 = {self.beta1} must be in [0, 1)")
+        return self
+
+
+OptimParams = AdamParams | DimuonParams
+
+
+@dataclass(frozen=True, slots=True)
 class AdamOptimizerConfig:
-    """The optimizer family of a training run, chosen at creation (Tinker's ``optimizer=``). AdamW is the
-    only family Lathe trains with; its per-step hyperparameters are ``AdamParams``."""
+    """The optimizer family of a training run, chosen at creation (Tinker's ``optimizer=``): AdamW, whose
+    per-step hyperparameters are ``AdamParams``."""
 
     type: Literal["adamw"] = "adamw"
 
 
-def check_optimizer(optimizer: object | None) -> None:
-    """Accept ``None`` (AdamW) or an AdamW config: Lathe's or tinker's, anything whose ``type`` is "adamw"."""
+@dataclass(frozen=True, slots=True)
+class DimuonOptimizerConfig:
+    """Dimuon as a training run's optimizer family; its per-step hyperparameters are ``DimuonParams``."""
+
+    type: Literal["dimuon"] = "dimuon"
+    version: Literal[1] = 1
+
+
+OptimizerConfig = AdamOptimizerConfig | DimuonOptimizerConfig
+OPTIMIZERS = ("adamw", "dimuon")
+
+
+def optimizer_family(optimizer: object | None) -> str:
+    """The family a creation's ``optimizer=`` names: None is AdamW; a config (Lathe's or tinker's) by its
+    ``type``; anything else is refused."""
     kind = "adamw" if optimizer is None else getattr(optimizer, "type", None)
-    if kind != "adamw":
-        raise InvalidArgument(f"optimizer = {optimizer!r}: Lathe trains with AdamW only "
-                              "(AdamOptimizerConfig, or None)")
+    if kind not in OPTIMIZERS:
+        raise InvalidArgument(f"optimizer = {optimizer!r}: Lathe trains with {' or '.join(OPTIMIZERS)} "
+                              "(AdamOptimizerConfig, DimuonOptimizerConfig, or None for AdamW)")
+    return str(kind)
 
 
-def adam_params_of(optim_params: object | None, adam_params: AdamParams | None) -> AdamParams:
-    """The ``AdamParams`` of an ``optim_step(optim_params, *, adam_params)`` call (Tinker's two spellings)."""
+def optim_params_of(optim_params: object | None, adam_params: AdamParams | None) -> OptimParams:
+    """The checked params of an ``optim_step(optim_params, *, adam_params)`` call (Tinker's two spellings)."""
     if optim_params is not None and adam_params is not None:
         raise InvalidArgument("optim_step takes optim_params or the legacy adam_params, not both")
     params = optim_params if optim_params is not None else adam_params
-    if not isinstance(params, AdamParams):
-        raise InvalidArgument(f"optim_params = {params!r}: Lathe trains with AdamW only; pass AdamParams")
+    if not isinstance(params, AdamParams | DimuonParams):
+        raise InvalidArgument(f"optim_params = {params!r}: pass AdamParams or DimuonParams")
     return params.check()
+
+
+def check_no_project(name: str, project: object | None) -> None:
+    """Tinker's projects: Lathe has tenants (API keys), not projects, so a project given is refused rather than
+    ignored (None, "" and [] name none). The one wording of that refusal, for the SDK and both doors."""
+    if project:
+        raise InvalidArgument(f"{name} = {project!r}: Lathe has tenants (API keys), not projects; leave {name} "
+                              "out to use your own")
 
 
 def check_weights_access_token(weights_access_token: str | None) -> None:
@@ -341,6 +392,16 @@ class SaveWeightsForSamplerResponse:
 
     path: str
     receipt: Receipt | None = None
+
+
+@dataclass(slots=True)
+class SaveWeightsExternalResponse:
+    """``path``: ``tinker://<run>/external_weights/<name>``, PEFT files to download (``RestClient.
+    get_external_weights_urls``), age-encrypted when recipients were named."""
+
+    path: str
+    receipt: Receipt | None = None
+    type: Literal["save_weights_external"] = "save_weights_external"
 
 
 @dataclass(slots=True)
@@ -441,6 +502,7 @@ class GetInfoResponse:
     model_data: ModelData
     lora_config: LoraConfig
     max_context_length: int
+    optimizer_config: OptimizerConfig = field(default_factory=AdamOptimizerConfig)  # the run's, fixed at creation
 
     @property
     def model_name(self) -> str | None:
@@ -455,8 +517,9 @@ class GetInfoResponse:
         return self.lora_config.rank
 
 
-CheckpointType = Literal["training", "sampler"]
-CHECKPOINT_TYPES: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+CheckpointType = Literal["training", "sampler", "external"]
+CHECKPOINT_TYPES: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler",
+                                               "external_weights": "external"}
 """A checkpoint's kind (the middle part of its ``tinker://`` path) -> Tinker's ``checkpoint_type``."""
 
 

@@ -22,12 +22,15 @@ import numpy as np
 from lathe import errors
 from lathe.types import (
     NUMPY_DTYPES,
+    AdamOptimizerConfig,
     AdamParams,
     Checkpoint,
     CheckpointsListResponse,
     CreateModelResponse,
     Cursor,
     Datum,
+    DimuonOptimizerConfig,
+    DimuonParams,
     EncodedTextChunk,
     Exactness,
     ForwardBackwardOutput,
@@ -37,6 +40,8 @@ from lathe.types import (
     LoraConfig,
     ModelData,
     ModelInput,
+    OptimizerConfig,
+    OptimParams,
     OptimStepResponse,
     PromptAltTokens,
     Receipt,
@@ -44,6 +49,7 @@ from lathe.types import (
     SampledSequence,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     SupportedModel,
@@ -123,6 +129,22 @@ def adam_params_to_proto(p: AdamParams) -> pb.AdamParams:
 def adam_params_from_proto(msg: pb.AdamParams) -> AdamParams:
     return AdamParams(learning_rate=msg.learning_rate, beta1=msg.beta1, beta2=msg.beta2, eps=msg.eps,
                       weight_decay=msg.weight_decay, grad_clip_norm=msg.grad_clip_norm)
+
+
+def optim_step_to_proto(model_id: str, params: OptimParams) -> pb.OptimStepRequest:
+    """An optim_step carrying ``params`` in the field of its family (``adam_params`` or ``dimuon_params``)."""
+    if isinstance(params, DimuonParams):
+        return pb.OptimStepRequest(model_id=model_id, dimuon_params=pb.DimuonParams(
+            learning_rate=params.learning_rate, grad_clip_norm=params.grad_clip_norm, beta1=params.beta1))
+    return pb.OptimStepRequest(model_id=model_id, adam_params=adam_params_to_proto(params))
+
+
+def optim_params_from_proto(msg: pb.OptimStepRequest) -> OptimParams:
+    """The (unchecked) params of an optim_step: ``dimuon_params`` when set, else ``adam_params``."""
+    if msg.HasField("dimuon_params"):
+        d = msg.dimuon_params
+        return DimuonParams(learning_rate=d.learning_rate, grad_clip_norm=d.grad_clip_norm, beta1=d.beta1)
+    return adam_params_from_proto(msg.adam_params)
 
 
 # ---------- errors ----------
@@ -236,6 +258,8 @@ _RESULTS: dict[type, tuple[str, Callable[[Any, Receipt | None], Any], Callable[[
                           lambda v: pb.SaveOutput(path=v.path)),
     SaveWeightsForSamplerResponse: ("save", lambda m, r: SaveWeightsForSamplerResponse(m.path, r),
                                     lambda v: pb.SaveOutput(path=v.path)),
+    SaveWeightsExternalResponse: ("save", lambda m, r: SaveWeightsExternalResponse(m.path, r),
+                                  lambda v: pb.SaveOutput(path=v.path)),
     LoadWeightsResponse: ("load", lambda m, r: LoadWeightsResponse(m.path or None, m.model_id or None, r),
                           lambda v: pb.LoadOutput(path=v.path or "", model_id=v.model_id or "")),
     CreateModelResponse: ("create_model", lambda m, r: CreateModelResponse(m.model_id),
@@ -282,14 +306,21 @@ def _time_from_proto(seconds: float) -> datetime | None:
 def get_info_to_proto(info: GetInfoResponse) -> pb.ModelInfo:
     return pb.ModelInfo(model_id=info.model_id, base_model=info.model_data.model_name or "",
                         lora_config=lora_config_to_proto(info.lora_config),
-                        tokenizer_id=info.model_data.tokenizer_id or "", max_context_length=info.max_context_length)
+                        tokenizer_id=info.model_data.tokenizer_id or "", max_context_length=info.max_context_length,
+                        optimizer=info.optimizer_config.type)
 
 
 def get_info_from_proto(msg: pb.ModelInfo) -> GetInfoResponse:
     return GetInfoResponse(model_id=msg.model_id,
                            model_data=ModelData(model_name=msg.base_model, tokenizer_id=msg.tokenizer_id or None),
                            lora_config=lora_config_from_proto(msg.lora_config),
-                           max_context_length=msg.max_context_length)
+                           max_context_length=msg.max_context_length,
+                           optimizer_config=optimizer_config_of(msg.optimizer))
+
+
+def optimizer_config_of(family: str) -> OptimizerConfig:
+    """The config of an optimizer family as the gateway names it ("" : unknown, Tinker's default AdamW)."""
+    return DimuonOptimizerConfig() if family == "dimuon" else AdamOptimizerConfig()
 
 
 def capabilities_to_proto(caps: GetServerCapabilitiesResponse) -> pb.ServerCapabilities:

@@ -13,7 +13,7 @@ import pytest
 from lathe.checkpoints.paths import CheckpointPath
 from lathe.checkpoints.service import CheckpointService, tenant_segment
 from lathe.checkpoints.store import LocalDirStore, ObjectStore, open_store
-from lathe.errors import AlreadyExists, Internal, InvalidArgument, NotFound, PermissionDenied
+from lathe.errors import AlreadyExists, Internal, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 RUN = "sess-1f2e:train:0"
 PATH = f"tinker://{RUN}/weights/ckpt1"
@@ -123,8 +123,10 @@ def test_manifest_records_sha256_of_each_file(svc: CheckpointService, store: Loc
 @pytest.mark.parametrize("previous", [False, True], ids=["fresh", "overwrite"])
 def test_a_crash_at_any_write_leaves_the_old_checkpoint_or_the_new_one(tmp_path: Path, previous: bool) -> None:
     old, new = files_v(1), files_v(2)
-    # mutations of the save: 3 files, the manifest (the commit point), then 3 deletes of the old files
-    n_mutations = len(new) + 1 + (len(old) if previous else 0)
+    # mutations of the save: 3 files, the run's owner record (first save of the run only), the manifest (the
+    # commit point), then 3 deletes of the old files
+    claim = 0 if previous else 1
+    n_mutations = len(new) + claim + 1 + (len(old) if previous else 0)
     for crash_at in range(n_mutations + 1):
         clock = Clock()
         store = LocalDirStore(tmp_path / f"{previous}-{crash_at}")
@@ -138,7 +140,7 @@ def test_a_crash_at_any_write_leaves_the_old_checkpoint_or_the_new_one(tmp_path:
             put(crashing, new, overwrite=True)
 
         after = CheckpointService(store, clock)  # a fresh process over what is on disk
-        committed = crash_at > len(new)
+        committed = crash_at > len(new) + claim
         if committed:
             assert after.get("alice", PATH)[1] == new
         elif previous:
@@ -300,7 +302,7 @@ def test_unknown_and_deleted_are_not_found(svc: CheckpointService) -> None:
         svc.get("alice", PATH)
     with pytest.raises(NotFound):
         svc.delete("alice", PATH)
-    assert svc.store.keys("") == []
+    assert svc.store.keys("") == [f"runs/{RUN}.owner"]  # nothing of the checkpoint; the run stays alice's
 
 
 # ---- validation ----
@@ -370,3 +372,50 @@ def test_list_orders_by_creation_and_paginates(svc: CheckpointService, clock: Cl
     assert svc.list("alice", "sess-9:train:0").total_count == 0
     with pytest.raises(InvalidArgument, match="limit"):
         svc.list("alice", limit=-1)
+
+
+def test_a_store_of_the_legacy_layout_is_moved_under_tenants_and_loads(tmp_path: Path, clock: Clock) -> None:
+    """Before per-tenant prefixes: manifests/<run>/<kind>/<name>.json naming blobs/<run>/<kind>/<name>/<gen>/."""
+    store = LocalDirStore(tmp_path / "old")
+    files = files_v(1)
+    gen = f"{int(clock.t * 1000):013d}-0a0b0c0d"
+    for n, data in files.items():
+        store.put(f"blobs/{RUN}/weights/ckpt1/{gen}/{n}", data)
+    manifest = {"format": 1, "generation": gen, "path": PATH, "tenant": "alice", "run_id": RUN, "kind": "weights",
+                "name": "ckpt1", "size_bytes": sum(map(len, files.values())), "created_at": clock.t,
+                "expires_at": 0.0, "metadata_json": "",
+                "files": {n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()}}
+    store.put(f"manifests/{RUN}/weights/ckpt1.json", json.dumps(manifest).encode())
+
+    svc = CheckpointService(store, clock)
+    assert svc.migrate_layout() == 1
+    assert svc.get("alice", PATH)[1] == files
+    assert not [k for k in store.keys("") if k.startswith((f"manifests/{RUN}/", f"blobs/{RUN}/"))]
+    assert svc.migrate_layout() == 0  # nothing left to move
+    with pytest.raises(PermissionDenied, match="belongs to another tenant"):  # the run stays alice's
+        put(CheckpointService(store, clock), files_v(2), tenant="mallory", name="squat")
+    clock.t += svc.staging_grace_s + 1
+    assert svc.sweep_expired().orphan_files == 0  # the moved files are referenced
+
+
+# ---- export (external weights) ----
+
+
+def test_an_export_obeys_the_byte_quota_and_a_refused_one_leaves_nothing(svc: CheckpointService,
+                                                                         store: LocalDirStore) -> None:
+    peft = {"adapter_model.safetensors": os.urandom(3000), "adapter_config.json": b'{"r": 4}'}
+    src = put(svc, {**peft, "extra.bin": b"x" * 50}, kind="sampler_weights", name="snap").path
+    used = 3000 + 8 + 50
+    before = store.keys("")
+    with pytest.raises(ResourceExhausted) as refused:
+        svc.export(tenant="alice", source_path=src, name="out", max_tenant_bytes=used + 3000)
+    assert refused.value.message.startswith(f"quota max_checkpoint_bytes: tenant has {used} bytes in live checkpoints "
+                                            f"and saving tinker://{RUN}/external_weights/out would add 3008")
+    assert store.keys("") == before  # no manifest, no file
+    with pytest.raises(NotFound):
+        svc.stat("alice", f"tinker://{RUN}/external_weights/out")
+
+    info = svc.export(tenant="alice", source_path=src, name="out", max_tenant_bytes=used + 3008)
+    assert svc.get("alice", info.path)[1] == peft
+    # exporting the same name again replaces it, so its old bytes do not count against the new copy
+    assert svc.export(tenant="alice", source_path=src, name="out", max_tenant_bytes=used + 3008).size_bytes == 3008

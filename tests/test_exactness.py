@@ -46,7 +46,7 @@ def test_a_shape_dependent_matmul_is_caught_and_named(tiny_dir: Path, monkeypatc
     """A linear whose rows change with the row count (as MKL's do past a size threshold) fails the check."""
 
     def shape_dependent(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        invariant: bool) -> torch.Tensor:
+                        invariant: bool, tiles: tuple[int, ...] = (ops.ROW_TILE,)) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         y = F.linear(x, weight, bias)
         return y * (1 + 2**-20) if rows >= 16 else y
@@ -75,6 +75,37 @@ def test_a_prefill_only_attention_change_is_caught_by_the_attention_check(
     assert report.first_failure.startswith("attention"), report.first_failure
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, dtype: torch.dtype) -> None:
+    """The pool widens its linear tiles only to heights whose bits equal the 16-row tile's: the packed
+    logprobs and the fingerprint's bits are the same with the chosen ladder as with the reference tile."""
+    model = Decoder.from_dir(tiny_dir, dtype=dtype)
+    reference = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
+    pool = exactness.PoolExactness("trainer", invariant=True)
+    report = pool.check("tiny", model)
+    assert report.exact, report.first_failure
+    assert ops.ROW_TILE in model.row_tiles and report.tiles["row_tiles"] == list(model.row_tiles)
+    assert set(model.row_tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
+    ladder = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
+    assert torch.equal(ladder, reference)
+
+
+def test_a_tile_height_with_other_bits_is_left_out_of_the_ladder(tiny_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate height whose products round differently (as MKL's 8-row tiles do under its AVX2 path)
+    is not chosen; the others still are judged by their own bits."""
+    real = ops.tiled_matmul
+
+    def off_at_64(x: torch.Tensor, w: torch.Tensor, *, tile: int = ops.ROW_TILE) -> torch.Tensor:
+        y = real(x, w, tile=tile)
+        return y * (1 + 2**-20) if tile == 64 else y
+
+    monkeypatch.setattr(ops, "tiled_matmul", off_at_64)
+    model = Decoder.from_dir(tiny_dir)
+    ladder = exactness.choose_row_tiles(exactness._model_weights(model), [1])
+    assert 64 not in ladder and ops.ROW_TILE in ladder
+
+
 def test_fingerprint_is_the_same_for_the_same_bits_and_differs_for_other_bits(tiny_dir: Path) -> None:
     one = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
     two = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[2])
@@ -87,7 +118,7 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     report = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
     d = report.to_dict()
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
-    assert d["tiles"] == {"row_tile": ops.ROW_TILE, "attn_row_tile": ops.ATTN_ROW_TILE,
+    assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "attn_row_tile": ops.ATTN_ROW_TILE,
                           "key_chunk": ops.KEY_CHUNK, "col_block_bytes": ops.COL_BLOCK_BYTES}
     assert len(d["checks"]) == len(report.checks) and all(c["ok"] for c in d["checks"])
 

@@ -25,7 +25,8 @@ from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.pool import add_pool_arguments, default_device
 from lathe.sampler.adapters import adapter_dtype, load_adapter
-from lathe.sampler.kv import SeqCache
+from lathe.sampler.blocks import blocks_for
+from lathe.sampler.kv import KVPool
 from lathe.sampler.sampling import Rule, choose, generator
 from lathe.sampler.step import Item, run_step
 from lathe.trainer.bank import Adapter
@@ -85,8 +86,8 @@ def sample(model: Decoder, prompts: list[list[int]], weights: list[LoraWeights],
            ) -> list[tuple[list[int], list[float]]]:
     """The sampler's steps, staggered: sequence i is prefilled at step i while earlier ones decode, so
     every step mixes prefill and decode rows of several adapters. Seeded draws; (tokens, logprobs) each."""
-    cfg = model.cfg
-    caches = [SeqCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device) for _ in prompts]
+    pool = KVPool.for_model(model, len(prompts) * blocks_for(max(map(len, prompts)) + new_tokens) + 1)
+    caches = [pool.sequence(b"") for _ in prompts]
     out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
     step = 0
     while any(len(toks) < new_tokens for toks, _ in out):

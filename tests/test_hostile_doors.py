@@ -342,19 +342,34 @@ def test_a_run_whose_adapter_cannot_be_created_answers_its_waiters(stack: Stack)
 
 
 def test_an_admission_error_is_not_remembered_as_the_result_of_its_seq_id(stack: Stack) -> None:
+    """A full trainer queue never fails an operation the door accepted (it waits, "paused_capacity"); the
+    tenant's next ones are refused at the door before anything is recorded, so their retry runs once."""
     flooder, victim = Grpc(stack, "tml-h3-flood"), Grpc(stack, "tml-h3-victim")
     run, other = flooder.model(), victim.model()
     share = 1024  # the trainer's default max_queue_per_tenant
     with cf.ThreadPoolExecutor(8) as pool:
         subs = list(pool.map(lambda seq: flooder.call("OptimStep", pb.OptimStepRequest(
             model_id=run, seq_id=seq, adam_params=ADAM)).request_id, range(2, share + 2)))  # never seq 1
-    over = flooder.call("OptimStep", pb.OptimStepRequest(model_id=run, seq_id=share + 2, adam_params=ADAM))
-    refused = flooder.result(over.request_id)
-    assert refused.error.code == "ResourceExhausted" and "this tenant has 1024 operations waiting" in \
-        refused.error.message
+    held, seq, refused = {}, share + 2, None  # seq_id -> request id of operations the door accepted
+    deadline = time.monotonic() + WAIT_S  # bounded: once the trainer refuses one, the gateway parks it
+    while refused is None and time.monotonic() < deadline:
+        try:
+            held[seq] = flooder.call("OptimStep", pb.OptimStepRequest(model_id=run, seq_id=seq,
+                                                                      adam_params=ADAM)).request_id
+            seq += 1
+            time.sleep(0.05)
+        except grpc.RpcError as e:
+            refused = e
+    assert refused is not None, "the door kept accepting while the tenant's trainer queue was full"
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+    assert re.search(r"the trainer queue of '.+' is full for this tenant \(\d+ operations waiting for a place\); "
+                     r"retry in 1 s", refused.details()), refused.details()
+    first = held[share + 2]
+    assert not flooder.call("RetrieveFuture", pb.RetrieveFutureRequest(request_id=first, timeout_s=0.5)).done
     victim.trains(other, 1)  # the shared queue still has room for everyone else
     assert flooder.step(run, 1).WhichOneof("result") == "optim_step"  # the awaited one is always let in
     assert flooder.result(subs[-1], timeout=120).WhichOneof("result") == "optim_step"
-    retry = flooder.call("OptimStep", pb.OptimStepRequest(model_id=run, seq_id=share + 2, adam_params=ADAM))
-    assert retry.request_id != over.request_id
-    assert flooder.result(retry.request_id).optim_step.metrics["step:max"] == share + 2
+    for s_id, request_id in held.items():  # held while the queue was full, never failed
+        assert flooder.result(request_id, timeout=120).optim_step.metrics["step:max"] == s_id
+    retry = flooder.call("OptimStep", pb.OptimStepRequest(model_id=run, seq_id=seq, adam_params=ADAM))
+    assert flooder.result(retry.request_id).optim_step.metrics["step:max"] == seq  # the refused one, applied once

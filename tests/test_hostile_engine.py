@@ -74,10 +74,10 @@ def test_a_bug_while_checking_one_request_fails_it_alone(model_cache: Path, tiny
     before it is queued; its seq_id is passed over and the cycle thread lives."""
     real = intake.check_request
 
-    def flaky(data, loss_fn, loss_fn_config, limits):  # noqa: ANN001, ANN202 - check_request's signature
+    def flaky(data, loss_fn, loss_fn_config, limits, custom=None):  # noqa: ANN001, ANN202 - check_request's
         if loss_fn == "ppo":
             raise ValueError("cannot reshape array of size 6 into shape (-2,-3)")
-        return real(data, loss_fn, loss_fn_config, limits)
+        return real(data, loss_fn, loss_fn_config, limits, custom)
 
     monkeypatch.setattr(intake, "check_request", flaky)
     eng = _engine(model_cache)

@@ -184,6 +184,29 @@ def test_invariant_linear_row_bits_do_not_depend_on_batch(threads: int, dtype: t
     # AVX-512-bf16 kernels of other machines need not be, so nothing is asserted about plain bf16.
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_over_a_tile_ladder_matches_float64_values_and_grads(dtype: torch.dtype) -> None:
+    """300 rows over the ladder (1, 4, 16, 64, 256): 256 + 2 x 16 + 3 x 4 rows, each group its own tiles."""
+    gen = torch.Generator().manual_seed(2)
+    inputs = [_leaf(300, 64, dtype=dtype, gen=gen), _leaf(48, 64, dtype=dtype, gen=gen),
+              _leaf(48, dtype=dtype, gen=gen)]
+    ladder = (1, 4, 16, 64, 256)
+    _check_values_and_grads(lambda x, w, b: ops.linear(x, w, b, invariant=True, tiles=ladder),
+                            lambda x, w, b: x @ w.T + b, inputs)
+
+
+@pytest.mark.parametrize(("rows", "tiles", "groups"), [
+    (300, (16,), [(0, 300, 16)]),
+    (300, (1, 4, 16, 64, 256), [(0, 256, 256), (256, 288, 16), (288, 300, 4)]),
+    (63, (4, 16, 64, 256), [(0, 48, 16), (48, 63, 4)]),
+    (3, (4, 16), [(0, 3, 4)]),
+    (0, (16, 64), [(0, 0, 16)]),
+])
+def test_row_groups_cover_the_rows_largest_tiles_first(rows: int, tiles: tuple[int, ...],
+                                                        groups: list[tuple[int, int, int]]) -> None:
+    assert ops.row_groups(rows, tiles) == groups
+
+
 def test_linear_keeps_leading_dims_and_invariant_rows_match_flat_rows() -> None:
     gen = torch.Generator().manual_seed(6)
     x, weight = torch.randn(2, 3, 5, 64, generator=gen), torch.randn(24, 64, generator=gen)

@@ -7,18 +7,30 @@ import io
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import urllib3
 
 from lathe.checkpoints.client import CheckpointsClient
 from lathe.checkpoints.s3 import S3Config, S3Store
 from lathe.checkpoints.seaweed import LocalS3
 from lathe.checkpoints.service import CheckpointService, tenant_segment
-from lathe.errors import Internal, InvalidArgument, NotFound, PermissionDenied, Unavailable, from_rpc_error
+from lathe.errors import (
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
+from lathe.internal_auth import internal_channel
 from lathe.v1 import checkpoints_pb2 as cpb
+from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from tests.s3_server import checkpoints_process
 
 RUN = "sess-s3:train:0"
@@ -78,10 +90,20 @@ def test_a_corrupted_object_is_an_error_naming_its_key(client: CheckpointsClient
     path = client.put(tenant="alice", run_id=RUN, kind="weights", name="rot", files={"a.bin": b"x" * 1000})
     [key] = [o.object_name for o in s3.client().list_objects(s3.bucket, prefix="ckpt/blobs/", recursive=True)
              if "/rot/" in o.object_name]
-    s3.client().put_object(s3.bucket, key, io.BytesIO(b"y" * 1000), 1000)
-    with pytest.raises(Internal, match=f"{key.removeprefix('ckpt/')}.*corrupt"):
-        client.get(tenant="alice", path=path)
+    for rotten in (b"y" * 1000, b"x" * 1500):  # other bytes, then more of them than the manifest names
+        s3.client().put_object(s3.bucket, key, io.BytesIO(rotten), len(rotten))
+        with pytest.raises(Internal, match=f"{key.removeprefix('ckpt/')}.*corrupt \\({len(rotten)} bytes"):
+            client.get(tenant="alice", path=path)
 
+
+def test_a_client_that_cannot_reach_the_store_reads_through_the_service(client: CheckpointsClient) -> None:
+    files = state(7)
+    path = client.put(tenant="alice", run_id=RUN, kind="weights", name="detour", files=files)
+    with CheckpointsClient(client.target) as detour:
+        detour._http = urllib3.ProxyManager("http://127.0.0.1:9")  # every store URL now fails to connect
+        assert detour.get(tenant="alice", path=path) == files  # all files read in parallel, then via GetStream
+        assert not detour.direct_reads
+        assert detour.get(tenant="alice", path=path) == files
 
 def test_another_tenant_cannot_list_load_download_or_delete(client: CheckpointsClient, tmp_path: Path) -> None:
     path = client.put(tenant="alice", run_id=RUN, kind="weights", name="mine", files={"f": b"secret"})
@@ -181,3 +203,30 @@ def test_concurrent_saves_each_commit(client: CheckpointsClient) -> None:
     for t in threads:
         t.join(timeout=120)
     assert not errors and client.list(tenant="carol").total_count == 3
+
+
+def test_an_export_on_s3_holds_the_adapter_files_and_obeys_the_quota(client: CheckpointsClient, s3: LocalS3) -> None:
+    """``Export`` through the process: the export's presigned URLs (what Tinker's download path hands out) and
+    the client's read give the source's PEFT files byte for byte; a refused export leaves no object behind."""
+    peft = {"adapter_model.safetensors": os.urandom(6 << 20), "adapter_config.json": b'{"r": 8, "peft_type": "LORA"}'}
+    src = client.put(tenant="exporter", run_id="sess-x:train:0", kind="sampler_weights", name="snap",
+                     files={**peft, "notes.txt": b"not exported"})
+    stub = cpb_grpc.CheckpointsStub(internal_channel(client.target, []))
+
+    def export(name: str, quota: int) -> cpb.CheckpointInfo:
+        try:
+            return stub.Export(cpb.ExportRequest(tenant="exporter", source_path=src, name=name, max_tenant_bytes=quota))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    used = sum(map(len, peft.values())) + len(b"not exported")
+    with pytest.raises(ResourceExhausted, match=f"tenant has {used} bytes in live checkpoints"):
+        export("refused", used + 100)
+    prefix = f"ckpt/blobs/{tenant_segment('exporter')}/sess-x:train:0/external_weights/"
+    assert list(s3.client().list_objects(s3.bucket, prefix=prefix, recursive=True)) == []
+
+    info = export("out", 2 * used)
+    located = stub.Locate(cpb.LocateRequest(tenant="exporter", path=info.path, expires_in_s=60))
+    assert {n: f.url.startswith(s3.endpoint) for n, f in located.files.items()} == dict.fromkeys(peft, True)
+    assert {n: urllib.request.urlopen(f.url).read() for n, f in located.files.items()} == peft
+    assert client.get(tenant="exporter", path=info.path) == peft

@@ -5,7 +5,7 @@ the same token, whatever the batch (one request alone vs. many adapters and leng
 and decode mixed in one step), in fp32 and bf16; plain ops do break that (so the check can fail);
 seeded sampling is batch-independent; greedy = argmax of the trainer's logits; stop strings / stop
 ids / max_tokens; prompt logprobs and top-k; request validation; the checkpoint version pin; the
-bounded queue; and the KV cache, selection rules and adapter cache on their own.
+bounded queue; and the selection rules and adapter cache on their own (the KV cache: test_paged_kv.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 from lathe.sampler.adapters import AdapterCache
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
-from lathe.sampler.kv import BLOCK, SeqCache, StepKV
 from lathe.sampler.sampling import Rule, choose, generator
 from lathe.serving import READY_MARK
 from lathe.trainer.bank import Adapter
@@ -536,24 +535,6 @@ def test_sampler_process_serves_grpc(model_cache: Path, tiny_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- parts on their own
-
-
-def test_kv_cache_grows_in_zeroed_blocks_and_forks_independently() -> None:
-    c = SeqCache(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
-    step = StepKV([c], [3])
-    k = torch.randn(3, 2, 4)
-    k_all, v_all, offset = step.extend(1, 0, k, k + 1)
-    step.commit()
-    assert offset == 0 and torch.equal(k_all, k) and c.length == 3 and c.capacity == BLOCK
-    assert not c.k[1][3:].any() and not c.k[0].any()
-    twin = c.fork()
-    step = StepKV([c, twin], [1, BLOCK])
-    step.extend(0, 0, torch.ones(1, 2, 4), torch.ones(1, 2, 4))
-    k_all, _, offset = step.extend(0, 1, torch.full((BLOCK, 2, 4), 2.0), torch.zeros(BLOCK, 2, 4))
-    step.commit()
-    assert offset == 3 and k_all.shape[0] == 3 + BLOCK and twin.capacity == 2 * BLOCK and c.capacity == BLOCK
-    assert torch.equal(twin.k[1][:3], k) and not twin.k[1][3:].any()  # the copy kept its bits and zeros
-    assert torch.equal(c.k[0][3], torch.ones(2, 4)) and (twin.k[0][3] == 2.0).all()
 
 
 def test_selection_rules() -> None:

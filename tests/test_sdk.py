@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -624,14 +625,17 @@ def test_tinker_spellings_of_optimizer_and_sampling(sc: lathe.ServiceClient, gw:
 
     tc = sc.create_lora_training_client(BASE, rank=4, optimizer=lathe.AdamOptimizerConfig())
     sc.create_lora_training_client(BASE, rank=4, optimizer=tinker.types.AdamOptimizerConfig())
-    with pytest.raises(lathe.InvalidArgument, match="AdamW only"):
-        sc.create_lora_training_client(BASE, optimizer=tinker.types.DimuonOptimizerConfig())
+    sc.create_lora_training_client(BASE, rank=4, optimizer=tinker.types.DimuonOptimizerConfig())
+    with pytest.raises(lathe.InvalidArgument, match="Lathe trains with adamw or dimuon"):
+        sc.create_lora_training_client(BASE, optimizer=SimpleNamespace(type="sgd"))
     assert tc.optim_step(lathe.AdamParams(learning_rate=0.5)).result(timeout=10).metrics["lr"] == 0.5
     assert tc.optim_step(adam_params=lathe.AdamParams(learning_rate=0.25)).result(timeout=10).metrics["lr"] == 0.25
     with pytest.raises(lathe.InvalidArgument, match="not both"):
         tc.optim_step(lathe.AdamParams(), adam_params=lathe.AdamParams())
-    with pytest.raises(lathe.InvalidArgument, match="AdamW only"):
+    with pytest.raises(lathe.InvalidArgument, match="pass AdamParams or DimuonParams"):
         tc.optim_step(tinker.types.DimuonParams(learning_rate=0.1))
+    with pytest.raises(lathe.InvalidArgument, match=r"dimuon_params.beta1 = 1.0 must be in \[0, 1\)"):
+        tc.optim_step(lathe.DimuonParams(learning_rate=0.1, beta1=1.0))
     with pytest.raises(lathe.PermissionDenied, match="weights_access_token"):
         tc.load_state("tinker://sess-1:train:0/weights/a", weights_access_token="tok")
     with pytest.raises(lathe.InvalidArgument, match="trained on 'fake/base'"):

@@ -26,71 +26,30 @@ CONSTRUCTED_BY_USERS = {"ServiceClient", "RestClient"}  # the others are made by
 _NO_CONSOLE = "Lathe has no web console"
 _NO_TELEMETRY = "Lathe sends no client telemetry"
 _NO_PROJECTS = "Lathe has tenants (API keys), not projects"
-_NO_SHARING = "Lathe's checkpoints stay with their tenant: no publishing, copying or cross-account access"
-_NO_STABILITY = ("Lathe's SDK does not take record_stability_info yet (the HTTP door accepts it: every Lathe "
-                 "sample already carries its exact record)")
-_NO_CUSTOM_GRAPH = "server-side custom losses (create_custom_loss graphs) are not served yet"
-_NO_SESSIONS_API = "the sessions registry (listing, search, traces) is not exposed by Lathe's gRPC API yet"
+_NO_HANDLES = "sampler handles (a sampler shared by a string) are not served"
+_NO_TRACES = "Lathe builds no Perfetto traces of a session's requests"
 _NO_BILLING = "Lathe keeps no billing or audit records"
 
 KNOWN_GAPS: dict[str, str] = {
     # ServiceClient
-    "ServiceClient.__init__(project_id)": _NO_PROJECTS,
-    "ServiceClient.__init__(display_name)": "sessions have no display name yet",
     "ServiceClient.__init__(default_headers_overrides)": "Lathe's SDK speaks gRPC; it sends no HTTP headers",
-    "ServiceClient.close(status)": "a session's final status is not recorded by Lathe's gRPC API yet",
-    "ServiceClient.close(detail)": "a session's final status is not recorded by Lathe's gRPC API yet",
-    "ServiceClient.copy_weights": _NO_SHARING,
-    "ServiceClient.create_custom_loss": _NO_CUSTOM_GRAPH,
-    "ServiceClient.create_sampling_client(record_stability_info)": _NO_STABILITY,
-    "ServiceClient.create_sampling_client_async(record_stability_info)": _NO_STABILITY,
     "ServiceClient.get_console_url": _NO_CONSOLE,
     "ServiceClient.get_telemetry": _NO_TELEMETRY,
     # TrainingClient
-    "TrainingClient.create_sampling_client(record_stability_info)": _NO_STABILITY,
-    "TrainingClient.create_sampling_client_async(record_stability_info)": _NO_STABILITY,
-    "TrainingClient.save_weights_and_get_sampling_client(record_stability_info)": _NO_STABILITY,
-    "TrainingClient.save_weights_and_get_sampling_client_async(record_stability_info)": _NO_STABILITY,
-    "TrainingClient.save_weights_and_get_sampling_client(kind)": "only snapshot sampling clients are served",
-    "TrainingClient.save_weights_and_get_sampling_client_async(kind)": "only snapshot sampling clients are served",
     "TrainingClient.get_console_url": _NO_CONSOLE,
     "TrainingClient.get_telemetry": _NO_TELEMETRY,
-    "TrainingClient.save_weights_external": "no external (encrypted, downloadable) weight exports yet",
-    "TrainingClient.save_weights_external_async": "no external (encrypted, downloadable) weight exports yet",
     # SamplingClient
     "SamplingClient.create": "tinker's internal constructor (takes its client holder); use create_sampling_client",
-    "SamplingClient.from_sampler_handle": "sampler handles (a sampler shared by a string) are not served",
-    "SamplingClient.get_sampler_handle": "sampler handles (a sampler shared by a string) are not served",
+    "SamplingClient.from_sampler_handle": _NO_HANDLES,
+    "SamplingClient.get_sampler_handle": _NO_HANDLES,
     "SamplingClient.get_telemetry": _NO_TELEMETRY,
-    "SamplingClient.on_queue_state_change": "Lathe's SDK gets no queue-state reports over gRPC yet",
+    "SamplingClient.on_queue_state_change": "Lathe's gRPC RetrieveFuture answers done or not, without the queue "
+                                            "state (the HTTP door reports it to the official SDK)",
     # RestClient
     "RestClient.assign_session_project": _NO_PROJECTS,
     "RestClient.assign_session_project_async": _NO_PROJECTS,
-    "RestClient.copy_weights": _NO_SHARING,
-    "RestClient.copy_weights_async": _NO_SHARING,
-    "RestClient.publish_checkpoint_from_tinker_path": _NO_SHARING,
-    "RestClient.publish_checkpoint_from_tinker_path_async": _NO_SHARING,
-    "RestClient.unpublish_checkpoint_from_tinker_path": _NO_SHARING,
-    "RestClient.unpublish_checkpoint_from_tinker_path_async": _NO_SHARING,
-    "RestClient.list_training_runs(project_id)": _NO_PROJECTS,
-    "RestClient.list_training_runs_async(project_id)": _NO_PROJECTS,
-    "RestClient.get_current_checkpoint_storage_usage": "storage usage is not exposed by Lathe's gRPC API yet",
-    "RestClient.get_current_checkpoint_storage_usage_async": "storage usage is not exposed by Lathe's gRPC API yet",
-    "RestClient.set_checkpoint_ttl_from_tinker_path": "TTL changes after saving are not exposed yet",
-    "RestClient.set_checkpoint_ttl_from_tinker_path_async": "TTL changes after saving are not exposed yet",
-    "RestClient.get_weights_info_by_tinker_path": "served on the HTTP door only, not by Lathe's gRPC API yet",
-    "RestClient.get_sampler": "served on the HTTP door only, not by Lathe's gRPC API yet",
-    "RestClient.get_sampler_async": "served on the HTTP door only, not by Lathe's gRPC API yet",
-    "RestClient.get_external_weights_urls": "no external (encrypted, downloadable) weight exports yet",
-    "RestClient.get_external_weights_urls_async": "no external (encrypted, downloadable) weight exports yet",
-    "RestClient.get_session": _NO_SESSIONS_API,
-    "RestClient.get_session_async": _NO_SESSIONS_API,
-    "RestClient.list_sessions": _NO_SESSIONS_API,
-    "RestClient.list_sessions_async": _NO_SESSIONS_API,
-    "RestClient.search_sessions": _NO_SESSIONS_API,
-    "RestClient.export_session_trace": _NO_SESSIONS_API,
-    "RestClient.export_session_trace_async": _NO_SESSIONS_API,
-    "RestClient.whoami": "the caller's identity is not exposed by Lathe's gRPC API yet",
+    "RestClient.export_session_trace": _NO_TRACES,
+    "RestClient.export_session_trace_async": _NO_TRACES,
     "RestClient.get_audit_log": _NO_BILLING,
     "RestClient.get_audit_log_async": _NO_BILLING,
     "RestClient.get_billing_usage": _NO_BILLING,

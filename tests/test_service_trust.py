@@ -4,17 +4,31 @@ and internal services are in ``test_hostile_isolation.py``.)"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from lathe.errors import FailedPrecondition, Unauthenticated
 from lathe.gateway.auth import ApiKeys
-from lathe.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback, load_token, server_interceptors
+from lathe.internal_auth import (
+    METADATA_KEY,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    RequireToken,
+    internal_aio_channel,
+    internal_channel,
+    is_loopback,
+    load_token,
+    server_interceptors,
+)
 
 
 def test_api_keys_file_maps_plain_and_hashed_keys_and_keeps_only_digests(tmp_path: Path) -> None:
@@ -80,3 +94,71 @@ def test_the_secret_comes_from_a_file_before_the_environment(tmp_path: Path) -> 
     assert load_token({}) == ""
     assert [is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost", "0.0.0.0", "10.1.2.3",
                                      "example.com")] == [True, True, True, True, True, False, False, False]
+
+
+def _seen(context: grpc.aio.ServicerContext) -> bytes:
+    return dict(context.invocation_metadata())[METADATA_KEY].encode()
+
+
+async def _unary_unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    return _seen(context)
+
+
+async def _unary_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    yield _seen(context)
+
+
+async def _stream_unary(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+    return b"".join([r async for r in requests]) + _seen(context)
+
+
+async def _stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async for r in requests:
+        yield r + _seen(context)
+
+
+async def _calls_of_every_kind(channel: grpc.aio.Channel) -> list[Any]:
+    """One call of each kind through ``channel``: what the service saw as the secret, or the status code."""
+    async def outcome(call: Any) -> Any:  # noqa: ANN401 - a unary answer or a stream
+        try:
+            return [m async for m in call] if hasattr(call, "__aiter__") else await call
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+    return [await outcome(channel.unary_unary("/t.Echo/UnaryUnary")(b"")),
+            await outcome(channel.unary_stream("/t.Echo/UnaryStream")(b"")),
+            await outcome(channel.stream_unary("/t.Echo/StreamUnary")(iter([b"a:"]))),
+            await outcome(channel.stream_stream("/t.Echo/StreamStream")(iter([b"b:"])))]
+
+
+def test_internal_channels_send_the_secret_with_every_kind_of_call() -> None:
+    """The asyncio channel once dropped the secret on streaming calls (the gateway's GetStream got refused)."""
+    async def main() -> tuple[list[Any], list[Any], list[Any]]:
+        server = grpc.aio.server(interceptors=[RequireToken("s3cret")])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Echo", {
+            "UnaryUnary": grpc.unary_unary_rpc_method_handler(_unary_unary),
+            "UnaryStream": grpc.unary_stream_rpc_method_handler(_unary_stream),
+            "StreamUnary": grpc.stream_unary_rpc_method_handler(_stream_unary),
+            "StreamStream": grpc.stream_stream_rpc_method_handler(_stream_stream)})])
+        target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        try:
+            async with internal_aio_channel(target, [], token="s3cret") as ch:
+                held = await _calls_of_every_kind(ch)
+            async with internal_aio_channel(target, [], token="") as ch:
+                without = await _calls_of_every_kind(ch)
+            blocking = internal_channel(target, [], token="s3cret")
+            with blocking:
+                sync = await asyncio.to_thread(lambda: [
+                    blocking.unary_unary("/t.Echo/UnaryUnary")(b""),
+                    list(blocking.unary_stream("/t.Echo/UnaryStream")(b"")),
+                    blocking.stream_unary("/t.Echo/StreamUnary")(iter([b"a:"])),
+                    list(blocking.stream_stream("/t.Echo/StreamStream")(iter([b"b:"])))])
+            return held, without, sync
+        finally:
+            await server.stop(None)
+
+    held, without, sync = asyncio.run(main())
+    expected = [b"s3cret", [b"s3cret"], b"a:s3cret", [b"b:s3cret"]]
+    assert held == expected and sync == expected
+    assert without == [grpc.StatusCode.UNAUTHENTICATED] * 4

@@ -1,8 +1,8 @@
 """``python -m lathe.checkpoints --port P --root DIR [--host H]``: one checkpoints server process.
 
-Prints exactly one line ``lathe.checkpoints listening on HOST:PORT`` to stdout when it serves (with
-the port it picked when given port 0), sweeps expired checkpoints periodically, and stops on SIGINT
-or SIGTERM. Logs go to stderr.
+Prints one line ``lathe.checkpoints listening on HOST:PORT`` to stdout when it serves (with the port it picked
+when given port 0), answers gRPC health, serves ``/metrics`` with ``--metrics-port`` (saying where on stdout),
+sweeps expired checkpoints periodically, and stops on SIGINT or SIGTERM. Logs go to stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 
+from lathe.probes import add_metrics_port, serve_metrics
 from lathe.serving import READY_MARK
 
 from .server import serve
@@ -26,6 +27,8 @@ async def _run(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     running = await serve(args.port, args.root, args.host, sweep_interval_s=args.sweep_interval)
+    if args.metrics_port >= 0:
+        serve_metrics(NAME, running.probes.registry, args.host, args.metrics_port)
     print(f"{NAME}{READY_MARK}{args.host}:{running.port}", flush=True)
     await stop.wait()
     await running.stop(grace=2.0)
@@ -37,6 +40,7 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 = pick a free port (printed in the ready line)")
     ap.add_argument("--root", required=True, help="store: a directory, or a URL such as file:///abs/dir")
+    add_metrics_port(ap)
     ap.add_argument("--sweep-interval", type=float, default=60.0, help="seconds between TTL sweeps")
     args = ap.parse_args()
     if args.sweep_interval <= 0:

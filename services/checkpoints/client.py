@@ -5,6 +5,12 @@ Checkpoint bytes travel as streams of ``CHUNK_BYTES`` pieces (``PutStream`` / ``
 message and no buffer in between holds a whole checkpoint; ``download`` writes files to disk as the
 chunks arrive. Failed calls raise the ``lathe.errors`` class the server raised (NotFound, ...).
 
+Reads go straight to the store where it signs URLs (S3): ``Locate`` names each file's presigned GET URL,
+size and sha256, and this client fetches the bytes itself and checks them, so they cross no service in
+between. ``get`` reads up to ``READ_THREADS`` files at once over pooled connections, each in one read into one
+``bytes`` that it then hashes. Where the store signs none (a directory), or the URLs are unreachable from this
+host (then for the rest of this client's life), the files come through ``GetStream``.
+
 Deadlines and retries: every try of a call carries a deadline (``timeout_s``). A call that fails
 ``Unavailable`` (the service is restarting after a crash, or its store is briefly down) is tried again with
 capped exponential backoff for at most ``Retry.retry_for_s``, then fails with ``Unavailable`` naming the
@@ -17,17 +23,22 @@ succeeded). ``delete`` is not retried (a repeat of one that landed would answer 
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlparse
 
 import grpc
+import urllib3
 from google.protobuf.message import Message
 
-from lathe.errors import AlreadyExists, Unavailable, from_rpc_error
+from lathe.errors import AlreadyExists, Internal, Unavailable, from_rpc_error
 from lathe.internal_auth import internal_channel
 from lathe.serving import CHANNEL_OPTIONS, reconnect_options
 from lathe.v1 import checkpoints_pb2 as cpb
@@ -38,6 +49,9 @@ from .service import CheckpointInfo, CheckpointList
 from .store import CHUNK_BYTES
 
 T = TypeVar("T")
+log = logging.getLogger("lathe.checkpoints.client")
+URL_LIFETIME_S = 900  # how long the presigned URLs of one read stay valid
+READ_THREADS = 4  # files of one checkpoint read from the store at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +72,30 @@ def _info(msg: cpb.CheckpointInfo) -> CheckpointInfo:
     return CheckpointInfo(**{f.name: getattr(msg, f.name) for f in fields(CheckpointInfo)})
 
 
+def _verify(path: str, name: str, f: cpb.StoredFile, size: int, sha256: str) -> None:
+    """Raise ``Internal`` naming the object unless file ``name`` of ``path``, read from ``f.url``, is ``size``
+    bytes with ``sha256`` as the manifest says."""
+    if (size, sha256) != (f.size, f.sha256):
+        obj = unquote(urlparse(f.url).path)
+        raise Internal(f"checkpoint {path}: object {obj!r} (file {name!r}) read from the store is corrupt "
+                       f"({size} bytes, sha256 {sha256[:12]}..., the manifest says {f.size} bytes, "
+                       f"{f.sha256[:12]}...)")
+
+
 class CheckpointsClient:
     """One channel to a checkpoints server at ``target`` (``host:port``); safe to share between threads.
     Every call carries this process's internal token (``lathe.internal_auth``)."""
 
-    def __init__(self, target: str, *, timeout_s: float = 600.0, retry: Retry = Retry()) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 600.0, retry: Retry = Retry(),
+                 direct_reads: bool = True) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.retry = retry
+        self.direct_reads = direct_reads  # read from presigned store URLs when the service hands them out
+        # direct reads: one pooled connection and one reading thread per file at a time
+        self._http = urllib3.PoolManager(maxsize=READ_THREADS, retries=False,
+                                         timeout=urllib3.Timeout(connect=5.0, read=timeout_s))
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="checkpoints-read")
         # reconnect to a restarted service as soon as the retries would
         self._channel = internal_channel(target, [*CHANNEL_OPTIONS,
                                                   *reconnect_options(retry.max_backoff_s, retry.max_backoff_s)])
@@ -132,16 +162,21 @@ class CheckpointsClient:
         return stored.keys() == files.keys() and all(stored[n] == bytes(files[n]) for n in files)
 
     def get(self, *, tenant: str, path: str) -> dict[str, bytes]:
-        """The checkpoint's files (verified by the server against their sha256; retried as a whole)."""
+        """The checkpoint's files, each verified against its sha256 (retried as a whole). From the store's URLs
+        the files are read in parallel (``_read_url``)."""
 
         def attempt() -> dict[str, bytes]:
-            _, sizes, chunks = self._open(tenant, path)
-            buffers = {n: bytearray(size) for n, size in sizes.items()}
-            filled = dict.fromkeys(sizes, 0)
+            located = self._locate(tenant, path)
+            if located is not None:
+                files = located[1]
+                read = list(self._readers.map(lambda item: self._read_url(path, *item), files.items()))
+                if all(data is not None for data in read):
+                    return dict(zip(files, read, strict=True))
+            _, sizes, chunks = self._get_stream(tenant, path)
+            parts: dict[str, list[bytes]] = {n: [] for n in sizes}
             for name, chunk in chunks:
-                buffers[name][filled[name]:filled[name] + len(chunk)] = chunk
-                filled[name] += len(chunk)
-            return {n: bytes(b) for n, b in buffers.items()}
+                parts[name].append(chunk)
+            return {n: b"".join(p) for n, p in parts.items()}
 
         return self._retrying(f"load {path}", attempt)
 
@@ -170,6 +205,79 @@ class CheckpointsClient:
         return info
 
     def _open(self, tenant: str, path: str) -> tuple[CheckpointInfo, dict[str, int], Iterator[tuple[str, bytes]]]:
+        """Start a read: the info and file sizes now, then (file name, chunk) pairs, each file checked against its
+        size and sha256 by the time the iterator moves past its last chunk. Straight from the store when it signs
+        URLs, else a GetStream."""
+        located = self._locate(tenant, path)
+        if located is not None:
+            info, files = located
+            first = self._fetch(path, *next(iter(files.items())))
+            if first is not None:
+                return info, {n: f.size for n, f in files.items()}, self._direct_chunks(path, files, first)
+        return self._get_stream(tenant, path)
+
+    def _locate(self, tenant: str, path: str) -> tuple[CheckpointInfo, dict[str, cpb.StoredFile]] | None:
+        """The checkpoint's info and its files (in name order) with their URLs; None when this client reads
+        through the service (the store signs no URLs, or they proved unreachable from here)."""
+        if not self.direct_reads:
+            return None
+        located = self._call(self._stub.Locate, cpb.LocateRequest(tenant=tenant, path=path,
+                                                                  expires_in_s=URL_LIFETIME_S))
+        files = dict(sorted(located.files.items()))
+        return (_info(located.info), files) if files and all(f.url for f in files.values()) else None
+
+    def _fetch(self, path: str, name: str, f: cpb.StoredFile) -> urllib3.BaseHTTPResponse | None:
+        """Open the GET of ``f.url``; None (and no more direct reads) when its host cannot be reached."""
+        try:
+            res = self._http.request("GET", f.url, preload_content=False)
+        except urllib3.exceptions.HTTPError as e:
+            log.warning("store URLs are unreachable from here (%s); reading through %s from now on", e, self.target)
+            self.direct_reads = False
+            return None
+        if res.status != 200:
+            res.release_conn()
+            raise Unavailable(f"reading file {name!r} of {path} from the store answered HTTP {res.status} (replaced "
+                              "or deleted meanwhile?); read it again")
+        return res
+
+    def _read_url(self, path: str, name: str, f: cpb.StoredFile) -> bytes | None:
+        """File ``name`` from its URL, verified; None when the store is unreachable (see ``_fetch``). One read of
+        the whole body fills one ``bytes`` straight from the socket (no chunks to copy or join), then it is hashed;
+        ``get`` runs one per file in parallel, so one file's hash overlaps the others' reads."""
+        res = self._fetch(path, name, f)
+        if res is None:
+            return None
+        try:
+            data = res.read()
+        except urllib3.exceptions.HTTPError as e:
+            raise Unavailable(f"reading file {name!r} of {path} from the store broke off: {e}") from None
+        finally:
+            res.release_conn()
+        _verify(path, name, f, len(data), hashlib.sha256(data).hexdigest())
+        return data
+
+    def _direct_chunks(self, path: str, files: Mapping[str, cpb.StoredFile], first: urllib3.BaseHTTPResponse
+                       ) -> Iterator[tuple[str, bytes]]:
+        """Every file's chunks from its URL (``first``: the open response of the first file), each verified."""
+        for name, f in files.items():
+            res = first if first is not None else self._fetch(path, name, f)
+            first = None
+            if res is None:
+                raise Unavailable(f"the store became unreachable while reading {path}; read it again")
+            sha, size = hashlib.sha256(), 0
+            try:
+                for chunk in res.stream(CHUNK_BYTES):
+                    sha.update(chunk)
+                    size += len(chunk)
+                    yield name, chunk
+            except urllib3.exceptions.HTTPError as e:
+                raise Unavailable(f"reading file {name!r} of {path} from the store broke off: {e}") from None
+            finally:
+                res.release_conn()
+            _verify(path, name, f, size, sha.hexdigest())
+
+    def _get_stream(self, tenant: str, path: str
+                    ) -> tuple[CheckpointInfo, dict[str, int], Iterator[tuple[str, bytes]]]:
         """Start a GetStream: its header (info, file sizes) now, then (file name, chunk) pairs."""
         stream = self._stub.GetStream(cpb.CheckpointRef(tenant=tenant, path=path), timeout=self.timeout_s)
         try:
@@ -202,6 +310,8 @@ class CheckpointsClient:
 
     def close(self) -> None:
         self._channel.close()
+        self._readers.shutdown()
+        self._http.clear()
 
     def __enter__(self) -> CheckpointsClient:
         return self

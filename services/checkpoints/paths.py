@@ -16,7 +16,7 @@ from lathe.errors import InvalidArgument
 from lathe.types import RECOVERY_KIND
 
 SCHEME = "tinker://"
-LISTED_KINDS = ("weights", "sampler_weights")
+LISTED_KINDS = ("weights", "sampler_weights", "external_weights")  # external: PEFT files for download
 KINDS = (*LISTED_KINDS, RECOVERY_KIND)  # recovery: the trainer's own snapshots of a run, never listed
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")

@@ -25,6 +25,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -205,6 +206,11 @@ class S3Store:
     def delete(self, key: str) -> None:
         with self._errors("delete", key):
             self.client.remove_object(self.cfg.bucket, self._key(key))
+
+    def presign_get(self, key: str, expires_s: int) -> str:
+        with self._errors("sign a URL for", key):
+            return self.client.presigned_get_object(self.cfg.bucket, self._key(key),
+                                                    expires=timedelta(seconds=expires_s))
 
     def exists(self, key: str) -> bool:
         try:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -21,10 +22,12 @@ import grpc
 
 from lathe.errors import InvalidArgument, LatheError, Unavailable
 from lathe.internal_auth import server_interceptors
+from lathe.probes import Probes
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
+from .metrics import CheckpointMetrics, store_kind
 from .service import CheckpointInfo, CheckpointService
 from .store import open_store
 
@@ -74,18 +77,22 @@ def _file_chunks(messages: Iterator[cpb.PutCheckpointChunk]) -> Iterator[tuple[s
 
 
 class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
-    def __init__(self, service: CheckpointService) -> None:
+    def __init__(self, service: CheckpointService, metrics: CheckpointMetrics | None = None) -> None:
         self.service = service
+        self.metrics = metrics or CheckpointMetrics()
 
     async def Put(self, request: cpb.PutCheckpointRequest, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        started = time.perf_counter()
         info = await _call(context, self.service.put, tenant=request.tenant, run_id=request.run_id,
                            kind=request.kind, name=request.name, files=dict(request.files),
                            metadata_json=request.metadata_json, ttl_seconds=request.ttl_seconds,
                            overwrite=request.overwrite, max_tenant_bytes=request.max_tenant_bytes)
+        self.metrics.saved(info.size_bytes, time.perf_counter() - started)
         return _info(info)
 
     async def PutStream(self, request_iterator: AsyncIterator[cpb.PutCheckpointChunk],
                         context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        started = time.perf_counter()
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header" or first.header.files:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -95,18 +102,23 @@ class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
         info = await _call(context, self.service.put_stream, tenant=h.tenant, run_id=h.run_id, kind=h.kind,
                            name=h.name, files=files, metadata_json=h.metadata_json, ttl_seconds=h.ttl_seconds,
                            overwrite=h.overwrite, max_tenant_bytes=h.max_tenant_bytes)
+        self.metrics.saved(info.size_bytes, time.perf_counter() - started)
         return _info(info)
 
     async def GetStream(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[cpb.GetCheckpointChunk]:
+        started = time.perf_counter()
         info, sizes, chunks = await _call(context, self.service.get_stream, request.tenant, request.path)
         yield cpb.GetCheckpointChunk(header=cpb.GetCheckpointHeader(info=_info(info), file_sizes=sizes))
         while (item := await _call(context, next, chunks, None)) is not None:
             name, data = item
             yield cpb.GetCheckpointChunk(chunk=cpb.FileChunk(file=name, data=data))
+        self.metrics.loaded(sum(sizes.values()), time.perf_counter() - started)
 
     async def Get(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext) -> cpb.GetCheckpointResponse:
+        started = time.perf_counter()
         info, files = await _call(context, self.service.get, request.tenant, request.path)
+        self.metrics.loaded(sum(map(len, files.values())), time.perf_counter() - started)
         return cpb.GetCheckpointResponse(info=_info(info), files=files)
 
     async def Stat(self, request: cpb.CheckpointRef, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
@@ -129,6 +141,18 @@ class CheckpointsServicer(cpb_grpc.CheckpointsServicer):
     async def SetPublic(self, request: cpb.SetPublicRequest, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
         return _info(await _call(context, self.service.set_public, request.tenant, request.path, request.public))
 
+    async def Locate(self, request: cpb.LocateRequest, context: grpc.aio.ServicerContext) -> cpb.LocateResponse:
+        info, files, expires_at = await _call(context, self.service.locate, request.tenant, request.path,
+                                              request.expires_in_s)
+        return cpb.LocateResponse(info=_info(info), expires_at=expires_at,
+                                  files={n: cpb.StoredFile(**asdict(f)) for n, f in files.items()})
+
+    async def Export(self, request: cpb.ExportRequest, context: grpc.aio.ServicerContext) -> cpb.CheckpointInfo:
+        return _info(await _call(context, self.service.export, tenant=request.tenant,
+                                 source_path=request.source_path, name=request.name,
+                                 ttl_seconds=request.ttl_seconds, age_recipients=list(request.age_recipients),
+                                 max_tenant_bytes=request.max_tenant_bytes))
+
 
 async def _sweep_every(service: CheckpointService, interval_s: float) -> None:
     """Sweep now, then every ``interval_s``; a failed sweep is logged and retried next round."""
@@ -143,18 +167,25 @@ async def _sweep_every(service: CheckpointService, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
+def _store_answers(service: CheckpointService) -> bool:
+    """Readiness: the object store answers a lookup (of a key no checkpoint uses)."""
+    service.store.exists("readiness-probe")
+    return True
+
+
 class CheckpointsServer:
-    """A started checkpoints server: the ``grpc.aio`` server, the port it bound, its core, and the sweeper.
+    """A started checkpoints server: the ``grpc.aio`` server, the port it bound, its core, the sweeper, and its
+    ``probes`` (health: ready while the store answers; metrics: ``lathe.checkpoints.metrics``).
 
     (A bare ``grpc.aio.Server`` cannot say which port it picked for port 0, and the periodic TTL sweep
     must stop with it; hence this handle.)
     """
 
-    __slots__ = ("server", "port", "service", "_sweeper")
+    __slots__ = ("server", "port", "service", "probes", "_sweeper")
 
-    def __init__(self, server: grpc.aio.Server, port: int, service: CheckpointService, sweep_interval_s: float
-                 ) -> None:
-        self.server = server
+    def __init__(self, server: grpc.aio.Server, port: int, service: CheckpointService, sweep_interval_s: float,
+                 probes: Probes) -> None:
+        self.server, self.probes = server, probes
         self.port = port
         self.service = service
         self._sweeper = asyncio.create_task(_sweep_every(service, sweep_interval_s))
@@ -163,6 +194,7 @@ class CheckpointsServer:
         self._sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._sweeper
+        await self.probes.shutdown()
         await self.server.stop(grace)
 
 
@@ -176,8 +208,16 @@ async def serve(port: int, root: Path | str, host: str = "127.0.0.1", *, sweep_i
     if sweep_interval_s <= 0:
         raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
     service = CheckpointService(open_store(root))
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=server_interceptors("lathe.checkpoints", host))
-    cpb_grpc.add_CheckpointsServicer_to_server(CheckpointsServicer(service), server)
+    moved = await asyncio.to_thread(service.migrate_layout)  # before the first sweep, which would take old files
+    if moved:
+        log.info("moved %d checkpoints of the legacy layout under their tenants' prefixes", moved)
+    probes = Probes("lathe.v1.Checkpoints", "lathe_checkpoints", ready=lambda: _store_answers(service))
+    server = grpc.aio.server(options=CHANNEL_OPTIONS,
+                             interceptors=[probes.requests, *server_interceptors("lathe.checkpoints", host)])
+    cpb_grpc.add_CheckpointsServicer_to_server(
+        CheckpointsServicer(service, CheckpointMetrics(probes.registry, store_kind(root))), server)
+    probes.install(server)
     bound = server.add_insecure_port(f"{host}:{port}")
+    await probes.start()
     await server.start()
-    return CheckpointsServer(server, bound, service, sweep_interval_s)
+    return CheckpointsServer(server, bound, service, sweep_interval_s, probes)

@@ -4,6 +4,7 @@ Layout in the store (one checkpoint = one manifest + one generation of files), p
 
     manifests/<tenant>/<run_id>/<kind>/<name>.json            the commit point: owner, times, metadata, files
     blobs/<tenant>/<run_id>/<kind>/<name>/<generation>/<file>  the files of one save, never rewritten
+    runs/<run_id>.owner                                        the run's tenant segment, written by its first save
 
 where ``<tenant>`` is ``t-`` and 32 hex digits of the tenant name's sha256 (any tenant name is a safe
 key segment, and a tenant's objects share one prefix). A save streams every file, hashing it on the
@@ -18,7 +19,15 @@ Ownership: a checkpoint belongs to the tenant that saved it, and a run id to the
 checkpoints it holds. Another tenant's checkpoint answers ``NotFound`` with the very message a missing
 one gets, and listing another tenant's run answers as a run with no checkpoints, so no answer tells
 whether someone else's checkpoint exists. (Saving into another tenant's run is ``PermissionDenied``: only
-the trainer saves, into the run it serves for that tenant.) A TTL is at most ``MAX_TTL_S``.
+the trainer saves, into the run it serves for that tenant.) The run's owner record makes that check one small
+read (none once this process has seen the run). A TTL is at most ``MAX_TTL_S``.
+
+Stores written before the per-tenant layout (``manifests/<run_id>/...``, ``blobs/<run_id>/...``) and before
+owner records are brought up to date by ``migrate_layout``, which the server runs before it serves.
+
+Downloads: ``locate`` names every file's size and sha256 and, on a ``PresigningStore`` (S3), a presigned GET
+URL, so clients read big checkpoints straight from the store; ``export`` copies a checkpoint's PEFT adapter
+files into an ``external_weights`` checkpoint (age-encrypted on request) for Tinker's download path.
 
 Quota: a save may carry the tenant's byte quota (``max_tenant_bytes``, set by the gateway's quotas); the bytes
 of the tenant's listed checkpoints that are still live count against it, so a delete or an expiry frees room.
@@ -32,7 +41,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from lathe.errors import (
@@ -47,11 +56,13 @@ from lathe.errors import (
 from lathe.types import MAX_TTL_S
 
 from .paths import LISTED_KINDS, CheckpointPath, check_part
-from .store import ObjectStore
+from .store import ObjectStore, PresigningStore
 
 MANIFEST_FORMAT = 1
 READ_ATTEMPTS = 3  # whole-checkpoint reads that a concurrent overwrite may restart
 QUOTA_LOCKS = 64  # stripes of the per-tenant lock around a quota check and its commit
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what an external_weights export holds
+MAX_URL_S = 7 * 24 * 3600  # S3's longest presigned URL
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +145,19 @@ def _blob_prefix(tenant: str, p: CheckpointPath, generation: str) -> str:
     return f"blobs/{tenant_segment(tenant)}/{p.run_id}/{p.kind}/{p.name}/{generation}/"
 
 
+def _owner_key(run_id: str) -> str:
+    return f"runs/{run_id}.owner"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredFile:
+    """One file of a checkpoint as ``locate`` names it; ``url`` is "" where the store signs no URLs."""
+
+    size: int
+    sha256: str
+    url: str
+
+
 class _Replaced(Unavailable):
     """A checkpoint was replaced or deleted while it was being read (reading it again may succeed)."""
 
@@ -162,6 +186,20 @@ def _generation_time(generation: str) -> float | None:
     return int(ms) / 1000 if ms.isdigit() else None
 
 
+def _age_encrypter(recipients: Sequence[str]) -> Callable[[bytes], bytes]:
+    """Encrypt to every one of ``recipients`` (age "age1..." keys or SSH public keys) with ``pyrage``."""
+    import pyrage
+
+    parsed = []
+    for i, r in enumerate(recipients):
+        kind = pyrage.ssh if r.startswith(("ssh-", "ecdsa-")) else pyrage.x25519
+        try:
+            parsed.append(kind.Recipient.from_str(r))
+        except pyrage.RecipientError as e:
+            raise InvalidArgument(f"age_recipients[{i}] = {r[:24]!r}... is not an age or SSH public key: {e}") from None
+    return lambda data: pyrage.encrypt(data, parsed)
+
+
 def _check_tenant(tenant: str) -> None:
     if not tenant:
         raise InvalidArgument("tenant is empty")
@@ -188,6 +226,7 @@ class CheckpointService:
         self.staging_grace_s = staging_grace_s
         self._commit = threading.Lock()
         self._quota_locks = tuple(threading.Lock() for _ in range(QUOTA_LOCKS))
+        self._owners: dict[str, str] = {}  # run id -> owner tenant segment, as read or written (never changes)
 
     # ---- the calls ----
 
@@ -281,6 +320,9 @@ class CheckpointService:
         run_id, kind, name = path.run_id, path.kind, path.name
         with self._commit:
             old = self._check_writable(tenant, path, overwrite)
+            if self._run_owner(run_id) is None:  # the run's first save claims it
+                self.store.put(_owner_key(run_id), tenant_segment(tenant).encode())
+                self._owners[run_id] = tenant_segment(tenant)
             now = self.clock()
             if now - started > self.staging_grace_s:
                 raise Unavailable(f"saving {path} took {now - started:.0f} s, longer than the "
@@ -349,6 +391,44 @@ class CheckpointService:
             self.store.put(_manifest_key(tenant, p), _Manifest(info, m.generation, m.files).to_json())
         return info
 
+    def locate(self, tenant: str, path: str, expires_in_s: int) -> tuple[CheckpointInfo, dict[str, StoredFile], float]:
+        """The checkpoint's info, each file's size, sha256 and (on a ``PresigningStore``) a GET URL valid for
+        ``expires_in_s`` seconds, and when those URLs expire (0.0: there are none). The store checks nothing on
+        such a read: the reader compares each file with its size and sha256."""
+        if not 1 <= expires_in_s <= MAX_URL_S:
+            raise InvalidArgument(f"expires_in_s = {expires_in_s} must be in [1, {MAX_URL_S}]")
+        m = self._visible(tenant, self._parse(tenant, path))
+        signer = self.store if isinstance(self.store, PresigningStore) else None
+        files = {n: StoredFile(f.size, f.sha256, signer.presign_get(m.blob_prefix() + n, expires_in_s) if signer
+                               else "") for n, f in sorted(m.files.items())}
+        return m.info, files, self.clock() + expires_in_s if signer else 0.0
+
+    def export(self, *, tenant: str, source_path: str, name: str, ttl_seconds: int = 0,
+               age_recipients: Sequence[str] = (), max_tenant_bytes: int = 0) -> CheckpointInfo:
+        """Copy the PEFT files (``PEFT_FILES``) of the caller's weights or sampler_weights checkpoint at
+        ``source_path`` into ``tinker://<its run>/external_weights/<name>`` (replacing one there), streamed and
+        verified on the way. With ``age_recipients`` each file is age-encrypted to them and named ``<file>.age``
+        (encryption holds one adapter file in memory). ``max_tenant_bytes`` binds as on a save (``put_stream``):
+        a refused export removes what it wrote."""
+        src = self._visible(tenant, self._parse(tenant, source_path))
+        if src.info.kind not in ("weights", "sampler_weights"):
+            raise InvalidArgument(f"source_path {source_path!r} is a {src.info.kind} checkpoint; export a weights or "
+                                  "sampler_weights one")
+        missing = [n for n in PEFT_FILES if n not in src.files]
+        if missing:
+            raise InvalidArgument(f"checkpoint {source_path} has no {', '.join(missing)} to export")
+        encrypt = _age_encrypter(age_recipients) if age_recipients else None
+
+        def files() -> Iterator[tuple[str, Iterable[bytes]]]:
+            for n in PEFT_FILES:
+                chunks = self._stream_file(src, n, src.files[n])
+                yield (n, chunks) if encrypt is None else (f"{n}.age", (encrypt(b"".join(chunks)),))
+
+        meta = {**json.loads(src.info.metadata_json or "{}"), "exported_from": src.info.path}
+        return self.put_stream(tenant=tenant, run_id=src.info.run_id, kind="external_weights", name=name,
+                               files=files(), metadata_json=json.dumps(meta), ttl_seconds=ttl_seconds, overwrite=True,
+                               max_tenant_bytes=max_tenant_bytes)
+
     def list(self, tenant: str, run_id: str = "", limit: int = 0, offset: int = 0) -> CheckpointList:
         """The tenant's live checkpoints (of one run, or all), oldest first; ``limit`` 0 = no limit."""
         _check_tenant(tenant)
@@ -390,6 +470,41 @@ class CheckpointService:
                 orphans += 1
         return Sweep(expired, orphans)
 
+    def migrate_layout(self) -> int:
+        """Bring a store written by older versions up to date; returns how many checkpoints moved. Run it before
+        serving (the server does), never next to saves or a sweep.
+
+        A checkpoint of the layout before per-tenant prefixes (``manifests/<run_id>/<kind>/<name>.json`` naming
+        ``blobs/<run_id>/<kind>/<name>/<generation>/``) is copied under its tenant's prefix, the new manifest
+        last, then its old objects are removed; a crash part way leaves the old manifest to move again (a new
+        manifest already there wins). Every run gets an owner record from its manifests if it has none.
+        """
+        moved, owners = 0, {}
+        for key in self.store.keys("manifests/"):
+            parts = key.split("/")
+            if len(parts) == 5:  # manifests/<tenant>/<run_id>/<kind>/<name>.json
+                owners.setdefault(parts[2], parts[1])
+                continue
+            try:
+                m = _Manifest.from_json(key, self.store.get(key))
+            except KeyError:
+                continue
+            old_prefix = f"blobs/{m.info.run_id}/{m.info.kind}/{m.info.name}/{m.generation}/"
+            if self._read_manifest(m.info.tenant, m.path) is None:
+                for n in sorted(m.files):
+                    self.store.put_stream(m.blob_prefix() + n, self.store.get_stream(old_prefix + n))
+                self.store.put(_manifest_key(m.info.tenant, m.path), m.to_json())
+            owners.setdefault(m.info.run_id, tenant_segment(m.info.tenant))
+            self.store.delete(key)
+            for n in m.files:
+                self.store.delete(old_prefix + n)
+            moved += 1
+        for run_id, owner in owners.items():
+            if self._run_owner(run_id) is None:
+                self.store.put(_owner_key(run_id), owner.encode())
+                self._owners[run_id] = owner
+        return moved
+
     # ---- helpers ----
 
     def _parse(self, tenant: str, path: str) -> CheckpointPath:
@@ -430,34 +545,45 @@ class CheckpointService:
 
     def _check_writable(self, tenant: str, p: CheckpointPath, overwrite: bool) -> _Manifest | None:
         """The manifest a save to ``p`` would replace (None if none), after the ownership and overwrite rules."""
-        mine = tenant_segment(tenant)
-        for key in self.store.keys("manifests/"):  # a run holds the checkpoints of one tenant only
-            _, owner, run_id, _ = key.split("/", 3)
-            if run_id == p.run_id and owner != mine:
-                raise PermissionDenied(f"run {p.run_id!r} belongs to another tenant; cannot save {p}")
+        owner = self._run_owner(p.run_id)  # a run holds the checkpoints of one tenant only
+        if owner is not None and owner != tenant_segment(tenant):
+            raise PermissionDenied(f"run {p.run_id!r} belongs to another tenant; cannot save {p}")
         old = self._read_manifest(tenant, p)
         if old is not None and self._live(old, self.clock()) and not overwrite:
             raise AlreadyExists(f"checkpoint {p} already exists; save with overwrite=true to replace it")
         return old
 
+    def _run_owner(self, run_id: str) -> str | None:
+        """The tenant segment that owns ``run_id`` (None: no save has claimed it yet)."""
+        if run_id not in self._owners:
+            try:
+                self._owners[run_id] = self.store.get(_owner_key(run_id)).decode()
+            except KeyError:
+                return None
+        return self._owners[run_id]
+
     def _stream_files(self, m: _Manifest) -> Iterator[tuple[str, bytes]]:
         for name, want in sorted(m.files.items()):
-            key = m.blob_prefix() + name
-            tally = _Tally()
-            try:
-                for chunk in tally.feed(self.store.get_stream(key)):
-                    yield name, chunk
-            except KeyError:
-                latest = self._read_manifest(m.info.tenant, m.path)
-                if latest is None or latest.generation != m.generation:
-                    raise _Replaced(f"checkpoint {m.info.path} was replaced or deleted while it was read; "
-                                    "read it again") from None
-                raise Internal(f"checkpoint {m.info.path}: stored object {key!r} is missing") from None
-            got = tally.file()
-            if got != want:
-                raise Internal(f"checkpoint {m.info.path}: object {key!r} (file {name!r}) is corrupt ({got.size} "
-                               f"bytes, sha256 {got.sha256[:12]}..., the manifest says {want.size} bytes, "
-                               f"{want.sha256[:12]}...)")
+            for chunk in self._stream_file(m, name, want):
+                yield name, chunk
+
+    def _stream_file(self, m: _Manifest, name: str, want: _File) -> Iterator[bytes]:
+        """The chunks of file ``name`` of ``m``, checked against ``want`` after the last one."""
+        key = m.blob_prefix() + name
+        tally = _Tally()
+        try:
+            yield from tally.feed(self.store.get_stream(key))
+        except KeyError:
+            latest = self._read_manifest(m.info.tenant, m.path)
+            if latest is None or latest.generation != m.generation:
+                raise _Replaced(f"checkpoint {m.info.path} was replaced or deleted while it was read; "
+                                "read it again") from None
+            raise Internal(f"checkpoint {m.info.path}: stored object {key!r} is missing") from None
+        got = tally.file()
+        if got != want:
+            raise Internal(f"checkpoint {m.info.path}: object {key!r} (file {name!r}) is corrupt ({got.size} "
+                           f"bytes, sha256 {got.sha256[:12]}..., the manifest says {want.size} bytes, "
+                           f"{want.sha256[:12]}...)")
 
     def _delete_files(self, m: _Manifest) -> None:
         prefix = m.blob_prefix()

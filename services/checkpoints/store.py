@@ -10,7 +10,8 @@ keep private temp files under dot names and no key can climb out of its root).
 
 Backends are picked by URL scheme through ``STORES``: ``file://`` (or a bare directory) is
 ``LocalDirStore``; ``s3://bucket/prefix`` is ``lathe.checkpoints.s3.S3Store`` (imported only when
-used, so that ``minio`` is needed only by S3 deployments).
+used, so that ``minio`` is needed only by S3 deployments). A store that can sign GET URLs (S3) is also a
+``PresigningStore``; clients then read checkpoint files from it directly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 CHUNK_BYTES = 4 << 20
@@ -58,6 +59,15 @@ class ObjectStore(Protocol):
 
     def exists(self, key: str) -> bool:
         """Whether an object is stored at ``key``."""
+        ...
+
+
+@runtime_checkable
+class PresigningStore(ObjectStore, Protocol):
+    """A store whose objects can be read without it: by a URL that carries its own, expiring, signature."""
+
+    def presign_get(self, key: str, expires_s: int) -> str:
+        """A GET URL for ``key`` that works without credentials for ``expires_s`` seconds."""
         ...
 
 

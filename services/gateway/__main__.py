@@ -10,7 +10,11 @@ services are called with the stack's shared secret (``lathe.internal_auth``). Pe
 ``--quotas`` (``quotas.QuotaConfig``; without it, the defaults). The control plane (sessions, runs, the
 ledger of operations) lives in the database at ``--db`` (``store.ControlStore``; default: a SQLite file in the
 cache directory); at start the gateway migrates it, loads it and sends the operations still pending on again,
-before it prints its ready lines.
+before it prints its ready lines. ``--metrics-port`` serves Prometheus metrics (``metrics``, ``lathe.probes``);
+the gRPC door answers ``grpc.health.v1`` (ready while the database answers). The trainer and sampler pools come
+from ``--discovery`` (``discovery``):
+``static``, the one pool at ``--trainer`` and ``--sampler``, or ``kubernetes``, the pools whose EndpointSlices
+in ``--discovery-namespace`` match ``--discovery-selector`` (``kube_discovery``), followed as they come and go.
 """
 
 from __future__ import annotations
@@ -21,21 +25,31 @@ import os
 import sys
 from dataclasses import fields
 
+from lathe.probes import Probes, add_metrics_port, serve_metrics
 from lathe.serving import READY_MARK, serve_until_stopped
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import KEYS_FILE_ENV, ApiKeys
 from .calls import CallPolicy
 from .core import GatewayCore
+from .discovery import DIRECTORIES, DiscoveryConfig, make_directory
 from .http_server import HttpServer
 from .limits import DoorLimits
+from .metrics import GatewayMetrics
 from .quotas import QuotaConfig, Quotas
 from .server import GatewayServicer
 from .store import ControlStore, StoreConfig
-from .tinker_http import TinkerHttpDoor
+from .tinker_http import PREFIX, TinkerHttpDoor
 from .tls import TlsFiles
 
 DEFAULT_DB = "sqlite:///.cache/lathe/control.db"
+DB_ENV = "LATHE_DB_URL"  # the database URL from the environment: a password stays out of argv
+
+
+def _store_answers(store: ControlStore) -> bool:
+    """The gateway's readiness: its control-plane database answers a read (liveness: its event loop answers)."""
+    store.get_session("")
+    return True
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -48,27 +62,39 @@ async def serve(args: argparse.Namespace) -> None:
     limits = DoorLimits(**{f.name: getattr(args, f.name) for f in fields(DoorLimits)})
     quotas = Quotas(QuotaConfig.from_file(args.quotas))
     store = ControlStore(StoreConfig(args.db, retention_s=args.ledger_retention_s, keep_done=args.ledger_keep))
+    metrics = GatewayMetrics()
+    probes = Probes("lathe.v1.Gateway", "lathe_gateway", ready=lambda: _store_answers(store),
+                    registry=metrics.registry)
+    pools = make_directory(DiscoveryConfig(args.discovery, args.trainer, args.sampler, args.discovery_namespace,
+                                           args.discovery_selector))
+    await asyncio.to_thread(pools.start)
     core = GatewayCore(args.trainer, args.checkpoints, args.sampler, limits, quotas=quotas, store=store,
-                       calls=CallPolicy(retry_budget_s=args.retry_budget_s))
+                       calls=CallPolicy(retry_budget_s=args.retry_budget_s), pools=pools, metrics=metrics)
     resumed = core.restore()
     if resumed:
         print(f"lathe.gateway: resumed {resumed} operations pending in {store.engine.url!r}", file=sys.stderr,
               flush=True)
-    http = None
+    if args.metrics_port >= 0:
+        serve_metrics("lathe.gateway", probes.registry, args.host, args.metrics_port)
+    http, door, files_url = None, None, ""
     if args.http_port >= 0:
-        http = await HttpServer.start(TinkerHttpDoor(core, keys).app(), args.host, args.http_port, tls)
+        door = TinkerHttpDoor(core, keys)
+        http = await HttpServer.start(door.app(), args.host, args.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
+        files_url = (args.http_public_url or f"{'https' if tls else 'http'}://{args.host}:{http.port}") + PREFIX
+    servicer = GatewayServicer(core, keys, door.downloads if door is not None else None, files_url)
 
     async def stop() -> None:
         if http is not None:
             await http.stop()
         await core.close()
+        await asyncio.to_thread(pools.close)
         store.close()
 
     await serve_until_stopped("lathe.gateway", args.host, args.port,
-                              lambda server: pb_grpc.add_GatewayServicer_to_server(GatewayServicer(core, keys), server),
+                              lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server),
                               on_stop=stop, max_receive_bytes=limits.max_message_bytes,
-                              credentials=tls.grpc_credentials() if tls else None)
+                              credentials=tls.grpc_credentials() if tls else None, probes=probes)
 
 
 def main() -> None:
@@ -77,17 +103,27 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     ap.add_argument("--http-port", type=int, default=-1,
                     help="serve the Tinker HTTP API (/api/v1) on this port (0: any free port, -1: off)")
-    ap.add_argument("--trainer", required=True, help="address of the trainer pool")
+    ap.add_argument("--http-public-url", default="",
+                    help="the HTTP door's root as clients reach it (e.g. https://lathe.example.com), for the "
+                         "download URLs the gRPC door hands out (default: the scheme, --host and the HTTP port)")
+    discovery = DiscoveryConfig()
+    ap.add_argument("--discovery", choices=sorted(DIRECTORIES), default=discovery.kind,
+                    help="how the trainer and sampler pools are found (default %(default)s: --trainer, --sampler)")
+    ap.add_argument("--trainer", default="", help="static discovery: address of the trainer pool")
     ap.add_argument("--checkpoints", required=True, help="address of the checkpoints service")
-    ap.add_argument("--sampler", required=True, help="address of the sampler pool")
+    ap.add_argument("--sampler", default="", help="static discovery: address of the sampler pool")
+    ap.add_argument("--discovery-namespace", default=discovery.namespace,
+                    help="kubernetes discovery: the namespace of the pools' EndpointSlices")
+    ap.add_argument("--discovery-selector", default=discovery.selector,
+                    help="kubernetes discovery: label selector of the pools' EndpointSlices (default %(default)s)")
     ap.add_argument("--api-keys-file", default=os.environ.get(KEYS_FILE_ENV, ""),
                     help="file of KEY=TENANT lines (default: $LATHE_API_KEYS_FILE; none: open mode, loopback only)")
     ap.add_argument("--tls-cert", default="", help="PEM certificate for both public doors (with --tls-key)")
     ap.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     store_defaults, call_defaults = StoreConfig(), CallPolicy()
-    ap.add_argument("--db", default=DEFAULT_DB,
+    ap.add_argument("--db", default=os.environ.get(DB_ENV, DEFAULT_DB),
                     help=f"the control plane's database: sqlite:///FILE, postgresql+psycopg://... or sqlite:// "
-                         f"(in memory: forgotten at exit) (default {DEFAULT_DB})")
+                         f"(in memory: forgotten at exit) (default ${DB_ENV}, else {DEFAULT_DB})")
     ap.add_argument("--ledger-retention-s", type=float, default=store_defaults.retention_s,
                     help="how long finished operations' results are kept (default %(default)s)")
     ap.add_argument("--ledger-keep", type=int, default=store_defaults.keep_done,
@@ -95,6 +131,7 @@ def main() -> None:
     ap.add_argument("--retry-budget-s", type=float, default=call_defaults.retry_budget_s,
                     help="how long an idempotent internal call waits for its service to come back "
                          "(default %(default)s)")
+    add_metrics_port(ap)
     ap.add_argument("--quotas", default="", help="per-tenant quotas, a JSON or .toml file (quotas.QuotaConfig)")
     for f in fields(DoorLimits):
         ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,

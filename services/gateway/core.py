@@ -2,15 +2,18 @@
 
 Owns: sessions, the training-run registry (model id -> tenant, base model, LoRA config, metadata,
 last checkpoints), sampling sessions (id -> pinned policy version), futures (request id -> result) and
-the idempotency map ``(model_id, seq_id) -> request id``. Routes model operations to the trainer,
-samples to the sampler and checkpoint queries to the checkpoints service. It holds no model state and
+the idempotency map ``(model_id, seq_id) -> request id``. Routes model operations and samples to the trainer
+and sampler of the pool serving their base model (``routing.PoolRouter`` over a ``discovery.PoolDirectory``)
+and checkpoint queries to the checkpoints service. It holds no model state and
 imports no torch; per-model ``seq_id`` ordering is enforced where operations are applied, in the
 trainer's sequencer, so a repeat or an early arrival is safe on every path.
 
 Every request is checked at the door before anything is registered (``limits``, ``quotas``): a refused one
-leaves no state behind, and a submit that fails on its way in (admission or transport, e.g. a full trainer queue) is
-not remembered as the result of its ``seq_id``, so its retry runs. The idempotency map forgets a ``seq_id``
-together with its finished future, so it stays as bounded as the futures are.
+leaves no state behind, and a submit that fails on its way in (admission or transport) is not remembered as the
+result of its ``seq_id``, so its retry runs. A full trainer queue is met at the door (``backpressure``): new training
+operations of the tenant for that pool are refused (429, retry after) while one already accepted waits for a place.
+The idempotency map forgets a ``seq_id`` together with its finished future, so it stays as bounded as the futures
+are.
 
 Durable (``store.ControlStore``, written through before each answer): sessions, runs, sampling sessions and
 the ledger of operations. An operation is recorded (its request included) before its request id is answered,
@@ -45,19 +48,25 @@ from typing import Any
 from lathe.errors import Cancelled, FailedPrecondition, Internal, InvalidArgument, LatheError, NotFound
 from lathe.internal_auth import internal_aio_channel
 from lathe.serving import CHANNEL_OPTIONS
-from lathe.types import CHECKPOINT_TYPES, EPHEMERAL_TTL_S, recovery_path
+from lathe.types import CHECKPOINT_TYPES, EPHEMERAL_TTL_S, MAX_TTL_S, OPTIMIZERS, check_no_project, recovery_path
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
-from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.wire import error_from_proto, error_to_proto
 
+from .backpressure import TrainerBackpressure
 from .calls import RECONNECT_OPTIONS, Caller, CallPolicy
 from .completions import Completion, CompletionQueues, queue_key
+from .copies import copy_checkpoint, copy_run_id
+from .discovery import PoolDirectory, StaticDirectory
+from .downloads import EXPORT_NOTE_KEY
 from .futures import Entry, FutureStore
 from .limits import DoorLimits, check_op
+from .metrics import GatewayMetrics
 from .quotas import Quotas
 from .records import Operation, Run, SamplingSession, Session
+from .routing import PoolRouter
+from .session_search import SessionQuery, search
 from .store import ControlStore
 
 MAX_WAIT_S = 30.0  # a long-poll is held at most this long
@@ -65,46 +74,39 @@ FOREIGN_POLL_S = 0.5  # how often the ledger is read for a result another gatewa
 REBUILD_ATTEMPTS = 3  # an operation finding its run gone from the trainer rebuilds it at most this often
 CAPABILITIES_TTL_S = 30.0
 PURGE_EVERY_S = 60.0  # how often finished operations past the retention are deleted from the ledger
-
-
-def join_exactness(caps: pb.ServerCapabilities, sampled: pb.ServerCapabilities) -> None:
-    """Copy each model's sampler exactness into the trainer's ``caps``; a model's logprobs are exact when
-    both pools checked it, both passed and their fingerprints match (same bits on both sides)."""
-    by_name = {m.model_name: m.sampler_exactness for m in sampled.supported_models}
-    for m in caps.supported_models:
-        if m.model_name in by_name:
-            m.sampler_exactness.CopyFrom(by_name[m.model_name])
-        t, s = m.trainer_exactness, m.sampler_exactness
-        m.logprobs_exact = t.checked and s.checked and t.exact and s.exact and t.fingerprint == s.fingerprint
+MAX_DISPLAY_NAME = 256  # characters of a session's display name (its column's width)
 
 
 class GatewayCore:
     def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str,
                  limits: DoorLimits | None = None, quotas: Quotas | None = None, store: ControlStore | None = None,
-                 calls: CallPolicy | None = None) -> None:
-        """``store``: the control plane's database (default: SQLite in memory, gone with the process)."""
+                 calls: CallPolicy | None = None, pools: PoolDirectory | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
+        """``store``: the control plane's database (default: SQLite in memory, gone with the process).
+        ``pools``: where each base model's trainer and sampler are (``discovery``; default: one fixed pool at
+        ``trainer_target`` and ``sampler_target``). ``metrics``: where usage is counted (``metrics``)."""
+        self.metrics = metrics or GatewayMetrics()
         self.limits = limits or DoorLimits()
         self.quotas = quotas or Quotas()
+        self.backpressure = TrainerBackpressure()
         self.store = store or ControlStore()
         self.caller = Caller(calls)
-        self._channels = [internal_aio_channel(t, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])  # sends the stack's secret
-                          for t in (trainer_target, checkpoints_target, sampler_target)]
-        self.trainer = pb_grpc.TrainerStub(self._channels[0])
-        self.checkpoints = cpb_grpc.CheckpointsStub(self._channels[1])
-        self.sampler = pb_grpc.SamplerStub(self._channels[2])
+        self.router = PoolRouter(pools or StaticDirectory(trainer_target, sampler_target), self.caller)
+        self._channel = internal_aio_channel(checkpoints_target, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])  # + secret
+        self.checkpoints = cpb_grpc.CheckpointsStub(self._channel)
         self.sampling: dict[str, SamplingSession] = {}
         self.futures = FutureStore(keep_done=self.store.cfg.keep_done, on_drop=self._forget)
         self.completions = CompletionQueues()
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
         self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
-        self._caps: tuple[float, pb.ServerCapabilities] | None = None
+        self._caps: tuple[float, int, pb.ServerCapabilities] | None = None  # (when, router generation, caps)
         self._tasks: set[asyncio.Task] = set()
         self._next_purge = 0.0
 
     async def close(self) -> None:
-        for ch in self._channels:
-            await ch.close()
+        await self.router.close()
+        await self._channel.close()
 
     # ---- plumbing ----
 
@@ -151,6 +153,7 @@ class GatewayCore:
                   file=sys.stderr, flush=True)
         self.futures.complete(entry, result)
         self.completions.done(entry.request_id, failed=result.HasField("error"))
+        self.metrics.finished(entry.tenant, result)
 
     def _record(self, entry: Entry, op: Operation, run: Run | None = None) -> str:
         """Write ``op`` to the ledger; the request id holding its key: ``entry``'s, or (the key was taken, e.g.
@@ -261,9 +264,12 @@ class GatewayCore:
 
     # ---- sessions and capabilities ----
 
-    def create_session(self, tenant: str, user_metadata: dict[str, str]) -> str:
+    def create_session(self, tenant: str, user_metadata: dict[str, str], display_name: str | None = None) -> str:
         self.quotas.check_metadata(tenant, user_metadata)
-        s = Session("sess-" + uuid.uuid4().hex[:16], tenant, dict(user_metadata))
+        if display_name is not None and not 0 < len(display_name) <= MAX_DISPLAY_NAME:
+            raise InvalidArgument(f"display_name has {len(display_name)} characters; give 1 to {MAX_DISPLAY_NAME}, "
+                                  "or none")
+        s = Session("sess-" + uuid.uuid4().hex[:16], tenant, dict(user_metadata), display_name=display_name)
         self.store.put_session(s)
         self.sessions[s.session_id] = s
         return s.session_id
@@ -276,17 +282,17 @@ class GatewayCore:
             self.store.finish_session(s)
 
     async def capabilities(self) -> pb.ServerCapabilities:
-        """The trainer's models with both pools' exactness joined (cached while every model is checked)."""
-        now = time.monotonic()
-        if self._caps is None or now - self._caps[0] > CAPABILITIES_TTL_S:
-            caps = await self._call(self.trainer.Capabilities, pb.TrainerCapabilitiesRequest())
-            sampled = await self._call(self.sampler.Capabilities, pb.TrainerCapabilitiesRequest())
-            join_exactness(caps, sampled)
+        """The models of the pools present, each with its trainer's and sampler's exactness joined (cached while
+        every model is checked and no pool came or went: ``routing.PoolRouter``)."""
+        now, generation = time.monotonic(), self.router.generation
+        if self._caps is None or now - self._caps[0] > CAPABILITIES_TTL_S or self._caps[1] != generation:
+            caps = await self.router.capabilities()
+            sample_budget = caps.limits.max_sample_tokens  # the sampler pools' budget
             caps.limits.CopyFrom(self.limits.proto())
-            caps.limits.max_sample_tokens = sampled.limits.max_sample_tokens  # the sampler pool's budget
+            caps.limits.max_sample_tokens = sample_budget
             settled = all(m.trainer_exactness.checked and m.sampler_exactness.checked for m in caps.supported_models)
-            self._caps = (now if settled else -math.inf, caps)
-        return self._caps[1]
+            self._caps = (now if settled else -math.inf, generation, caps)
+        return self._caps[2]
 
     async def _check_base_model(self, base_model: str) -> int:
         caps = await self.capabilities()
@@ -322,7 +328,7 @@ class GatewayCore:
         model_id = f"{session_id}:train:{n}"
         entry = self.futures.create(tenant)
         run = Run(model_id, tenant, session_id, adapter.base_model, adapter.lora_config, dict(user_metadata),
-                  create_request_id=entry.request_id)
+                  create_request_id=entry.request_id, optimizer=adapter.optimizer or OPTIMIZERS[0])
         adapter.model_id, adapter.tenant = model_id, tenant
         adapter.max_resident_adapters = self.quotas.of(tenant).max_resident_adapters
         create = Operation(entry.request_id, tenant, model_id, None, "create_model", adapter.SerializeToString())
@@ -343,8 +349,10 @@ class GatewayCore:
         await self._check_base_model(req.base_model)
         if not 1 <= req.lora_config.rank <= 256:
             raise InvalidArgument(f"lora_config.rank = {req.lora_config.rank} is outside [1, 256]")
+        if req.optimizer not in ("", *OPTIMIZERS):
+            raise InvalidArgument(f"optimizer = {req.optimizer!r}: Lathe trains with {' or '.join(OPTIMIZERS)}")
         return self._start_run(tenant, req.session_id, model_seq_id, pb.CreateAdapterRequest(
-            base_model=req.base_model, lora_config=req.lora_config), dict(req.user_metadata))
+            base_model=req.base_model, lora_config=req.lora_config, optimizer=req.optimizer), dict(req.user_metadata))
 
     async def create_model_from_state(self, tenant: str, req: pb.CreateModelFromStateRequest,
                                       model_seq_id: int | None = None, base_model: str = "") -> pb.SubmitResponse:
@@ -357,14 +365,16 @@ class GatewayCore:
         if base_model and base_model != saved_base:
             raise InvalidArgument(f"base_model {base_model!r} is not the base model {saved_base!r} of {req.path!r}")
         return self._start_run(tenant, req.session_id, model_seq_id, pb.CreateAdapterRequest(
-            base_model=saved_base, from_path=req.path, with_optimizer=req.with_optimizer), dict(req.user_metadata))
+            base_model=saved_base, from_path=req.path, with_optimizer=req.with_optimizer, optimizer=req.optimizer),
+            dict(req.user_metadata))
 
     async def _create_adapter(self, run: Run, req: pb.CreateAdapterRequest) -> pb.FutureResult:
         """Create the run's adapter. Whatever happens, ``run.ready`` is set: whoever waits on the run (its
         info, its operations) then gets the adapter or the error, never an endless wait."""
         try:
-            info = await self._call(self.trainer.CreateAdapter, req, work=True)
+            info = await self._call(self.router.trainer(run.base_model, run.model_id).CreateAdapter, req, work=True)
             run.base_model, run.lora = info.base_model, info.lora_config
+            run.optimizer = info.optimizer or run.optimizer  # a state loaded with its optimizer brings its family
             self.store.update_run(run)
         except LatheError as e:
             run.error = e
@@ -387,7 +397,7 @@ class GatewayCore:
         await run.wait_ready()
         ctx = await self._check_base_model(run.base_model)
         return pb.ModelInfo(model_id=model_id, base_model=run.base_model, lora_config=run.lora,
-                            tokenizer_id=run.base_model, max_context_length=ctx)
+                            tokenizer_id=run.base_model, max_context_length=ctx, optimizer=run.optimizer)
 
     # ---- ordered model operations ----
 
@@ -412,6 +422,7 @@ class GatewayCore:
             self._skip(run, seq_id, e)
             raise
         self.quotas.admit_op(tenant, self.futures.pending(tenant), op)
+        self.backpressure.admit(run.base_model, tenant, model_id, seq_id)
         entry = self.futures.create(tenant)
         run.last_request_time = time.time()
         trainer_op = pb.TrainerOp(model_id=model_id, seq_id=seq_id, request_id=entry.request_id, tenant=tenant,
@@ -428,8 +439,9 @@ class GatewayCore:
         async def send() -> None:
             try:
                 await run.wait_ready()
-                await self._call(self.trainer.Run, pb.TrainerOp(model_id=run.model_id, seq_id=seq_id, tenant=run.tenant,
-                                                                skip=pb.SkipRequest(reason=refused.message)))
+                skip = pb.TrainerOp(model_id=run.model_id, seq_id=seq_id, tenant=run.tenant,
+                                    skip=pb.SkipRequest(reason=refused.message))
+                await self._call(self.router.trainer(run.base_model, run.model_id).Run, skip)
             except LatheError:
                 pass
 
@@ -447,18 +459,20 @@ class GatewayCore:
         if kind == "save":
             if op.save.kind == "weights":
                 run.last_checkpoint, run.last_checkpoint_time = res.save.path, time.time()
-            else:
+            elif EXPORT_NOTE_KEY not in op.save.user_metadata:  # an export's staging snapshot is not the run's
                 run.last_sampler_checkpoint, run.last_sampler_checkpoint_time = res.save.path, time.time()
             self.store.update_run(run)
         return out
 
     async def _apply(self, run: Run, op: pb.TrainerOp) -> pb.TrainerResult:
-        """``Trainer.Run(op)``; should the trainer not know the run (it restarted and lost it), rebuild the run
-        there first and send ``op`` again."""
+        """``Trainer.Run(op)``, offered again while the trainer's queue is full (``backpressure``); should the
+        trainer not know the run (it restarted and lost it), rebuild the run there first and send ``op`` again."""
+        trainer = self.router.trainer(run.base_model, run.model_id)
         for attempt in range(REBUILD_ATTEMPTS):
             seen = run.rebuilds
             try:
-                return await self._call(self.trainer.Run, op, work=True)
+                return await self.backpressure.send(run.base_model, run.tenant, run.model_id, op.seq_id,
+                                                    lambda: self._call(trainer.Run, op, work=True))
             except NotFound:
                 if attempt == REBUILD_ATTEMPTS - 1:
                     raise
@@ -476,9 +490,10 @@ class GatewayCore:
             if run.rebuilds != seen:
                 return
             t0 = time.monotonic()
-            info: pb.AdapterInfo = await self._call(self.trainer.CreateAdapter, pb.CreateAdapterRequest(
+            trainer = self.router.trainer(run.base_model, run.model_id)
+            info: pb.AdapterInfo = await self._call(trainer.CreateAdapter, pb.CreateAdapterRequest(
                 model_id=run.model_id, tenant=run.tenant, base_model=run.base_model, lora_config=run.lora,
-                recover_from=recovery_path(run.model_id),
+                optimizer=run.optimizer, recover_from=recovery_path(run.model_id),
                 max_resident_adapters=self.quotas.of(run.tenant).max_resident_adapters), work=True)
             logged = self.store.replay(run.model_id, info.next_seq_id)
             answered = max((op.seq_id for op in logged if op.state == "done"), default=info.next_seq_id - 1)
@@ -486,7 +501,7 @@ class GatewayCore:
             for seq_id in range(info.next_seq_id, answered + 1):
                 ops.setdefault(seq_id, pb.TrainerOp(model_id=run.model_id, seq_id=seq_id, tenant=run.tenant,
                                                     skip=pb.SkipRequest(reason="refused at the door")))
-            await asyncio.gather(*(self._call(self.trainer.Run, op, work=True) for op in ops.values()))
+            await asyncio.gather(*(self._call(trainer.Run, op, work=True) for op in ops.values()))
             run.rebuilds += 1
             print(f"lathe.gateway: rebuilt {run.model_id} on the trainer from seq_id {info.next_seq_id} (step "
                   f"{info.step}): {len(ops)} operations replayed in {time.monotonic() - t0:.1f} s", file=sys.stderr,
@@ -519,6 +534,13 @@ class GatewayCore:
             if op is None or op.tenant != tenant:
                 raise
             return op
+
+    def answered(self, tenant: str, result: pb.FutureResult) -> str:
+        """The id of a request of ``tenant`` answered at once with ``result`` (nothing to run; the Tinker SDK reads
+        every answer through a future). Kept in memory only, as a finished future."""
+        entry = self.futures.create(tenant)
+        self.futures.complete(entry, result)
+        return entry.request_id
 
     async def retrieve(self, tenant: str, request_id: str, timeout_s: float) -> pb.FutureResult:
         """The result (held up to ``timeout_s`` while pending); one no longer in memory comes from the ledger."""
@@ -569,8 +591,12 @@ class GatewayCore:
         return self.store.join_sampling(sampling_session_id)
 
     def queue_state(self, tenant: str) -> tuple[str, str | None]:
-        """Why the tenant's requests wait, as Tinker's ``queue_state`` and a reason: ``paused_rate_limit`` while
-        one of its own quotas (requests in flight, tokens per minute) refuses new work, else ``active``."""
+        """Why the tenant's requests wait, as Tinker's ``queue_state`` and a reason: ``paused_capacity`` while a
+        trainer queue is full for it (``backpressure``), ``paused_rate_limit`` while one of its own quotas
+        (requests in flight, tokens per minute) refuses new work, else ``active``."""
+        full = self.backpressure.paused(tenant)
+        if full is not None:
+            return "paused_capacity", full
         reason = self.quotas.pressure(tenant, self.futures.pending(tenant))
         return ("active", None) if reason is None else ("paused_rate_limit", reason)
 
@@ -582,6 +608,45 @@ class GatewayCore:
             raise InvalidArgument(f"limit and offset must be >= 1 and >= 0, got limit={limit} offset={offset}")
         return self.store.list_sessions(tenant, limit, offset)
 
+    async def search_sessions(self, tenant: str, query: SessionQuery
+                              ) -> tuple[list[tuple[Session, list[cpb.CheckpointInfo]]], Session | None]:
+        """A page of the tenant's sessions matching ``query`` (``session_search``), each with the live checkpoints
+        of its runs, and the last one shown when more match; the cursor's session must be one of the tenant's."""
+        start = None
+        if query.after is not None:
+            s = self._find_session(query.after)
+            if s is None or s.tenant != tenant:
+                raise NotFound(f"cursor.last_session_id {query.after!r} is not one of your sessions")
+            start = (s.created_at, s.session_id)
+        found, last = search(query, functools.partial(self.store.sessions_after, tenant), start)
+        by_session: dict[str, list[cpb.CheckpointInfo]] = {}
+        for c in await self.tenant_checkpoints(tenant) if found else ():
+            by_session.setdefault(c.run_id.rpartition(":train:")[0], []).append(c)
+        return [(s, by_session.get(s.session_id, [])) for s in found], last
+
+    async def tenant_checkpoints(self, tenant: str) -> list[cpb.CheckpointInfo]:
+        """Every live checkpoint of the tenant, with its size (the checkpoints service's listing)."""
+        res = await self._call(self.checkpoints.List, cpb.ListCheckpointsRequest(tenant=tenant))
+        return list(res.checkpoints)
+
+    async def storage_usage(self, tenant: str, project_id: str | None) -> tuple[int, int]:
+        """How many live checkpoints the tenant has and their bytes, now (``project_id`` refused: no projects)."""
+        check_no_project("project_id", project_id)
+        checkpoints = await self.tenant_checkpoints(tenant)
+        return len(checkpoints), sum(c.size_bytes for c in checkpoints)
+
+    async def weights_info(self, tenant: str, path: str) -> pb.WeightsInfo:
+        """The tenant's checkpoint's weights: base model and rank from its metadata, plus the LoRA module flags and
+        the optimizer family while its run is in the registry (unset otherwise)."""
+        info = await self.checkpoint(tenant, path)
+        meta = json.loads(info.metadata_json or "{}")
+        out = pb.WeightsInfo(base_model=meta.get("base_model", ""), is_lora=True, lora_rank=meta.get("r"))
+        run = self.find_run(tenant, info.run_id)
+        if run is not None:
+            out.train_mlp, out.train_attn = run.lora.train_mlp, run.lora.train_attn
+            out.train_unembed, out.optimizer = run.lora.train_unembed, run.optimizer
+        return out
+
     def session_members(self, tenant: str, session_id: str) -> tuple[Session, list[str], list[str]]:
         """The tenant's session, its training run ids and its sampling session ids."""
         s = self._find_session(session_id)
@@ -590,8 +655,11 @@ class GatewayCore:
         return s, *self.store.session_members(session_id)
 
 
-    def list_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[Run], int]:
-        """A page of the tenant's training runs, oldest first (``limit`` 0: 20), and how many there are."""
+    def list_runs(self, tenant: str, limit: int, offset: int, project_id: str | None = None
+                  ) -> tuple[list[Run], int]:
+        """A page of the tenant's training runs, oldest first (``limit`` 0: 20), and how many there are
+        (``project_id`` refused: no projects)."""
+        check_no_project("project_id", project_id)
         if limit < 0 or offset < 0:
             raise InvalidArgument(f"limit and offset must be >= 0, got limit={limit} offset={offset}")
         mine = sorted((r for r in self.runs.values() if r.tenant == tenant), key=lambda r: r.created_at)
@@ -615,9 +683,36 @@ class GatewayCore:
     async def delete_checkpoint(self, tenant: str, path: str) -> None:
         await self._call(self.checkpoints.Delete, cpb.CheckpointRef(tenant=tenant, path=path), idempotent=False)
 
-    async def set_checkpoint_ttl(self, tenant: str, path: str, ttl_seconds: int) -> None:
-        """The caller's checkpoint at ``path`` expires ``ttl_seconds`` from now (0: never)."""
-        await self._call(self.checkpoints.SetTtl, cpb.SetTtlRequest(tenant=tenant, path=path, ttl_seconds=ttl_seconds))
+    async def copy_checkpoint(self, tenant: str, source: str, ttl_seconds: int | None, idempotency_key: str | None,
+                              session_id: str | None = None, model_seq_id: int | None = None) -> str:
+        """Copy the tenant's checkpoint at ``source`` (``copies``) and return the copy's path; it expires after
+        ``ttl_seconds`` (None: never). It goes under run ``"{session_id}:train:{model_seq_id}"`` (a slot no run
+        holds) when the session is given, else under a run id of its own derived from ``idempotency_key``; no run
+        is registered (the copy cannot be trained on)."""
+        if ttl_seconds is not None and not 1 <= ttl_seconds <= MAX_TTL_S:
+            raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [1, {MAX_TTL_S}], or null for no expiry")
+        if session_id is None:
+            run_id = copy_run_id(tenant, idempotency_key)
+        else:
+            self._open_session(tenant, session_id)
+            if model_seq_id is None or model_seq_id < 0:
+                raise InvalidArgument(f"model_seq_id = {model_seq_id} must be >= 0 with session_id")
+            run_id = f"{session_id}:train:{model_seq_id}"
+            if self._find_run(run_id) is not None:
+                raise InvalidArgument(f"model_seq_id {model_seq_id} of session {session_id!r} holds training run "
+                                      f"{run_id!r}; copy into a slot of its own")
+            self.store.number(session_id, "next_model", model_seq_id)  # no later run takes the slot
+        info = await copy_checkpoint(self.checkpoints, tenant, source, run_id, ttl_seconds or 0,
+                                     self.quotas.of(tenant).max_checkpoint_bytes)
+        return info.path
+
+    async def set_checkpoint_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> None:
+        """The caller's checkpoint at ``path`` expires ``ttl_seconds`` from now (None: never)."""
+        if ttl_seconds is not None and not 0 < ttl_seconds <= MAX_TTL_S:
+            raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [1, {MAX_TTL_S}], or null to remove the "
+                                  "expiration")
+        await self._call(self.checkpoints.SetTtl, cpb.SetTtlRequest(tenant=tenant, path=path,
+                                                                   ttl_seconds=ttl_seconds or 0))
 
     async def set_checkpoint_public(self, tenant: str, path: str, public: bool) -> None:
         await self._call(self.checkpoints.SetPublic, cpb.SetPublicRequest(tenant=tenant, path=path, public=public),
@@ -678,7 +773,8 @@ class GatewayCore:
         return pb.SubmitResponse(request_id=holder)
 
     async def _run_sample(self, req: pb.SampleRequest) -> pb.FutureResult:
-        res: pb.SampleResult = await self._call(self.sampler.Sample, req, work=True)
+        sampler = self.router.sampler(req.base_model, req.sampling_session_id)
+        res: pb.SampleResult = await self._call(sampler.Sample, req, work=True)
         if res.WhichOneof("result") == "error":
             return pb.FutureResult(receipt=res.receipt, error=res.error)
         self.quotas.charge(req.tenant, sum(len(s.tokens) for s in res.sample.sequences))  # paid once known

@@ -16,7 +16,7 @@ import numpy as np
 from lathe.errors import InvalidArgument
 from lathe.types import MAX_TTL_S
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import adam_params_from_proto, tensor_from_proto
+from lathe.wire import optim_params_from_proto, tensor_from_proto
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +73,10 @@ class DoorLimits:
 
 
 def check_op(op: dict[str, object]) -> None:
-    """The parameters of one ordered operation that need no model to check: AdamW's and a save's TTL."""
+    """The parameters of one ordered operation that need no model to check: the optimizer's and a save's TTL."""
     step = op.get("optim_step")
     if isinstance(step, pb.OptimStepRequest):
-        adam_params_from_proto(step.adam_params).check()
+        optim_params_from_proto(step).check()
     save = op.get("save")
     if isinstance(save, pb.SaveRequest) and not 0 <= save.ttl_seconds <= MAX_TTL_S:
         raise InvalidArgument(f"ttl_seconds = {save.ttl_seconds} must be in [0, {MAX_TTL_S}] (0: keep forever)")

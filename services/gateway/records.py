@@ -23,6 +23,8 @@ class Session:
     next_sampler: int = 0
     last_seen: float = field(default_factory=time.time)
     finished: str = ""  # why the client closed it ("success", "errored", ...); "" while open
+    created_at: float = field(default_factory=time.time)
+    display_name: str | None = None  # a name for people (Tinker's), matched by session search
 
 
 @dataclass(slots=True)
@@ -41,6 +43,7 @@ class Run:
     last_sampler_checkpoint: str = ""
     last_sampler_checkpoint_time: float = 0.0
     recovery_seq: int = 0  # the trainer's latest recovery snapshot of it was taken after this seq_id
+    optimizer: str = "adamw"  # its optimizer family, fixed at creation ("adamw" | "dimuon"; ``lathe.types``)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once its adapter exists or failed
     error: LatheError | None = None  # why its adapter could not be created
     rebuilds: int = 0  # times it was rebuilt on a trainer that had lost it (``GatewayCore._rebuild``)

@@ -2,22 +2,33 @@
 
 Authentication: the ``x-api-key`` metadata entry, mapped to a tenant by ``ApiKeys``. Core errors
 become gRPC status codes (``lathe.errors``); no handler writes error text of its own.
+
+Each registry call is the HTTP door's, through the same core call (sessions, search, storage usage, weights info,
+copies, TTL, publishing). External weights go through the HTTP door's ``downloads.Downloads`` (the same staging
+snapshot and export, the same signed or presigned URLs, whose files that door serves at ``files_url``): without an
+HTTP door this door refuses them.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import grpc
 
-from lathe.errors import LatheError
+from lathe.errors import FailedPrecondition, InvalidArgument, LatheError
+from lathe.types import ParsedCheckpointTinkerPath
+from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import ApiKeys
 from .core import GatewayCore
+from .downloads import Downloads, export_note
+from .records import Session
+from .session_search import FINISH_REASONS, SessionQuery, session_status
 
 Handler = Callable[[Any, str, Any], Awaitable[Any]]
 
@@ -42,14 +53,73 @@ def authed(fn: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaita
     return wrapper
 
 
+def _optional(msg: Any, name: str) -> Any:  # noqa: ANN401 - any proto3 optional scalar
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+def _session_summary(s: Session, checkpoints: list[cpb.CheckpointInfo]) -> pb.SessionSummary:
+    status, reason = session_status(s)
+    return pb.SessionSummary(session_id=s.session_id, created_at=s.created_at, owner=s.tenant, status=status,
+                             finish_reason=reason, checkpoints_count=len(checkpoints),
+                             checkpoint_storage_bytes=sum(c.size_bytes for c in checkpoints),
+                             user_metadata=s.user_metadata, display_name=s.display_name)
+
+
 class GatewayServicer(pb_grpc.GatewayServicer):
-    def __init__(self, core: GatewayCore, keys: ApiKeys) -> None:
+    """``downloads``: the HTTP door's (None: no HTTP door, so no external weights); ``files_url``: that door's
+    ``/api/v1`` root as clients reach it, for the download URLs it signs."""
+
+    def __init__(self, core: GatewayCore, keys: ApiKeys, downloads: Downloads | None = None,
+                 files_url: str = "") -> None:
         self.core = core
         self.keys = keys
+        self.downloads = downloads
+        self.files_url = files_url
+
+    def _downloads(self) -> Downloads:
+        if self.downloads is None:
+            raise FailedPrecondition("external weights are served with the gateway's HTTP door, and this gateway "
+                                     "runs without one (--http-port)")
+        return self.downloads
 
     @authed
     async def CreateSession(self, request: pb.CreateSessionRequest, tenant: str) -> pb.CreateSessionResponse:
-        return pb.CreateSessionResponse(session_id=self.core.create_session(tenant, dict(request.user_metadata)))
+        return pb.CreateSessionResponse(session_id=self.core.create_session(
+            tenant, dict(request.user_metadata), _optional(request, "display_name")))
+
+    @authed
+    async def FinishSession(self, request: pb.FinishSessionRequest, tenant: str) -> pb.Empty:
+        if request.status not in FINISH_REASONS:
+            raise InvalidArgument(f"status = {request.status!r} must be one of {list(FINISH_REASONS)}")
+        self.core.finish_session(tenant, request.session_id, request.status)
+        return pb.Empty()
+
+    @authed
+    async def ListSessions(self, request: pb.ListSessionsRequest, tenant: str) -> pb.ListSessionsResponse:
+        return pb.ListSessionsResponse(session_ids=self.core.list_sessions(tenant, request.limit or 20,
+                                                                           request.offset))
+
+    @authed
+    async def GetSession(self, request: pb.GetSessionRequest, tenant: str) -> pb.SessionInfo:
+        s, run_ids, sampler_ids = self.core.session_members(tenant, request.session_id)
+        return pb.SessionInfo(training_run_ids=run_ids, sampler_ids=sampler_ids, user_metadata=s.user_metadata,
+                              display_name=s.display_name)
+
+    @authed
+    async def SearchSessions(self, request: pb.SearchSessionsRequest, tenant: str) -> pb.SearchSessionsResponse:
+        query = SessionQuery.build(
+            session_id=_optional(request, "session_id"), display_name=_optional(request, "display_name"),
+            user_metadata=dict(request.user_metadata), owner_type=request.owner_type or "own",
+            statuses=[(q.type, list(q.reasons) or None) for q in request.statuses] or None,
+            owner_urns=list(request.owner_urns), limit=request.limit or 50,
+            after=request.cursor_session_id or None, project_ids=list(request.project_ids))
+        found, last = await self.core.search_sessions(tenant, query)
+        return pb.SearchSessionsResponse(sessions=[_session_summary(s, cps) for s, cps in found],
+                                         next_cursor_session_id=last.session_id if last is not None else "")
+
+    @authed
+    async def Whoami(self, request: pb.WhoamiRequest, tenant: str) -> pb.WhoamiResponse:
+        return pb.WhoamiResponse(user_urn=tenant, org_urn=tenant)
 
     @authed
     async def Heartbeat(self, request: pb.HeartbeatRequest, tenant: str) -> pb.Empty:
@@ -91,13 +161,43 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return await self.core.submit(tenant, request.model_id, request.seq_id, load=request)
 
     @authed
+    async def SaveWeightsExternal(self, request: pb.SaveWeightsExternalRequest, tenant: str) -> pb.SubmitResponse:
+        """A sampler snapshot of the run, turned into ``tinker://<run>/external_weights/<name>`` when its future
+        is retrieved (``RetrieveFuture``), as on the HTTP door."""
+        self._downloads()
+        note = export_note(list(request.age_encryption_recipients) or None, request.name,
+                           _optional(request, "ttl_seconds"))
+        return await self.core.submit(tenant, request.model_id, request.seq_id,
+                                      save=Downloads.staging_save(request.model_id, request.seq_id, note))
+
+    @authed
+    async def GetExternalWeightsUrls(self, request: pb.ExternalWeightsUrlsRequest, tenant: str
+                                     ) -> pb.ExternalWeightsUrls:
+        try:
+            ParsedCheckpointTinkerPath.from_tinker_path(request.tinker_path)
+        except ValueError as e:
+            raise InvalidArgument(f"tinker_path: {e}") from None
+        got = await self._downloads().urls(tenant, request.tinker_path, self.files_url)
+        return pb.ExternalWeightsUrls(urls=got["urls"], expires_at=datetime.fromisoformat(got["expires"]).timestamp())
+
+    @authed
     async def RetrieveFuture(self, request: pb.RetrieveFutureRequest, tenant: str) -> pb.FutureResult:
-        return await self.core.retrieve(tenant, request.request_id, request.timeout_s)
+        """The core's result; that of a ``SaveWeightsExternal`` answers the export, built now if not yet."""
+        res = await self.core.retrieve(tenant, request.request_id, request.timeout_s)
+        if self.downloads is None or res.WhichOneof("result") != "save" or not Downloads.maybe_staging(res.save.path):
+            return res
+        exported = await self.downloads.finish_export(tenant, res.save.path)
+        if exported is None:
+            return res
+        out = pb.FutureResult()
+        out.CopyFrom(res)  # the core keeps its own
+        out.save.path = exported["path"]
+        return out
 
     @authed
     async def ListTrainingRuns(self, request: pb.ListTrainingRunsRequest, tenant: str
                                ) -> pb.ListTrainingRunsResponse:
-        runs, total = self.core.list_runs(tenant, request.limit, request.offset)
+        runs, total = self.core.list_runs(tenant, request.limit, request.offset, request.project_id)
         return pb.ListTrainingRunsResponse(training_runs=[r.proto() for r in runs], total_count=total)
 
     @authed
@@ -113,6 +213,30 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     async def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest, tenant: str) -> pb.Empty:
         await self.core.delete_checkpoint(tenant, request.tinker_path)
         return pb.Empty()
+
+    @authed
+    async def GetCheckpointStorageUsage(self, request: pb.StorageUsageRequest, tenant: str) -> pb.StorageUsage:
+        count, size = await self.core.storage_usage(tenant, request.project_id)
+        return pb.StorageUsage(owner=tenant, checkpoint_count=count, size_bytes=size)
+
+    @authed
+    async def CopyWeights(self, request: pb.CopyWeightsRequest, tenant: str) -> pb.CopyWeightsResponse:
+        return pb.CopyWeightsResponse(tinker_path=await self.core.copy_checkpoint(
+            tenant, request.source_path, _optional(request, "ttl_seconds"), request.idempotency_key or None))
+
+    @authed
+    async def SetCheckpointTtl(self, request: pb.SetCheckpointTtlRequest, tenant: str) -> pb.Empty:
+        await self.core.set_checkpoint_ttl(tenant, request.tinker_path, _optional(request, "ttl_seconds"))
+        return pb.Empty()
+
+    @authed
+    async def SetCheckpointPublic(self, request: pb.SetCheckpointPublicRequest, tenant: str) -> pb.Empty:
+        await self.core.set_checkpoint_public(tenant, request.tinker_path, request.public)
+        return pb.Empty()
+
+    @authed
+    async def GetWeightsInfo(self, request: pb.WeightsInfoRequest, tenant: str) -> pb.WeightsInfo:
+        return await self.core.weights_info(tenant, request.tinker_path)
 
     @authed
     async def CreateSamplingSession(self, request: pb.CreateSamplingSessionRequest, tenant: str

@@ -3,9 +3,10 @@
 Tables (created and changed only by the alembic scripts in ``migrations/``, which ``upgrade`` runs; alembic's
 ``alembic_version`` table says which ran):
 - ``sessions``: session id -> tenant, metadata, the next model and sampler numbers, why it finished, when it
-  was created (listings are newest first);
+  was created (listings are newest first), its display name (NULL: none);
 - ``runs``: model id -> tenant (its owner), session, base model, LoRA config (``pb.LoraConfig`` bytes),
-  metadata, creation and last-request times, the last checkpoints, the request id of its creation;
+  optimizer family, metadata, creation and last-request times, the last checkpoints, the request id of its
+  creation;
 - ``sampling_sessions``: sampling session id -> tenant, base model, pinned checkpoint and version, how many
   clients joined it (``join_sampling``);
 - ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,7 @@ sessions = sa.Table(
     sa.Column("next_sampler", sa.Integer, nullable=False),
     sa.Column("finished", sa.String(64), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False, server_default="0"),
+    sa.Column("display_name", sa.String(256), nullable=True),
     sa.Index("ix_sessions_tenant_created", "tenant", "created_at"),
 )
 runs = sa.Table(
@@ -74,6 +75,7 @@ runs = sa.Table(
     sa.Column("last_sampler_checkpoint", sa.Text, nullable=False),
     sa.Column("last_sampler_checkpoint_time", sa.Float, nullable=False),
     sa.Column("recovery_seq", sa.BigInteger, nullable=False),
+    sa.Column("optimizer", sa.String(16), nullable=True),  # NULL: recorded before families existed, AdamW
 )
 sampling_sessions = sa.Table(
     "sampling_sessions", metadata,
@@ -216,7 +218,8 @@ class ControlStore:
         with self.engine.begin() as c:
             c.execute(sessions.insert().values(
                 session_id=s.session_id, tenant=s.tenant, user_metadata=json.dumps(s.user_metadata),
-                next_model=s.next_model, next_sampler=s.next_sampler, finished=s.finished, created_at=time.time()))
+                next_model=s.next_model, next_sampler=s.next_sampler, finished=s.finished, created_at=s.created_at,
+                display_name=s.display_name))
 
     def list_sessions(self, tenant: str, limit: int, offset: int) -> list[str]:
         """A page of the tenant's session ids, newest first."""
@@ -224,6 +227,17 @@ class ControlStore:
             return list(c.execute(sa.select(sessions.c.session_id).where(sessions.c.tenant == tenant)
                                   .order_by(sessions.c.created_at.desc(), sessions.c.session_id)
                                   .limit(limit).offset(offset)).scalars())
+
+    def sessions_after(self, tenant: str, after: tuple[float, str] | None, n: int) -> list[Session]:
+        """Up to ``n`` of the tenant's sessions in listing order (newest first, then by id), after the one at
+        ``after`` (its ``(created_at, session_id)``), or from the first."""
+        query = sa.select(sessions).where(sessions.c.tenant == tenant)
+        if after is not None:
+            query = query.where(sa.or_(sessions.c.created_at < after[0], sa.and_(
+                sessions.c.created_at == after[0], sessions.c.session_id > after[1])))
+        with self.engine.begin() as c:
+            return [_session(r) for r in c.execute(
+                query.order_by(sessions.c.created_at.desc(), sessions.c.session_id).limit(n))]
 
     def session_members(self, session_id: str) -> tuple[list[str], list[str]]:
         """The training run ids and sampling session ids made in the session, oldest first."""
@@ -260,7 +274,8 @@ class ControlStore:
                 "create_request_id": r.create_request_id, "created_at": r.created_at,
                 "last_request_time": r.last_request_time, "last_checkpoint": r.last_checkpoint,
                 "last_checkpoint_time": r.last_checkpoint_time, "last_sampler_checkpoint": r.last_sampler_checkpoint,
-                "last_sampler_checkpoint_time": r.last_sampler_checkpoint_time, "recovery_seq": r.recovery_seq}
+                "last_sampler_checkpoint_time": r.last_sampler_checkpoint_time, "recovery_seq": r.recovery_seq,
+                "optimizer": r.optimizer}
 
     def put_run(self, r: Run, create: Operation) -> str:
         """Register a run and its creation operation, both or neither. Returns the request id that creates the
@@ -357,13 +372,14 @@ class ControlStore:
 
 def _session(r: sa.Row) -> Session:
     return Session(r.session_id, r.tenant, json.loads(r.user_metadata), r.next_model, r.next_sampler,
-                   finished=r.finished)
+                   finished=r.finished, created_at=r.created_at, display_name=r.display_name)
 
 
 def _run(r: sa.Row) -> Run:
     return Run(r.model_id, r.tenant, r.session_id, r.base_model, pb.LoraConfig.FromString(r.lora),
                json.loads(r.user_metadata), r.create_request_id, r.created_at, r.last_request_time, r.last_checkpoint,
-               r.last_checkpoint_time, r.last_sampler_checkpoint, r.last_sampler_checkpoint_time, r.recovery_seq)
+               r.last_checkpoint_time, r.last_sampler_checkpoint, r.last_sampler_checkpoint_time, r.recovery_seq,
+               optimizer=r.optimizer or "adamw")
 
 
 def _sampling(r: sa.Row) -> SamplingSession:

@@ -5,10 +5,10 @@ its body (JSON through ``json_fields``, the ``forward_backward`` protobuf throug
 one core call and answers in Tinker's shapes. Model operations answer a future ``{"request_id", ...}`` at
 once; ``/retrieve_future`` long-polls the core and answers the result (protobuf for forward/backward and
 sampling outputs, JSON otherwise), ``{"type": "try_again"}`` when nothing came within the wait, or
-``{"error", "category"}`` when the operation failed; its ``queue_state`` says whether one of the tenant's own
-quotas holds new work back (``GatewayCore.queue_state``). ``/retrieve_futures`` long-polls a sampling client's
-completion queue (``completions``), which the SDK then fetches one by one. A rejected call answers the core
-error's HTTP status with the same ``{"error", "category"}`` body, never an empty one (429 with ``retry-after``
+``{"error", "category"}`` when the operation failed; its ``queue_state`` says whether a full trainer queue or one
+of the tenant's own quotas holds new work back (``GatewayCore.queue_state``). ``/retrieve_futures`` long-polls a
+sampling client's completion queue (``completions``), which the SDK then fetches one by one. A rejected call answers
+the core error's HTTP status with the same ``{"error", "category"}`` body, never an empty one (429 with ``retry-after``
 when waiting helps). A body longer than the core's ``limits.max_message_bytes`` is refused with 413 before it is
 read to its end; a ``Content-Encoding: zstd`` body (the SDK's compressed forward_backward) is refused the same
 way when it would decompress past that limit.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,14 +36,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, RequestTooLarge
+from lathe.types import check_no_project
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import tinker_public_pb2 as tp
 
 from . import tinker_json as tj
 from .auth import ApiKeys
 from .core import MAX_WAIT_S, GatewayCore
+from .custom_losses import CustomLosses
+from .downloads import FILES_ROUTE, Downloads, UrlSigner, export_note
 from .futures import KEEP_DONE
 from .json_fields import INT32_MAX, Fields
+from .session_search import SessionQuery
 from .tinker_proto import (
     PROTO_CONTENT_TYPE,
     forward_backward_from_proto,
@@ -52,7 +57,8 @@ from .tinker_proto import (
 
 PREFIX = "/api/v1"
 CLIENT_CONFIG = {"use_pyqwest_transport": False, "pjwt_auth_enabled": False, "proto_compress_fwdbwd": True,
-                 "sample_use_retrieve_futures": True, "sample_join_sampling_session": True}
+                 "sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
+                 "custom_loss_server_side": True}
 DYNAMIC_CONFIG = {"sample_cancel_enabled": True}
 POLL_MARGIN_S = 15.0  # a long-poll ends this long before the client's read timeout (its x-stainless header)
 
@@ -94,10 +100,13 @@ def _query_int(request: Request, name: str, default: int) -> int:
 class TinkerHttpDoor:
     """The ``/api/v1`` routes over one core; ``app()`` is the ASGI application to serve."""
 
-    def __init__(self, core: GatewayCore, keys: ApiKeys) -> None:
+    def __init__(self, core: GatewayCore, keys: ApiKeys, url_signer: UrlSigner | None = None) -> None:
         self.core = core
         self.keys = keys
+        self.downloads = Downloads(core.checkpoints, url_signer,
+                                   quota=lambda tenant: core.quotas.of(tenant).max_checkpoint_bytes)
         self._notes: OrderedDict[str, _Note] = OrderedDict()
+        self.custom_losses = CustomLosses()
 
     def app(self) -> Starlette:
         routes = [
@@ -110,9 +119,14 @@ class TinkerHttpDoor:
             ("POST", "/sessions/{session_id}/finish", self.finish_session),
             ("GET", "/sessions", self.list_sessions),
             ("GET", "/sessions/{session_id}", self.get_session),
+            ("POST", "/sessions/search", self.search_sessions),
+            ("POST", "/auth/token", self.auth_token),
+            ("GET", "/billing/usage/checkpoints/current", self.storage_usage),
+            ("POST", "/copy_weights", self.copy_weights),
             ("GET", "/get_server_capabilities", self.get_server_capabilities),
             ("POST", "/create_model", self.create_model),
             ("POST", "/get_info", self.get_info),
+            ("POST", "/create_custom_loss", self.create_custom_loss),
             ("POST", "/forward_backward", self.forward_backward),
             ("POST", "/optim_step", self.optim_step),
             ("POST", "/save_weights", self.save_weights),
@@ -135,9 +149,14 @@ class TinkerHttpDoor:
             ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint),
             ("GET", "/checkpoints", self.list_user_checkpoints),
             ("POST", "/weights_info", self.weights_info),
+            ("POST", "/save_weights_external", self.save_weights_external),
+            ("GET", "/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls",
+             self.external_weights_urls),
         ]
-        return Starlette(routes=[Route(PREFIX + path, self._endpoint(fn), methods=[method])
-                                 for method, path, fn in routes],
+        return Starlette(routes=[Route(PREFIX + path, self.core.metrics.timed(fn.__name__, self._endpoint(fn)),
+                                       methods=[method])
+                                 for method, path, fn in routes]
+                         + [Route(PREFIX + FILES_ROUTE, self.checkpoint_file, methods=["GET"])],  # signed, no key
                          exception_handlers={HTTPException: self._no_route})
 
     async def _no_route(self, request: Request, exc: Exception) -> Response:
@@ -210,7 +229,9 @@ class TinkerHttpDoor:
 
     async def create_session(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
-        return {"type": "create_session", "session_id": self.core.create_session(tenant, f.strings("user_metadata"))}
+        check_no_project("project_id", f.get("project_id", str, None))
+        session_id = self.core.create_session(tenant, f.strings("user_metadata"), f.get("display_name", str, None))
+        return {"type": "create_session", "session_id": session_id}
 
     async def session_heartbeat(self, request: Request, tenant: str) -> dict[str, Any]:
         self.core.session(tenant, (await self._fields(request)).get("session_id", str))
@@ -231,7 +252,26 @@ class TinkerHttpDoor:
 
     async def get_session(self, request: Request, tenant: str) -> dict[str, Any]:
         s, run_ids, sampler_ids = self.core.session_members(tenant, request.path_params["session_id"])
-        return {"training_run_ids": run_ids, "sampler_ids": sampler_ids, "user_metadata": s.user_metadata}
+        return {"training_run_ids": run_ids, "sampler_ids": sampler_ids, "user_metadata": s.user_metadata,
+                "display_name": s.display_name}
+
+    async def search_sessions(self, request: Request, tenant: str) -> dict[str, Any]:
+        """A page of the caller's sessions matching the filters (``session_search``), each with the count and bytes
+        of its runs' live checkpoints."""
+        found, last = await self.core.search_sessions(tenant, SessionQuery.from_fields(await self._fields(request)))
+        return {"sessions": [tj.session_summary(s, checkpoints) for s, checkpoints in found],
+                "next_cursor": None if last is None else {"last_created_at": tj.iso(last.created_at),
+                                                          "last_session_id": last.session_id}}
+
+    async def auth_token(self, request: Request, tenant: str) -> dict[str, Any]:
+        """A token naming the caller (``tinker_json.identity_token``): Lathe keeps to API keys, and answers so that
+        an SDK told to exchange its key goes on."""
+        return {"jwt": tj.identity_token(tenant, time.time())}
+
+    async def storage_usage(self, request: Request, tenant: str) -> dict[str, Any]:
+        """The caller's live checkpoints, counted and summed (``project_id`` is refused: Lathe has no projects)."""
+        count, size = await self.core.storage_usage(tenant, request.query_params.get("project_id", "")[:64])
+        return tj.storage_usage(tenant, count, size)
 
     async def get_server_capabilities(self, request: Request, tenant: str) -> dict[str, Any]:
         return tj.capabilities(await self.core.capabilities())
@@ -240,11 +280,11 @@ class TinkerHttpDoor:
 
     async def create_model(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
-        tj.check_adamw(f, "optimizer_config")
         return self._future(await self.core.create_model(tenant, pb.CreateModelRequest(
             session_id=f.get("session_id", str), base_model=f.get("base_model", str),
             lora_config=tj.lora_config(f.sub("lora_config", required=False)),
-            user_metadata=f.strings("user_metadata")), model_seq_id=f.get("model_seq_id", int)))
+            user_metadata=f.strings("user_metadata"), optimizer=tj.optimizer_family(f, "optimizer_config")),
+            model_seq_id=f.get("model_seq_id", int)))
 
     async def get_info(self, request: Request, tenant: str) -> dict[str, Any]:
         return tj.model_info(await self.core.get_info(tenant, (await self._fields(request)).get("model_id", str)))
@@ -255,13 +295,24 @@ class TinkerHttpDoor:
             raise InvalidArgument(f"forward_backward takes a {PROTO_CONTENT_TYPE} body (tinker_public."
                                   f"ForwardBackwardRequest), not {content_type or 'no Content-Type'!r}")
         req = forward_backward_from_proto(await self._body(request), self.core.limits.max_tensor_elements)
+        if req.loss_fn == "custom":
+            self.custom_losses.resolve(tenant, req)
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
 
-    async def optim_step(self, request: Request, tenant: str) -> dict[str, Any]:
+    async def create_custom_loss(self, request: Request, tenant: str) -> dict[str, Any]:
+        """Check and keep a traced loss (``custom_losses``); the future answers its ``loss_id`` at once."""
         f = await self._fields(request)
-        tj.check_adamw(f, "optimizer_params")
-        req = pb.OptimStepRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int),
-                                  adam_params=tj.adam_params(f.sub("adam_params", required=False)))
+        session_id = f.get("session_id", str)
+        self.core.session(tenant, session_id)
+        inputs = [Fields(x, f"{f.path('inputs')}[{i}]") for i, x in enumerate(f.get("inputs", list))]
+        loss = pb.CustomLoss(name=f.get("name", str), graph_json=json.dumps(f.get("graph", dict)), inputs=[
+            pb.CustomLossInput(name=x.get("name", str), rank=x.get("rank", int, int_max=INT32_MAX)) for x in inputs])
+        loss_id = self.custom_losses.create(tenant, session_id, f.get("custom_loss_seq_id", int), loss)
+        result = pb.FutureResult(custom_loss=pb.CustomLossOutput(loss_id=loss_id))
+        return {"request_id": self.core.answered(tenant, result), "model_id": None}
+
+    async def optim_step(self, request: Request, tenant: str) -> dict[str, Any]:
+        req = tj.optim_step(await self._fields(request))
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, optim_step=req))
 
     async def save_weights(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -294,11 +345,11 @@ class TinkerHttpDoor:
             req = pb.LoadRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), path=path,
                                  with_optimizer=with_optimizer)
             return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, load=req))
-        tj.check_adamw(f, "optimizer_config")
         return self._future(await self.core.create_model_from_state(
             tenant, pb.CreateModelFromStateRequest(session_id=f.get("session_id", str), path=path,
                                                    with_optimizer=with_optimizer,
-                                                   user_metadata=f.strings("user_metadata")),
+                                                   user_metadata=f.strings("user_metadata"),
+                                                   optimizer=tj.optimizer_family(f, "optimizer_config")),
             model_seq_id=f.get("model_seq_id", int), base_model=f.get("base_model", str, "")))
 
     # ---- sampling ----
@@ -342,6 +393,10 @@ class TinkerHttpDoor:
         if not res.done:
             state, reason = self.core.queue_state(tenant)
             return {"type": "try_again", "request_id": request_id, "queue_state": state, "queue_state_reason": reason}
+        if res.WhichOneof("result") == "save" and Downloads.maybe_staging(res.save.path):
+            exported = await self.downloads.finish_export(tenant, res.save.path)  # a save_weights_external
+            if exported is not None:
+                return exported
         return self._result(res, self._notes.get(request_id, _Note()))
 
     async def retrieve_futures(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -375,6 +430,8 @@ class TinkerHttpDoor:
             return Response(sample_response_to_proto(res.sample, note.target_layout), media_type=PROTO_CONTENT_TYPE)
         if kind == "create_model":
             return {"model_id": res.create_model.model_id}
+        if kind == "custom_loss":
+            return {"type": "create_custom_loss", "loss_id": res.custom_loss.loss_id}
         if kind == "optim_step":
             return {"metrics": dict(res.optim_step.metrics)}
         if kind == "save":
@@ -385,7 +442,7 @@ class TinkerHttpDoor:
 
     async def list_training_runs(self, request: Request, tenant: str) -> dict[str, Any]:
         limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
-        runs, total = self.core.list_runs(tenant, limit, offset)
+        runs, total = self.core.list_runs(tenant, limit, offset, request.query_params.get("project_id"))
         return {"training_runs": [tj.training_run(r) for r in runs], "cursor": tj.cursor(offset, limit, total)}
 
     async def get_training_run(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -401,6 +458,18 @@ class TinkerHttpDoor:
         return {"checkpoints": [tj.checkpoint(c) for c in res.checkpoints],
                 "cursor": tj.cursor(offset, limit, res.total_count)}
 
+    async def copy_weights(self, request: Request, tenant: str) -> dict[str, Any]:
+        """A copy of one of the caller's checkpoints at a new path (``GatewayCore.copy_checkpoint``), answered at
+        once. ``destination_project_id`` names nothing here (the copy stays the caller's); the
+        ``X-Idempotency-Key`` the SDK keeps across its retries makes a retry answer the first copy."""
+        f = await self._fields(request)
+        if f.get("weights_access_token", str, None) or request.headers.get("x-tinker-weights-access-token"):
+            raise InvalidArgument("weights_access_token is not supported: copy checkpoints of your own account")
+        path = await self.core.copy_checkpoint(tenant, f.get("source_path", str), f.get("ttl_seconds", int, None),
+                                               request.headers.get("x-idempotency-key"),
+                                               f.get("session_id", str, None), f.get("model_seq_id", int, None))
+        return {"tinker_path": path}
+
     async def delete_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
         p = request.path_params
         await self.core.delete_checkpoint(tenant, f"tinker://{p['run_id']}/{p['checkpoint_id']}")
@@ -414,9 +483,7 @@ class TinkerHttpDoor:
     async def set_checkpoint_ttl(self, request: Request, tenant: str) -> dict[str, Any]:
         """``{"ttl_seconds": n}``: expire n seconds from now; ``null``: never."""
         ttl = (await self._fields(request)).get("ttl_seconds", int, None)
-        if ttl is not None and ttl <= 0:
-            raise InvalidArgument(f"ttl_seconds = {ttl} must be > 0, or null to remove the expiration")
-        await self.core.set_checkpoint_ttl(tenant, self._checkpoint_path(request), ttl or 0)
+        await self.core.set_checkpoint_ttl(tenant, self._checkpoint_path(request), ttl)
         return {}
 
     async def publish_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -427,14 +494,28 @@ class TinkerHttpDoor:
         await self.core.set_checkpoint_public(tenant, self._checkpoint_path(request), False)
         return {}
 
+    # ---- downloads (``downloads.py``) ----
+
+    async def save_weights_external(self, request: Request, tenant: str) -> dict[str, Any]:
+        """A sampler snapshot of the run, turned into ``tinker://<run>/external_weights/<name>`` when its future
+        is retrieved."""
+        f = await self._fields(request)
+        model_id, seq_id, name = f.get("model_id", str), f.get("seq_id", int), f.get("path", str)
+        note = export_note(f.get("age_encryption_recipients", list, None), name, f.get("ttl_seconds", int, None))
+        sub = await self.core.submit(tenant, model_id, seq_id, save=Downloads.staging_save(model_id, seq_id, note))
+        return self._future(sub)
+
+    async def external_weights_urls(self, request: Request, tenant: str) -> dict[str, Any]:
+        return await self.downloads.urls(tenant, self._checkpoint_path(request), str(request.base_url) + PREFIX[1:])
+
+    async def checkpoint_file(self, request: Request) -> Response:
+        """The file a signed download URL names (no API key: the signature is the authority)."""
+        try:
+            return await self.downloads.file(request.path_params["token"])
+        except LatheError as e:
+            return error_response(e)
+
     async def weights_info(self, request: Request, tenant: str) -> dict[str, Any]:
-        """From the checkpoint's metadata, plus the LoRA module flags while its run is in the registry."""
-        info = await self.core.checkpoint(tenant, (await self._fields(request)).get("tinker_path", str))
-        meta = json.loads(info.metadata_json or "{}")
-        out = {"base_model": meta.get("base_model", ""), "is_lora": True, "lora_rank": meta.get("r"),
-               "optimizer_config": {"type": "adamw"}}
-        run = self.core.find_run(tenant, info.run_id)
-        if run is not None:
-            out |= {"train_mlp": run.lora.train_mlp, "train_attn": run.lora.train_attn,
-                    "train_unembed": run.lora.train_unembed}
-        return out
+        """``GatewayCore.weights_info`` (without the checkpoint's run in the registry, Tinker's default: AdamW)."""
+        return tj.weights_info(await self.core.weights_info(tenant, (await self._fields(request))
+                                                             .get("tinker_path", str)))

@@ -4,13 +4,15 @@ In: LoRA and Adam settings with Tinker's defaults, and an ``/asample`` body as t
 (Tinker's ``SamplingParams`` mapped onto the proto through ``lathe.wire``, so both front doors read ``stop``
 the same way; ``target_prompt_logprobs`` densified, -1 where a sparse one lists nothing; ``record_stability_info``
 needs no record beyond the sampled logprobs every Lathe sample returns, which the trainer reproduces bit for
-bit); optimizer families this server does not serve are refused by name.
-Out: training runs, checkpoints, model info and capabilities in the field names and types of Tinker's
-pydantic models (times as ISO-8601 strings).
+bit); the optimizer family of a run and of a step (AdamW or Dimuon), others refused by name.
+Out: training runs, checkpoints, model info, session summaries, storage usage and capabilities in the field names
+and types of Tinker's pydantic models (times as ISO-8601 strings), and the identity token of ``/auth/token``.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,12 +20,15 @@ import numpy as np
 
 from lathe import wire
 from lathe.errors import InvalidArgument
-from lathe.types import AdamParams, LoraConfig, ParsedCheckpointTinkerPath, SamplingParams
+from lathe.types import OPTIMIZERS, AdamParams, DimuonParams, LoraConfig, ParsedCheckpointTinkerPath, SamplingParams
+from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import tinker_public_pb2 as tp
 
 from .core import Run
 from .json_fields import INT32_MAX, Fields
+from .records import Session
+from .session_search import session_status
 from .tinker_proto import target_ids
 
 
@@ -49,11 +54,31 @@ def adam_params(f: Fields) -> pb.AdamParams:
                          grad_clip_norm=f.get("grad_clip_norm", float, d.grad_clip_norm))
 
 
-def check_adamw(f: Fields, name: str) -> None:
-    """Lathe trains with AdamW only: an optimizer config ``name`` naming another family is refused."""
+def optimizer_family(f: Fields, name: str) -> str:
+    """The optimizer family an optimizer config ``name`` selects (absent: AdamW); one Lathe lacks is refused."""
     family = f.sub(name, required=False).get("type", str, "adamw")
-    if family != "adamw":
-        raise InvalidArgument(f"{f.path(name)}.type = {family!r}: this server trains with 'adamw' only")
+    if family not in OPTIMIZERS:
+        raise InvalidArgument(f"{f.path(name)}.type = {family!r}: this server trains with {' or '.join(OPTIMIZERS)}")
+    return family
+
+
+def optim_step(f: Fields) -> pb.OptimStepRequest:
+    """An ``/optim_step`` body: ``adam_params``, or ``optimizer_params`` naming its family by ``type`` (tinker's
+    ``DimuonParams``, whose learning_rate has no default)."""
+    req = pb.OptimStepRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int))
+    if f.get("optimizer_params", object, None) is None:
+        req.adam_params.CopyFrom(adam_params(f.sub("adam_params", required=False)))
+        return req
+    g = f.sub("optimizer_params")
+    family = optimizer_family(f, "optimizer_params")
+    if family == "adamw":
+        req.adam_params.CopyFrom(adam_params(g))
+        return req
+    d = DimuonParams(learning_rate=0.0)
+    req.dimuon_params.CopyFrom(pb.DimuonParams(learning_rate=g.get("learning_rate", float),
+                                               grad_clip_norm=g.get("grad_clip_norm", float, d.grad_clip_norm),
+                                               beta1=g.get("beta1", float, d.beta1)))
+    return req
 
 
 def _prompt(f: Fields) -> list[int]:
@@ -159,13 +184,53 @@ def checkpoint(c: pb.CheckpointEntry) -> dict[str, Any]:
             "expires_at": iso(c.expires_at), "user_metadata": dict(c.user_metadata) or None}
 
 
+def session_summary(s: Session, checkpoints: list[cpb.CheckpointInfo]) -> dict[str, Any]:
+    """A ``SessionSummary`` (``/sessions/search``); ``checkpoints``: the live ones of the session's runs. Lathe has
+    no projects (``project_id`` is "")."""
+    kind, reason = session_status(s)
+    status = {"type": kind, "reason": {"type": reason}} if reason else {"type": kind} if kind else None
+    return {"session_id": s.session_id, "created_at": iso(s.created_at), "owner": s.tenant, "project_id": "",
+            "status": status, "checkpoints_count": len(checkpoints), "user_metadata": s.user_metadata,
+            "checkpoint_storage_bytes": sum(c.size_bytes for c in checkpoints), "display_name": s.display_name}
+
+
+def storage_usage(tenant: str, count: int, size: int) -> dict[str, Any]:
+    """A ``CurrentCheckpointStorageUsageResponse`` of the tenant's ``count`` live checkpoints of ``size`` bytes in
+    all (``GatewayCore.storage_usage``): one row (none without checkpoints); Lathe prices nothing."""
+    rows = [{"org_user_urn": tenant, "user_name": tenant, "checkpoint_count": count, "size_bytes": size,
+             "size_gigabytes": size / 1e9}] if count else []
+    return {"effective_rate_usd_per_gigabyte_month": None, "data": rows}
+
+
+def identity_token(tenant: str, now: float, lifetime_s: int = 3600) -> str:
+    """What ``/auth/token`` answers: a JWT in form only (``alg`` "none", no signature) whose claims name the caller
+    (``sub``) and a lifetime (``iat``, ``exp``), which is all the SDK reads of one. Lathe authenticates API keys
+    only and says so (``pjwt_auth_enabled`` false), so no SDK sends it back; presented as a key it is refused
+    like any other that lacks the ``tml-`` prefix."""
+    def part(obj: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(obj, separators=(",", ":")).encode()).rstrip(b"=").decode()
+
+    claims = {"iss": "lathe", "sub": tenant, "iat": int(now), "exp": int(now) + lifetime_s}
+    return f"{part({'alg': 'none', 'typ': 'JWT'})}.{part(claims)}."
+
+
+def weights_info(info: pb.WeightsInfo) -> dict[str, Any]:
+    """A ``WeightsInfoResponse``; the module flags and ``optimizer_config`` only where the core knows them."""
+    out: dict[str, Any] = {"base_model": info.base_model, "is_lora": info.is_lora,
+                           "lora_rank": info.lora_rank if info.HasField("lora_rank") else None}
+    if info.HasField("train_mlp"):
+        out |= {"train_mlp": info.train_mlp, "train_attn": info.train_attn, "train_unembed": info.train_unembed,
+                "optimizer_config": {"type": info.optimizer}}
+    return out
+
+
 def cursor(offset: int, limit: int, total: int) -> dict[str, int]:
     return {"offset": offset, "limit": limit, "total_count": total}
 
 
 def model_info(info: pb.ModelInfo) -> dict[str, Any]:
     return {"model_id": info.model_id, "is_lora": True, "lora_rank": info.lora_config.rank,
-            "model_name": info.base_model, "optimizer_config": {"type": "adamw"},
+            "model_name": info.base_model, "optimizer_config": {"type": info.optimizer or OPTIMIZERS[0]},
             "model_data": {"model_name": info.base_model, "tokenizer_id": info.tokenizer_id}}
 
 

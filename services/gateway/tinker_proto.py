@@ -96,6 +96,15 @@ def _tokens(d: tp.Datum, where: str) -> list[int]:
     return tokens
 
 
+def _custom_loss_id(req: tp.ForwardBackwardRequest) -> str:
+    """A ``custom`` request's ``loss_fn_config``: exactly ``{"loss_id": <text>}`` (tinker's uploaded loss)."""
+    value = req.loss_fn_config_v2.get("loss_id")
+    if set(req.loss_fn_config_v2) != {"loss_id"} or req.loss_fn_config or value.WhichOneof("value") != "text":
+        raise InvalidArgument("loss_fn 'custom' takes loss_fn_config {'loss_id': <the id create_custom_loss "
+                              f"answered>}} and nothing else, got keys {sorted(req.loss_fn_config_v2)}")
+    return value.text
+
+
 def _loss_config(req: tp.ForwardBackwardRequest) -> dict[str, float]:
     if not req.loss_fn_config_v2:
         return dict(req.loss_fn_config)
@@ -152,6 +161,10 @@ def forward_backward_from_proto(body: bytes, max_elements: int) -> pb.ForwardBac
         inputs = {name: _tensor(t, f"{where}.loss_fn_inputs[{name!r}]", budget)
                   for name, t in d.loss_fn_inputs.items()}
         data.append(pb.Datum(model_input=pb.ModelInput(chunks=[chunk]), loss_fn_inputs=inputs))
+    if req.loss_fn == "custom":  # the loss itself is filled in by the door (lathe.gateway.custom_losses)
+        return pb.ForwardBackwardRequest(model_id=req.model_id, seq_id=req.seq_id, data=data, loss_fn=req.loss_fn,
+                                         forward_only=req.forward_only,
+                                         custom_loss=pb.CustomLoss(loss_id=_custom_loss_id(req)))
     return pb.ForwardBackwardRequest(model_id=req.model_id, seq_id=req.seq_id, data=data, loss_fn=req.loss_fn,
                                      loss_fn_config=_loss_config(req), forward_only=req.forward_only)
 

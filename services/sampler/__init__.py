@@ -17,8 +17,11 @@ Where a request's data lives, and who owns it:
                            base models (one ``lathe.models.decoder.Decoder`` each, CPU, pool dtype)
   validate.check_sample    SampleRequest -> Plan (checked prompt, params, stop rule, seed)
   adapters.AdapterCache    (tenant, path, version) -> LoraWeights, LRU; bytes from an AdapterSource
-  kv.SeqCache / StepKV     per-sequence K/V buffers per layer (model dtype, grown in 64-token blocks)
-                           and the decoder's KVCache view of one packed step
+  kv.KVPool / SeqCache     per base model, K/V blocks of 64 tokens per layer (model dtype) handed out by
+  blocks.BlockManager      reference counts, LRU-cached full blocks reused by prompt prefix (chain digest);
+                           per sequence, a block table; kv.StepKV: the decoder's KVCache view of one step
+  slots.SlotPool           adapters in stacked rank-padded slots, read by BGMV (throughput mode's decode steps)
+  graphs.DecodeRunner      pure decode steps padded to bucket sizes, replayed from CUDA graphs on CUDA
   step.run_step            one packed forward (prefills + decode tokens, adapter segments) -> rows
   sampling.choose          one logits row -> next token (greedy / temperature / top-k / top-p, per-
                            sequence seeded generator);  stops.StopRule: when a sequence ends

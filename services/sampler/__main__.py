@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from prometheus_client import start_http_server
-
 from lathe.checkpoints.client import CheckpointsClient
 from lathe.errors import Unavailable
 from lathe.models.catalog import ModelCatalog
 from lathe.models.pool import add_pool_arguments, apply_threads
+from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.sampler.server import SamplerServicer
 from lathe.serving import run
@@ -48,23 +47,36 @@ def main() -> None:
     ap.add_argument("--max-running-tokens", type=int, default=d.max_running_tokens,
                     help="running budget: tokens (num_samples x (prompt + max_tokens)) reserved by running requests "
                          "together; one request asking for more is refused")
-    ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
+    ap.add_argument("--kv-blocks", type=int, default=d.kv_blocks,
+                    help="KV cache blocks of 64 tokens per base model (0: enough for --max-running-tokens)")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="never reuse cached KV blocks of a shared prompt")
+    ap.add_argument("--bgmv", choices=["auto", "off", "torch", "triton"], default=d.bgmv,
+                    help="decode LoRA through the adapter slot pool (auto: triton with --sgmv --no-invariant on cuda)")
+    ap.add_argument("--adapter-slots", type=int, default=d.adapter_slots, help="adapter slots per base model (BGMV)")
+    ap.add_argument("--slot-rank", type=int, default=d.slot_rank, help="largest LoRA rank an adapter slot holds")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on cuda")
+    add_metrics_port(ap)
     args = ap.parse_args()
     apply_threads(args)
     cfg = SamplerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
                         invariant=not args.no_invariant, sgmv=args.sgmv, max_running=args.max_running,
                         max_queue=args.max_queue,
                         adapter_cache=args.adapter_cache, max_prefill_tokens=args.max_prefill_tokens,
-                        max_running_tokens=args.max_running_tokens)
+                        max_running_tokens=args.max_running_tokens,
+                        kv_blocks=args.kv_blocks, prefix_cache=not args.no_prefix_cache, bgmv=args.bgmv,
+                        adapter_slots=args.adapter_slots, slot_rank=args.slot_rank,
+                        cuda_graphs=not args.no_cuda_graphs)
     source = CheckpointsSource(CheckpointsClient(args.checkpoints)) if args.checkpoints else None
-    engine = SamplerEngine(cfg, ModelCatalog.from_spec(cfg.models, cfg.cache_root), source)
-    if args.metrics_port >= 0:
-        server, _ = start_http_server(args.metrics_port, addr=args.host, registry=engine.metrics.registry)
-        print(f"lathe.sampler metrics on http://{args.host}:{server.server_port}/metrics", flush=True)
+    catalog = ModelCatalog.from_spec(cfg.models, cfg.cache_root)
+    engine = SamplerEngine(cfg, catalog, source)
     engine.start()
+    warm = Warmup(engine.base, catalog.names(), lambda: engine.alive).start()  # ready once every model is loaded
+    probes = Probes("lathe.v1.Sampler", "lathe_sampler", warm.ready, warm.alive, registry=engine.metrics.registry)
+    if args.metrics_port >= 0:
+        serve_metrics("lathe.sampler", probes.registry, args.host, args.metrics_port)
     run("lathe.sampler", args.host, args.port,
         lambda server: pb_grpc.add_SamplerServicer_to_server(SamplerServicer(engine), server),
-        on_stop=engine.stop)
+        on_stop=engine.stop, probes=probes)
 
 
 if __name__ == "__main__":

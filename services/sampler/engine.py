@@ -15,16 +15,29 @@ Data path of a request:
 Fairness and budget: tenants take turns at admission, so one tenant's backlog delays another tenant's
 request by at most one request per turn. A request reserves ``num_samples x (prompt + max_tokens)``
 tokens of the pool's running budget from admission until it finishes; one that asks for more than the
-whole budget is refused by ``check_sample`` (it could never run).
+whole budget is refused by ``check_sample`` (it could never run). It also reserves the KV blocks its
+sequences can hold at most (``blocks.blocks_needed``) in its base model's ``kv.KVPool`` (``kv_blocks``
+blocks): one that does not fit waits, one that never could is refused.
+
+Decode steps (every running sequence one token, no prefill in the step) go through the base model's
+``graphs.DecodeRunner`` where it has one: padded to a bucket batch size and replayed from a CUDA graph on
+CUDA (``cuda_graphs``), and on the throughput path (``bgmv``: not invariant) with their LoRA through the
+adapter slot pool (``slots.SlotPool``, ``adapter_slots`` slots of rank <= ``slot_rank``) by BGMV; a step whose
+adapters do not fit the slots at once runs the per-segment path. The invariant mode keeps the
+per-segment LoRA ops, whose logprobs equal the trainer's bit for bit.
+
+KV cache: a prefill starts from the cached blocks of the longest prefix of its prompt that an earlier
+sequence under the same tenant, base model, adapter and version filled (``prefix_cache``), and feeds only
+the rest; its samples share the prompt's full blocks. Finished sequences give their blocks back.
 
 Every problem with one request (bad argument, unknown model, overwritten checkpoint) resolves that
 request's future with ``SampleResult(error=...)`` and touches nothing else; only a full queue (and a
 stopping engine) is raised from ``sample`` itself, since no request exists yet.
 
-Owns: the base models (one ``Decoder`` per served model, loaded on first use), the KV caches of
-running sequences, the adapter cache; all of their tensors live on ``SamplerConfig.device``, while
-token selection and results stay on the CPU. Never touches the trainer, storage (bytes come through an
-``AdapterSource``) or the network.
+Owns: the base models (one ``Decoder`` per served model, loaded on first use) with their KV pool, slot
+pool and decode runner, the KV caches of running sequences, the adapter cache; all of their tensors live
+on ``SamplerConfig.device``, while token selection and results stay on the CPU. Never touches the
+trainer, storage (bytes come through an ``AdapterSource``) or the network.
 """
 
 from __future__ import annotations
@@ -47,10 +60,13 @@ from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
 from lathe.models.pool import check_device, default_device
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
+from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
-from lathe.sampler.kv import SeqCache
+from lathe.sampler.graphs import BUCKETS, DecodeRunner, GraphConfig
+from lathe.sampler.kv import KVPool, SeqCache
 from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sampling import choose, generator
+from lathe.sampler.slots import BGMV, SlotPool
 from lathe.sampler.step import Item, ItemOut, run_step
 from lathe.sampler.validate import ModelLimits, Plan, check_sample
 from lathe.types import TensorData
@@ -92,6 +108,15 @@ class SamplerConfig:
     # context; a request asking for more is refused
     max_running_tokens: int = 128 * 8192
     loaders: int = 2  # threads that load models and adapters and check requests
+    kv_blocks: int = 0  # KV blocks of BLOCK tokens per base model; 0: enough for max_running_tokens
+    prefix_cache: bool = True  # reuse cached KV blocks of a shared prompt prefix
+    # decode-step LoRA through the adapter slot pool by BGMV: "off", "torch" (the reference), "triton"; "auto":
+    # triton with sgmv on cuda when not invariant (the throughput path: no bitwise equality with the trainer)
+    bgmv: str = "auto"
+    adapter_slots: int = 16  # adapters resident in the slot pool per base model (BGMV path)
+    slot_rank: int = 32  # largest LoRA rank a slot holds; a step with a larger one runs the per-segment path
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (cuda only)
+    graph_buckets: tuple[int, ...] = BUCKETS  # batch sizes decode steps are padded to and captured at
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -101,12 +126,42 @@ class SamplerConfig:
                      "loaders"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_blocks < 0 or self.kv_blocks == 1:
+            raise ValueError(f"kv_blocks must be 0 (derived) or >= 2 (one is the null block), got {self.kv_blocks}")
+        if self.bgmv not in ("auto", "off", *BGMV):
+            raise ValueError(f"bgmv {self.bgmv!r} is not one of {['auto', 'off', *sorted(BGMV)]}")
+        if self.bgmv in BGMV and self.invariant:
+            raise ValueError(f"bgmv {self.bgmv!r} is the throughput path; the invariant mode keeps the per-segment "
+                             "LoRA ops that match the trainer bit for bit (turn invariant off)")
+        if self.bgmv == "triton" and self.device != "cuda":
+            raise ValueError(f"bgmv 'triton' needs device 'cuda', got {self.device!r}")
+        for name in ("adapter_slots", "slot_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        GraphConfig(self.graph_buckets)  # checks the buckets
+
+    @property
+    def decode_bgmv(self) -> str:
+        """The BGMV implementation of decode steps' LoRA, or "off" (the per-segment path)."""
+        if self.bgmv != "auto":
+            return self.bgmv
+        return "triton" if self.sgmv and not self.invariant and self.device == "cuda" else "off"
+
+    @property
+    def pool_blocks(self) -> int:
+        """KV blocks per base model: ``kv_blocks``, or by default what ``max_running_tokens`` can fill (every
+        sequence may leave one block partly empty) plus the null block."""
+        return self.kv_blocks or self.max_running_tokens // BLOCK + self.max_running + 1
 
 
 @dataclass(slots=True)
 class _Base:
     model: Decoder
     limits: ModelLimits
+    kv: KVPool
+    slots: SlotPool | None  # the BGMV path's adapter slots
+    runner: DecodeRunner | None  # pure decode steps: padded, CUDA graphs, slots
+    kv_reserved: int = 0  # blocks reserved by admitted requests not finished yet
 
 
 @dataclass(slots=True, eq=False)
@@ -119,6 +174,7 @@ class _Request:
     adapter: LoraWeights | None = None
     admitted: float = 0.0
     reserved: int = 0  # tokens of the running budget held from admission until it finishes
+    blocks: int = 0  # KV blocks of its base model's pool held from admission until it finishes
     step: int = 0
     seqs: list[_Seq] = field(default_factory=list)
     unfinished: int = 0
@@ -134,6 +190,11 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     topk: list[pb.TopkLogprobs] = field(default_factory=list)  # topk_sample_logprobs: one per token
     stop_reason: str = ""
+
+
+def _slot_key(r: _Request) -> tuple[str, str, str]:
+    """What names an adapter's weights in a slot pool: tenant, path and the version pinned."""
+    return r.req.tenant, r.req.model_path, repr(r.req.model_version)
 
 
 class SamplerEngine:
@@ -180,8 +241,19 @@ class SamplerEngine:
                                     cfg.max_position_embeddings),
                     tokenizer=Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None,
                 )
-                self._bases[name] = _Base(model, limits)
+                kv = KVPool.for_model(model, self.cfg.pool_blocks)
+                bgmv, graphs = self.cfg.decode_bgmv, self.cfg.cuda_graphs and model.device.type == "cuda"
+                slots = None if bgmv == "off" else SlotPool(model.cfg, self.cfg.adapter_slots, self.cfg.slot_rank,
+                                                            model.dtype, model.device, bgmv)
+                runner = DecodeRunner(model, kv, slots, GraphConfig(self.cfg.graph_buckets, capture=graphs)) \
+                    if slots is not None or graphs else None
+                self._bases[name] = _Base(model, limits, kv, slots, runner)
             return self._bases[name]
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs (False before ``start``, after ``stop`` and once it died)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def capabilities(self) -> pb.ServerCapabilities:
         return pb.ServerCapabilities(supported_models=[
@@ -196,6 +268,16 @@ class SamplerEngine:
         with self._cond:
             return {"queued": self._queued, "waiting": len(self._waiting), "running": len(self._running),
                     "adapters": len(self.adapters), "steps": self.steps}
+
+    def kv_stats(self) -> dict[str, int]:
+        """The KV pools over every base model: blocks free or cached (``available``: evictable), reserved by
+        running requests, and the full prompt blocks found cached (``prefix_hits``) or not (``prefix_misses``)."""
+        with self._cond:
+            bases = list(self._bases.values())
+            return {"available": sum(b.kv.blocks.available for b in bases),
+                    "reserved": sum(b.kv_reserved for b in bases),
+                    "prefix_hits": sum(b.kv.blocks.hits for b in bases),
+                    "prefix_misses": sum(b.kv.blocks.misses for b in bases)}
 
     # ---- submission ----
 
@@ -224,6 +306,11 @@ class SamplerEngine:
                 raise InvalidArgument("base_model is empty: the gateway must name the model to sample")
             r.base = self.base(r.req.base_model)
             r.plan = check_sample(r.req, r.base.limits, self.cfg.max_running_tokens)
+            need, usable = self._blocks_needed(r), r.base.kv.blocks.usable
+            if need > usable:
+                raise InvalidArgument(f"num_samples ({r.plan.num_samples}) x (prompt ({len(r.plan.prompt)} tokens) + "
+                                      f"max_tokens ({r.plan.max_tokens})) needs {need} KV blocks of {BLOCK} tokens; "
+                                      f"this sampler pool has {usable} (--kv-blocks); ask for fewer samples or tokens")
             if r.req.model_path:
                 r.adapter = self.adapters.get(r.req.tenant, r.req.model_path, r.req.model_version,
                                               r.base.model.cfg, self._adapter_dtype, r.req.base_model,
@@ -282,14 +369,18 @@ class SamplerEngine:
         while (r := self._waiting.peek()) is not None:
             if not r.future.cancelled():
                 n, length, cost = r.plan.num_samples, len(r.plan.prompt), r.plan.reserved_tokens
+                blocks = self._blocks_needed(r)
                 if (out or self._running) and (seqs + n > self.cfg.max_running
                                                or tokens + length > self.cfg.max_prefill_tokens
                                                or self._reserved + cost > self.cfg.max_running_tokens):
                     break
+                if r.base.kv_reserved + blocks > r.base.kv.blocks.usable:
+                    break  # waits for running requests of its base model to give blocks back
                 out.append(r)
                 seqs, tokens = seqs + n, tokens + length
-                r.reserved = cost
+                r.reserved, r.blocks = cost, blocks
                 self._reserved += cost
+                r.base.kv_reserved += blocks
             else:
                 self._live.discard(r)
             self._waiting.pop()
@@ -305,7 +396,11 @@ class SamplerEngine:
             admitted = self._admit()
             cancelled = {s.request for s in self._running if s.request.future.cancelled()}
             self._live -= cancelled
-            self._reserved -= sum(r.reserved for r in cancelled)
+            for r in cancelled:
+                self._reserved -= r.reserved
+                r.base.kv_reserved -= r.blocks
+        for r in cancelled:
+            self._release_caches(r)
         self._running = [s for s in self._running if s.request not in cancelled]
         if not admitted and not self._running:
             return 0
@@ -321,19 +416,24 @@ class SamplerEngine:
         for base, prefills, decodes in work.values():
             advanced += self._forward(base, prefills, decodes)
         self._running = [s for s in advanced if not s.stop_reason]
+        self.metrics.record_step(seconds=time.monotonic() - now, sequences=len(advanced), running=len(self._running),
+                                 prompt_tokens=sum(len(r.plan.prompt) for r in admitted), reserved=self._reserved,
+                                 budget=self.cfg.max_running_tokens, queued=self._queued)
         return len(advanced)
 
     def _forward(self, base: _Base, prefills: list[_Request], decodes: list[_Seq]) -> list[_Seq]:
         """Run one base model's packed forward and draw every sequence's next token."""
-        cfg = base.model.cfg
-        items = [Item(list(r.plan.prompt),
-                      SeqCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.cfg.device),
-                      r.adapter, r.plan.ask) for r in prefills]
+        items = []
+        for r in prefills:
+            cache = self._prompt_cache(base, r)
+            items.append(Item(list(r.plan.prompt[cache.length:]), cache, r.adapter, r.plan.ask))
         items += [Item([s.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
         try:
-            outs = run_step(base.model, items)
+            outs = self._run(base, items, decodes if not prefills else None)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving
             err = Internal(f"sampler step {self.steps} failed: {type(e).__name__}: {e}")
+            for item in items[:len(prefills)]:
+                item.cache.release()
             for r in {*prefills, *(s.request for s in decodes)}:
                 self._finish(r, error=err)
             return []
@@ -345,6 +445,8 @@ class SamplerEngine:
                 advanced += self._start_samples(r, item.cache, out)
             except Exception as e:  # noqa: BLE001 - e.g. non-finite logits: fail this request alone
                 failed.add(r)
+                if not any(s.cache is item.cache for s in r.seqs):
+                    item.cache.release()
                 self._finish(r, error=Internal(f"sampling failed: {e}"))
         for s, out in zip(decodes, outs[k:], strict=True):
             if s.request in failed:
@@ -356,6 +458,40 @@ class SamplerEngine:
                 self._finish(s.request, error=Internal(f"sampling failed: {e}"))
             advanced.append(s)
         return [s for s in advanced if s.request not in failed]
+
+    def _run(self, base: _Base, items: list[Item], decodes: list[_Seq] | None) -> list[ItemOut]:
+        """The step's forward: a pure decode step (``decodes``: its sequences, in the order of ``items``)
+        through the base's ``DecodeRunner`` where it has one, with the step's adapters placed in its slot
+        pool; otherwise (prefills, or adapters that do not fit the slots) ``run_step``."""
+        if decodes and base.runner is not None:
+            idx = None
+            if base.slots is not None:
+                idx = base.slots.place([None if s.request.adapter is None else (_slot_key(s.request), s.request.adapter)
+                                        for s in decodes])
+            if base.slots is None or idx is not None:
+                return base.runner.run(items, idx)
+        return run_step(base.model, items)
+
+    def _blocks_needed(self, r: _Request) -> int:
+        return blocks_needed(len(r.plan.prompt), r.plan.max_tokens, r.plan.num_samples)
+
+    def _prompt_cache(self, base: _Base, r: _Request) -> SeqCache:
+        """A new sequence for ``r``'s prompt, holding the cached blocks of its longest reusable prefix: at
+        least the last prompt token is fed (its row gives the first token), and no prompt row an option
+        asks for is skipped."""
+        prompt = list(r.plan.prompt)
+        reuse = len(prompt) - 1 if self.cfg.prefix_cache else 0
+        if r.plan.ask is not None:
+            reuse = min(reuse, r.plan.ask.first_row())
+        seed = root_digest(r.req.tenant, r.req.base_model, r.req.model_path, repr(r.req.model_version))
+        return base.kv.sequence(seed, prompt, reuse)
+
+    def _release_caches(self, r: _Request) -> None:
+        """Give the KV blocks of ``r``'s sequences back (scheduler thread, or after it stopped)."""
+        for s in r.seqs:
+            if s.cache is not None:
+                s.cache.release()
+                s.cache = None
 
     def _start_samples(self, r: _Request, cache: SeqCache, out: ItemOut) -> list[_Seq]:
         """After a prefill: record the prompt options, draw each sample's first token, fork the cache."""
@@ -378,8 +514,10 @@ class SamplerEngine:
         for s in r.seqs:
             self._advance(s, out)
         alive = [s for s in r.seqs if not s.stop_reason]
-        for k, s in enumerate(alive):  # the last one takes the prefilled cache itself, the others copies
+        for k, s in enumerate(alive):  # the last one takes the prefilled cache itself, the others forks
             s.cache = cache if k == len(alive) - 1 else cache.fork()
+        if not alive:
+            cache.release()
         return r.seqs
 
     def _advance(self, s: _Seq, out: ItemOut) -> None:
@@ -397,6 +535,8 @@ class SamplerEngine:
             s.stop_reason = "length"
         else:
             return
+        if s.cache is not None:
+            s.cache.release()
         s.cache = None
         r.unfinished -= 1
         if r.unfinished == 0:
@@ -411,6 +551,9 @@ class SamplerEngine:
                 return
             self._live.discard(r)
             self._reserved -= r.reserved
+            if r.base is not None:
+                r.base.kv_reserved -= r.blocks
+        self._release_caches(r)
         now = time.monotonic()
         started = r.admitted or now
         exactness = self.exactness.fields(r.req.base_model)
@@ -420,6 +563,7 @@ class SamplerEngine:
             queued_s=started - r.arrived, run_s=now - started,
             fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)),
         )
+        self.metrics.record_request(queued_s=receipt.queued_s, total_s=now - r.arrived, failed=error is not None)
         if error is not None:
             result = pb.SampleResult(receipt=receipt, error=error_to_proto(error))
         else:

@@ -1,7 +1,8 @@
 """One scheduler step of one base model: ONE packed forward over prefills and decode tokens.
 
-    items[i]: tokens fed now (a whole prompt for a prefill, the last sampled token for a decode),
-              its SeqCache (holding ``cache.length`` earlier tokens), its adapter (None: base model)
+    items[i]: tokens fed now (a prompt, or what of it its cache does not hold yet, for a prefill; the last
+              sampled token for a decode), its SeqCache (holding ``cache.length`` earlier tokens: a reused
+              prefix of the prompt, or the sequence so far), its adapter (None: base model)
 
 The items are packed adapter by adapter (each adapter one LoRA segment), token ``j`` of item ``i`` at
 absolute position ``cache.length + j``, and the decoder runs once over all of them with a ``StepKV``
@@ -10,7 +11,8 @@ over their caches. Then, per item (back in the caller's order):
     logits   [V] fp32   logits of its last row (what the next token is drawn from)
     logprobs [V] fp32   log_softmax(logits): the policy's logprobs at temperature 1
     and for a prefill whose ``PromptAsk`` asked for them, from its prompt rows (row j predicts
-    prompt[j + 1], lp[j] = log_softmax(logits[j]), s = ask.scored_from):
+    prompt[j + 1], lp[j] = log_softmax(logits[j]), s = ask.scored_from; a reused prefix must end at or
+    before ``ask.first_row()``, the rows before it are not computed):
     prompt_logprobs [L-1]               lp[j][prompt[j + 1]] for j >= s, NaN before s
     topk_ids, topk_logprobs [L-1-s, k]  the k largest entries of lp[s:], descending
     target_logprobs [L-1, K]            lp[j][targets[j, c]], 0.0 where targets[j, c] == -1
@@ -83,7 +85,16 @@ class ItemOut:
     alt_logprobs: torch.Tensor | None = None
 
 
-def _segments(adapters: list[LoraWeights | None], counts: list[int], model: Decoder) -> LoraBatch | None:
+def adapter_order(items: list[Item]) -> list[int]:
+    """Indices of ``items`` grouped adapter by adapter (groups in order of first appearance, items in order
+    within a group): the packing order, in which each adapter is one LoRA segment."""
+    groups: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault(id(it.adapter), []).append(i)
+    return [i for members in groups.values() for i in members]
+
+
+def segments(adapters: list[LoraWeights | None], counts: list[int], model: Decoder) -> LoraBatch | None:
     """The LoraBatch of rows laid out as ``counts[i]`` rows of ``adapters[i]`` (already grouped)."""
     if all(a is None for a in adapters):
         return None
@@ -111,15 +122,19 @@ def _prompt_rows(model: Decoder, h: torch.Tensor, item: Item, out: ItemOut) -> N
     """The prompt options of one prefilled item from its hidden rows ``h [L, hidden]``."""
     ask = item.ask
     assert ask is not None
-    rows = h.shape[0] - 1
+    prompt = item.cache.tokens  # after the step's commit: the whole prompt
+    offset = len(prompt) - len(item.tokens)  # rows of a reused prefix, not in h
+    rows = len(prompt) - 1
     start, s = ask.first_row(), ask.scored_from
-    targets = torch.tensor(item.tokens[1:], dtype=torch.long, device=h.device)
+    if start < offset:
+        raise ValueError(f"prompt rows from {start} were asked for, but the first {offset} came from the cache")
+    targets = torch.tensor(prompt[1:], dtype=torch.long, device=h.device)
     wanted = ask.targets.to(h.device) if ask.targets is not None else None
     gen = generator(ask.alt_seed, 0, stream="prompt-alt") if ask.alt_k else None
     lps, ids, tops, cells, alts, alt_lps = [], [], [], [], [], []
     for r0 in range(start, rows, LOGIT_CHUNK):
         r1 = min(r0 + LOGIT_CHUNK, rows)
-        logits = model.logits(h[r0:r1], _segments([item.adapter], [r1 - r0], model))
+        logits = model.logits(h[r0 - offset:r1 - offset], segments([item.adapter], [r1 - r0], model))
         lp = ops.log_softmax(logits, dim=-1, invariant=model.invariant)
         scored = lp[max(s - r0, 0):]
         if ask.logprobs and len(scored):
@@ -153,10 +168,7 @@ def run_step(model: Decoder, items: list[Item]) -> list[ItemOut]:
     """Feed every item's tokens through ``model`` at once; outputs in the order of ``items``."""
     if not items:
         return []
-    groups: dict[int, list[int]] = {}
-    for i, it in enumerate(items):
-        groups.setdefault(id(it.adapter), []).append(i)
-    order = [i for members in groups.values() for i in members]
+    order = adapter_order(items)
     packed_items = [items[i] for i in order]
     lengths = [len(it.tokens) for it in packed_items]
     cu = [0]
@@ -169,11 +181,11 @@ def run_step(model: Decoder, items: list[Item]) -> list[ItemOut]:
         cu_seqlens=cu,
     )
     adapters = [it.adapter for it in packed_items]
-    kv = StepKV([it.cache for it in packed_items], lengths)
-    h = model.hidden(batch, _segments(adapters, lengths, model), kv)
+    kv = StepKV([it.cache for it in packed_items], [it.tokens for it in packed_items])
+    h = model.hidden(batch, segments(adapters, lengths, model), kv)
     kv.commit()
     last = h[[c - 1 for c in cu[1:]]]
-    logits = model.logits(last, _segments(adapters, [1] * len(adapters), model))
+    logits = model.logits(last, segments(adapters, [1] * len(adapters), model))
     logprobs = ops.log_softmax(logits, dim=-1, invariant=model.invariant)
     logits, logprobs = logits.cpu(), logprobs.cpu()
     outs: dict[int, ItemOut] = {}

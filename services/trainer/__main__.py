@@ -1,14 +1,21 @@
-"""``python -m lathe.trainer``: one trainer process (a pool of one) for the configured base models."""
+"""``python -m lathe.trainer``: one trainer process for the configured base models: a pool of one, or one rank
+of a pool of several (``--world-size``; ``lathe.trainer.ranks``), where rank 0 serves gRPC and leads."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Callable
 
-from prometheus_client import start_http_server
+import grpc
 
 from lathe.models.catalog import ModelCatalog
 from lathe.models.pool import add_pool_arguments, apply_threads
+from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.serving import run
+from lathe.trainer import ranks
+from lathe.trainer.dist import PoolFormationError, join
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.recovery import SnapshotPolicy
 from lathe.trainer.server import TrainerServicer
@@ -24,6 +31,9 @@ def main() -> None:
     ap.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens)
     ap.add_argument("--cycle-tokens", type=int, default=d.cycle_tokens)
     ap.add_argument("--max-resident-adapters", type=int, default=d.max_resident_adapters)
+    ap.add_argument("--max-queue", type=int, default=d.max_queue, help="operations waiting, all tenants together")
+    ap.add_argument("--max-queue-per-tenant", type=int, default=d.max_queue_per_tenant,
+                    help="operations waiting, one tenant's runs together")
     ap.add_argument("--max-runs-per-cycle", type=int, default=d.max_runs_per_cycle,
                     help="0: pack every ready run into a cycle; 1: one run at a time")
     ap.add_argument("--page-store", default="", help="directory for paged-out adapters (scratch)")
@@ -31,8 +41,13 @@ def main() -> None:
                     help="operations that wait this long for a seq_id that never arrives fail, naming it")
     ap.add_argument("--snapshot-every", type=int, default=d.snapshots.every_steps,
                     help="write a run's recovery snapshot every this many optimizer steps (0: only at saves)")
-    ap.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus /metrics here (-1: off)")
+    add_metrics_port(ap)
+    ranks.add_arguments(ap, os.environ)
     args = ap.parse_args()
+    try:
+        pool, local = ranks.pool_config(args)
+    except ValueError as e:
+        ap.error(str(e))
     apply_threads(args)
     cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
                         invariant=not args.no_invariant, sgmv=args.sgmv,
@@ -40,21 +55,45 @@ def main() -> None:
                         max_request_tokens=args.max_request_tokens,
                         cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
                         page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle,
-                        order_wait_s=args.order_wait_s,
+                        order_wait_s=args.order_wait_s, max_queue=args.max_queue,
+                        max_queue_per_tenant=args.max_queue_per_tenant,
                         snapshots=SnapshotPolicy(every_steps=args.snapshot_every))
     store = None
     if args.checkpoints:
         from lathe.checkpoints.client import CheckpointsClient
 
         store = CheckpointsClient(args.checkpoints)
-    engine = TrainerEngine(cfg, ModelCatalog.from_spec(cfg.models, cfg.cache_root), store)
-    if args.metrics_port >= 0:
-        server, _ = start_http_server(args.metrics_port, addr=args.host, registry=engine.metrics.registry)
-        print(f"lathe.trainer metrics on http://{args.host}:{server.server_port}/metrics", flush=True)
+    catalog = ModelCatalog.from_spec(cfg.models, cfg.cache_root)
+    if pool is not None and pool.rank > 0:
+        follower = ranks.Follower(cfg, catalog, pool).start()
+        probes = Probes("lathe.v1.Trainer", "lathe_trainer", follower.ready, follower.alive)
+        _serve(args, probes, lambda server: None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(follower.exit_code)  # a follower stopped inside a collective cannot be joined: leave at once
+    children = ranks.start_followers(pool, sys.argv[1:]) if local else []
+    try:
+        group = join(pool, cfg.device) if pool is not None else None
+    except PoolFormationError as e:
+        print(f"lathe.trainer: {e}", file=sys.stderr, flush=True)
+        ranks.stop_followers(children, grace_s=0)
+        sys.exit(e.exit_code)
+    engine = TrainerEngine(cfg, catalog, store, group, on_rank_lost=ranks.exit_soon(children))
     engine.start()
-    run("lathe.trainer", args.host, args.port,
-        lambda server: pb_grpc.add_TrainerServicer_to_server(TrainerServicer(engine), server),
-        on_stop=engine.stop)
+    warm = Warmup(engine.base, catalog.names(), lambda: engine.alive).start()  # ready once every model is loaded
+    probes = Probes("lathe.v1.Trainer", "lathe_trainer", warm.ready, warm.alive, registry=engine.metrics.registry)
+    _serve(args, probes, lambda server: pb_grpc.add_TrainerServicer_to_server(TrainerServicer(engine), server),
+           on_stop=engine.stop)
+    ranks.stop_followers(children)
+
+
+def _serve(args: argparse.Namespace, probes: Probes, add: Callable[[grpc.aio.Server], None],
+           on_stop: Callable[[], None] | None = None) -> None:
+    """Serve gRPC (with health) and, when asked, /metrics, until SIGTERM: the leader's Trainer service, or a
+    follower's health alone (every rank answers its pod's probes)."""
+    if args.metrics_port >= 0:
+        serve_metrics("lathe.trainer", probes.registry, args.host, args.metrics_port)
+    run("lathe.trainer", args.host, args.port, add, on_stop=on_stop, probes=probes)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""The adapter bank: every training run's LoRA weights, AdamW moments and step count.
+"""The adapter bank: every training run's LoRA weights, optimizer state (AdamW or Dimuon) and step count.
 
 Owns ``Adapter`` records keyed by model id, and their byte formats for the checkpoint store:
 
     training state ("weights")     adapter_model.safetensors  PEFT-named LoRA A/B (fp32)
                                    adapter_config.json        PEFT LoraConfig
-                                   optimizer.safetensors      exp_avg/<name>, exp_avg_sq/<name>
-                                   trainer_state.json         step, base model, lora config, dtype
+                                   optimizer.safetensors      the family's tensors (lathe.trainer.optim_state)
+                                   trainer_state.json         step, optimizer family, base model, lora config, dtype
     sampler weights                adapter_model.safetensors + adapter_config.json (loads in PEFT as is)
 
 Checkpoints go through the checkpoints service (the engine moves those bytes); the bank itself only
@@ -30,8 +30,9 @@ from safetensors.torch import save as st_save
 
 from lathe.errors import FailedPrecondition, InvalidArgument
 from lathe.models.config import ModelConfig
+from lathe.models.host import to_device, to_host
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, LoraWeights
-from lathe.trainer.optimizer import AdamState
+from lathe.trainer.optim_state import OptimState, family_of, new_state, state_from_tensors, state_tensors
 
 FORMAT_VERSION = 1
 
@@ -42,7 +43,7 @@ class Adapter:
     tenant: str
     base_model: str
     weights: LoraWeights
-    opt: AdamState
+    opt: OptimState
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -55,9 +56,9 @@ class Adapter:
 
     @classmethod
     def fresh(cls, model_id: str, tenant: str, base_model: str, cfg: ModelConfig, spec: LoraSpec,
-              seed: int, device: str | torch.device = "cpu") -> Adapter:
+              seed: int, device: str | torch.device = "cpu", optimizer: str = "adamw") -> Adapter:
         weights = LoraWeights.init(cfg, spec, seed, device)
-        return cls(model_id, tenant, base_model, weights, AdamState.zeros(weights.named_parameters()))
+        return cls(model_id, tenant, base_model, weights, new_state(optimizer, weights.named_parameters()))
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.weights.parameters())
@@ -77,23 +78,23 @@ class Adapter:
 
     def sampler_files(self) -> dict[str, bytes]:
         return {
-            "adapter_model.safetensors": st_save(self.weights.state_dict()),
+            "adapter_model.safetensors": st_save(to_host(self.weights.named_parameters())),
             "adapter_config.json": json.dumps(self.peft_config(), indent=1).encode(),
         }
 
     def state_files(self, dtype: str) -> dict[str, bytes]:
-        moments = {f"exp_avg/{n}": t.cpu().contiguous() for n, t in self.opt.exp_avg.items()}
-        moments.update({f"exp_avg_sq/{n}": t.cpu().contiguous() for n, t in self.opt.exp_avg_sq.items()})
-        state = {"format_version": FORMAT_VERSION, "step": self.opt.step, "base_model": self.base_model,
+        state = {"format_version": FORMAT_VERSION, "step": self.opt.step, "optimizer": family_of(self.opt),
+                 "base_model": self.base_model,
                  "lora": asdict(self.spec), "dtype": dtype}
         return {
             **self.sampler_files(),
-            "optimizer.safetensors": st_save(moments),
+            "optimizer.safetensors": st_save(to_host(state_tensors(self.opt))),
             "trainer_state.json": json.dumps(state, indent=1).encode(),
         }
 
     def load_files(self, files: dict[str, bytes], *, with_optimizer: bool) -> None:
-        """Replace weights (and moments + step when ``with_optimizer``) from a training state.
+        """Replace weights (and optimizer state + step when ``with_optimizer``: the state's own family) from a
+        training state; without it the run keeps its family, starting over.
 
         Everything is read and checked before anything is replaced: a bad checkpoint changes nothing.
         """
@@ -104,19 +105,14 @@ class Adapter:
         if LoraSpec(**state["lora"]) != self.spec:
             raise FailedPrecondition(f"checkpoint lora config {state['lora']} differs from this run's "
                                      f"{asdict(self.spec)}")
-        weights = st_load(files["adapter_model.safetensors"])
         params = self.weights.named_parameters()
-        opt = AdamState.zeros(params)
+        weights = to_device(st_load(files["adapter_model.safetensors"]), next(iter(params.values())).device)
+        opt = new_state(family_of(self.opt), params)
         if with_optimizer:
             if "optimizer.safetensors" not in files:
                 raise FailedPrecondition("checkpoint has no optimizer state (is it a sampler checkpoint?)")
-            moments = st_load(files["optimizer.safetensors"])
-            missing = [n for n in params if f"exp_avg/{n}" not in moments or f"exp_avg_sq/{n}" not in moments]
-            if missing:
-                raise FailedPrecondition(f"checkpoint optimizer state lacks moments for {missing[:3]}")
-            opt = AdamState({n: moments[f"exp_avg/{n}"].to(p.device) for n, p in params.items()},
-                            {n: moments[f"exp_avg_sq/{n}"].to(p.device) for n, p in params.items()},
-                            int(state["step"]))
+            opt = state_from_tensors(state.get("optimizer", "adamw"), st_load(files["optimizer.safetensors"]),
+                                     params, int(state["step"]))
         try:
             self.weights.load_state_dict(weights)
         except ValueError as e:
@@ -125,18 +121,19 @@ class Adapter:
         for p in params.values():
             p.grad = None
 
-    # ---- paging (weights + moments + accumulated gradients, bit for bit) ----
+    # ---- paging (weights + moments + accumulated gradients, bit for bit; on CUDA every tensor moves through
+    # pinned host memory with non_blocking copies, lathe.models.host) ----
 
     def page_files(self, dtype: str) -> dict[str, bytes]:
-        grads = {n: p.grad.cpu().contiguous() for n, p in self.weights.named_parameters().items()
-                 if p.grad is not None}
+        grads = to_host({n: p.grad for n, p in self.weights.named_parameters().items() if p.grad is not None})
         return {**self.state_files(dtype), "grads.safetensors": st_save(grads)}
 
     def restore_page(self, files: dict[str, bytes]) -> None:
         self.load_files(files, with_optimizer=True)
-        grads = st_load(files["grads.safetensors"])
-        for n, p in self.weights.named_parameters().items():
-            p.grad = grads[n].to(p.device) if n in grads else None
+        params = self.weights.named_parameters()
+        grads = to_device(st_load(files["grads.safetensors"]), next(iter(params.values())).device)
+        for n, p in params.items():
+            p.grad = grads.get(n)
 
 
 def read_state(files: dict[str, bytes]) -> dict:

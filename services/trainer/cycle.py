@@ -12,7 +12,8 @@ starves behind a large one. For every run the planner takes its next operation i
   returned when the last part is done). When the last part is planned and the run's next operation
   is an optim_step, that step lands in the same cycle.
 
-The planner owns no tensors; ``Partial`` carries a split request's progress between cycles.
+The planner owns no tensors; ``Partial`` carries a split request's progress between cycles. A pool of several
+ranks sends each ``Work`` to its followers as a ``lathe.trainer.plan.Step``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lathe.errors import LatheError
 from lathe.trainer.ops import Example, ForwardBackward, Load, OptimStep, Save
 from lathe.trainer.order import Pending, Sequencer
 
@@ -35,6 +37,7 @@ class Partial:
     done: int = 0  # datums finished
     logprobs: list[torch.Tensor] = field(default_factory=list)
     loss: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
     grad_backup: dict[str, torch.Tensor | None] | None = None  # restored if a later part fails
 
     @property
@@ -51,6 +54,7 @@ class Work:
     compute: Partial | None = None
     part: tuple[int, int] = (0, 0)  # datum range of ``compute`` in this cycle
     optim: Pending | None = None
+    fetched: dict[str, bytes] | LatheError | None = None  # a load's checkpoint (or the error reading it) once fetched
 
     @property
     def last_part(self) -> bool:

@@ -27,15 +27,26 @@ Owns: base models (one ``Decoder`` per served base model, loaded on first use), 
 tenant's own beyond its quota, ``CreateAdapterRequest.max_resident_adapters``), the sequencers and the cycle
 metrics. Checkpoint bytes go through ``CheckpointStore`` (the checkpoints service). Run creation and the
 capabilities still speak ``lathe.v1`` messages (``CreateAdapterRequest``, ``AdapterInfo``).
+
+A pool of several ranks (``group``, ``lathe.trainer.dist``): this engine on rank 0 is the cycle leader and the
+only one with queues, a store and callers. Each cycle it fetches what its loads read, broadcasts the cycle as a
+``lathe.trainer.plan.Plan`` (with the runs created since the last one), and every rank then runs the same
+``_execute``: controls, the packed pass split by adapter over the ranks (``lathe.trainer.shard``), optim_steps.
+A follower's engine applies the plans (``replay``), so every rank holds the same adapters bit for bit; only the
+leader writes checkpoints and snapshots. When a collective fails (``RankLost``) the leader answers every
+operation it holds with that retryable error, refuses new ones, and calls ``on_rank_lost`` (the process exits
+and the pool re-forms; docs/distributed.md). An idle leader broadcasts an empty plan every ``heartbeat_s``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,13 +68,17 @@ from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraSpec, default_seed
 from lathe.models.pool import check_device, default_device
+from lathe.trainer import shard
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
+from lathe.trainer.custom_loss import reduce_metrics
 from lathe.trainer.cycle import Partial, Work, plan_cycle
+from lathe.trainer.dist import Group, RankLost
 from lathe.trainer.metrics import CycleMetrics
-from lathe.trainer.ops import ForwardBackward, Limits, Op, OptimStep, Result, Save, Skip
-from lathe.trainer.optimizer import adamw_step
+from lathe.trainer.ops import ForwardBackward, Limits, Load, Op, OptimStep, Result, Save, Skip
+from lathe.trainer.optim_state import check_family, family_of, optim_step
 from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.pages import DirPages
+from lathe.trainer.plan import Create, Files, Plan, Step
 from lathe.trainer.recovery import SnapshotPolicy, seq_file, snapshot_seq
 from lathe.trainer.step import Job, JobResult, run_jobs
 from lathe.types import (
@@ -135,15 +150,35 @@ def _fail(item: Pending, err: LatheError) -> None:
         item.future.set_result(Result(error=err))
 
 
+def _replayed(op: Op | None) -> Pending | None:
+    """A follower's stand-in for the leader's queued operation ``op`` (nobody waits on its future)."""
+    return None if op is None else Pending(op.seq_id, op, Future(), time.monotonic())
+
+
+def _step(w: Work) -> Step:
+    """``w`` as the followers receive it; a request whose first part runs now starts with it."""
+    return Step(w.run.model_id, control=w.control.op if w.control is not None else None, fetched=w.fetched,
+                begin=w.compute.item.op if w.compute is not None and w.part[0] == 0 else None,
+                part=w.part if w.compute is not None else None, optim=w.optim.op if w.optim is not None else None)
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
 class TrainerEngine:
-    def __init__(self, cfg: TrainerConfig, catalog: ModelCatalog, store: CheckpointStore | None = None) -> None:
+    def __init__(self, cfg: TrainerConfig, catalog: ModelCatalog, store: CheckpointStore | None = None,
+                 group: Group | None = None, on_rank_lost: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.catalog = catalog
         self.store = store
+        self.group = group  # None: a pool of one process, nothing to broadcast or exchange
+        self.on_rank_lost = on_rank_lost
         self.cycle = 0
         self.metrics = CycleMetrics()
         self.metrics.capacity.set(cfg.cycle_tokens)
         self._bases: dict[str, Decoder] = {}
+        self._base_lock = threading.Lock()  # one load (and self-check) per base model, warm-up included
         self.exactness = PoolExactness("trainer", cfg.invariant)
         self._models: dict[str, _Model] = {}
         pages = DirPages(Path(cfg.page_store) if cfg.page_store else cfg.cache_root / "paged")
@@ -154,29 +189,42 @@ class TrainerEngine:
         self._stopping = False
         self._loop_died = False  # the cycle thread ended without being stopped
         self._in_cycle: set[str] = set()  # runs of the cycle computing now: their adapters stay resident
+        self._creates: list[Create] = []  # runs created since the last plan went out (a pool's leader only)
+        self._lost: RankLost | None = None  # why the pool broke, once it did
+        self._last_beat = time.monotonic()  # when the leader last broadcast a plan
 
     # ---- base models and adapters ----
 
     def base(self, name: str) -> Decoder:
-        if name not in self._bases:
-            try:
-                entry = self.catalog.resolve(name)
-            except KeyError as e:
-                raise NotFound(str(e.args[0]) if e.args else f"unknown base model {name!r}") from None
-            model = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype], device=self.cfg.device,
-                                     invariant=self.cfg.invariant, checkpoint_layers=self.cfg.activation_checkpointing)
-            model.sgmv = self.cfg.sgmv
-            report = self.exactness.check(name, model)
-            self.metrics.exactness.labels(model=name).set(float(report.exact))
-            self._bases[name] = model
-        return self._bases[name]
+        """The served base model ``name``, loaded (and self-checked) once, on first use or at warm-up."""
+        with self._base_lock:
+            if name not in self._bases:
+                try:
+                    entry = self.catalog.resolve(name)
+                except KeyError as e:
+                    raise NotFound(str(e.args[0]) if e.args else f"unknown base model {name!r}") from None
+                model = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype], device=self.cfg.device,
+                                         invariant=self.cfg.invariant,
+                                         checkpoint_layers=self.cfg.activation_checkpointing)
+                model.sgmv = self.cfg.sgmv
+                report = self.exactness.check(name, model)
+                self.metrics.exactness.labels(model=name).set(float(report.exact))
+                self._bases[name] = model
+            return self._bases[name]
 
     @property
     def alive(self) -> bool:
         """False once the cycle thread has ended without ``stop``: the pool is not ready and says so."""
         return not self._loop_died
 
+    @property
+    def _writes(self) -> bool:
+        """Does this engine write to the checkpoint store? A pool's followers never do: the leader writes."""
+        return self.group is None or self.group.leader
+
     def _check_alive(self) -> None:
+        if self._lost is not None:
+            raise RankLost(self._lost.message)
         if self._loop_died:
             raise Unavailable("this trainer's cycle thread has stopped; the pool is not ready")
 
@@ -194,12 +242,21 @@ class TrainerEngine:
         with self._lock:
             if req.model_id in self._models:
                 return self._info(self.bank.get(req.model_id))
-        files = self._snapshot_files(req) if req.recover_from else None
-        if files is not None:  # a recovery: the run as its snapshot left it
-            adapter, next_seq = self._adapter_from_snapshot(req, files), snapshot_seq(files) + 1
-        elif req.from_path:
-            adapter, next_seq = self._adapter_from_state(req), 1
-            self._write_snapshot(adapter, 0)  # recovery must not depend on the state it started from
+        snapshot = self._snapshot_files(req) if req.recover_from else None
+        state = None
+        if snapshot is None and req.from_path:
+            state = self._store().get(tenant=req.tenant, path=req.from_path)
+        return self._create(req, snapshot, state)
+
+    def _create(self, req: pb.CreateAdapterRequest, snapshot: Files | None, state: Files | None) -> pb.AdapterInfo:
+        """Build run ``req.model_id`` from its recovery ``snapshot``, else the training ``state`` it starts from,
+        else fresh; the same on every rank of a pool (the leader puts it in the followers' next plan)."""
+        if snapshot is not None:  # a recovery: the run as its snapshot left it
+            adapter, next_seq = self._adapter_from_snapshot(req, snapshot), snapshot_seq(snapshot) + 1
+        elif state is not None:
+            adapter, next_seq = self._adapter_from_state(req, state), 1
+            if self._writes:
+                self._write_snapshot(adapter, 0)  # recovery must not depend on the state it started from
         else:
             c = req.lora_config
             try:
@@ -210,7 +267,8 @@ class TrainerEngine:
                 raise InvalidArgument(f"lora_config: {e}") from None
             model = self.base(req.base_model)
             seed = spec.seed if spec.seed is not None else default_seed(req.model_id)
-            adapter = Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed, self.cfg.device)
+            adapter = Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed, self.cfg.device,
+                                    check_family(req.optimizer))
             next_seq = 1
         with self._lock:
             m = self._models.setdefault(req.model_id, _Model(req.model_id, req.tenant, Sequencer(next_seq=next_seq)))
@@ -218,15 +276,16 @@ class TrainerEngine:
             info = self._info(self.bank.add(adapter))
             info.next_seq_id = m.seq.next_seq
             self._evict(self._pinned())
+            if self.group is not None and self.group.leader:
+                self._creates.append(Create(req.SerializeToString(), snapshot, state))
             return info
 
-    def _adapter_from_state(self, req: pb.CreateAdapterRequest) -> Adapter:
-        files = self._store().get(tenant=req.tenant, path=req.from_path)
+    def _adapter_from_state(self, req: pb.CreateAdapterRequest, files: Files) -> Adapter:
         state = read_state(files)
         base_model = state["base_model"]
         spec = LoraSpec(**state["lora"])
         adapter = Adapter.fresh(req.model_id, req.tenant, base_model, self.base(base_model).cfg, spec, 0,
-                                self.cfg.device)
+                                self.cfg.device, check_family(req.optimizer))
         adapter.load_files(files, with_optimizer=req.with_optimizer)
         return adapter
 
@@ -270,7 +329,7 @@ class TrainerEngine:
     def _info(self, a: Adapter) -> pb.AdapterInfo:
         s = a.spec
         return pb.AdapterInfo(
-            model_id=a.model_id, base_model=a.base_model, step=a.step, dtype=self.cfg.dtype,
+            model_id=a.model_id, base_model=a.base_model, step=a.step, dtype=self.cfg.dtype, optimizer=family_of(a.opt),
             lora_config=pb.LoraConfig(rank=s.rank, alpha=s.alpha, train_attn=s.train_attn,
                                       train_mlp=s.train_mlp, train_unembed=s.train_unembed,
                                       **({"seed": s.seed} if s.seed is not None else {})),
@@ -345,8 +404,8 @@ class TrainerEngine:
             while True:
                 with self._lock:
                     wait_s = self._expire(time.monotonic())
-                    while not self._stopping and not self._ready():
-                        self._lock.wait(timeout=wait_s)
+                    while not self._stopping and not self._ready() and not self._beat_due():
+                        self._lock.wait(timeout=_sooner(wait_s, self._beat_left()))
                         wait_s = self._expire(time.monotonic())
                     deadline = time.monotonic() + self.cfg.cycle_gather_s
                     while not self._stopping and self._awaiting_step() and time.monotonic() < deadline:
@@ -355,27 +414,58 @@ class TrainerEngine:
                         return
                 try:
                     self.run_cycle()
+                except RankLost:
+                    return  # run_cycle answered everything; the pool re-forms without this process
                 except Exception:  # noqa: BLE001 - run_cycle answers its operations itself; the loop goes on
                     traceback.print_exc(file=sys.stderr)
         finally:
             self._after_loop()
 
+    def _beat_left(self) -> float | None:
+        """Seconds until an idle pool leader owes its followers a heartbeat (None: no followers)."""
+        if self.group is None:
+            return None
+        return self._last_beat + self.group.cfg.heartbeat_s - time.monotonic()
+
+    def _beat_due(self) -> bool:
+        left = self._beat_left()
+        return left is not None and left <= 0
+
     def _after_loop(self) -> None:
-        """The cycle thread is ending. Unless it was stopped, mark the pool not ready and answer every
-        operation still waiting with ``Unavailable``: nobody waits forever on a thread that is gone."""
+        """The cycle thread is ending. Stopped: a pool's leader tells its followers to stop too. Otherwise,
+        unless the pool broke (answered already), mark the pool not ready and answer every operation still
+        waiting with ``Unavailable``: nobody waits forever on a thread that is gone."""
+        if self._stopping:
+            if self.group is not None and self._lost is None:
+                with contextlib.suppress(RankLost):  # a follower gone already stops anyway
+                    self.group.broadcast(None)
+            return
+        if self._lost is not None:
+            return
+        self._loop_died = True
+        self._fail_waiting(Unavailable("this trainer's cycle thread stopped before running this operation; retry "
+                                       "on a healthy pool"))
+
+    def _fail_waiting(self, err: LatheError) -> None:
+        """Answer every queued operation and request in progress with ``err``."""
         with self._lock:
-            if self._stopping:
-                return
-            self._loop_died = True
             items = [m.partial.item for m in self._models.values() if m.partial is not None]
             for m in self._models.values():
                 m.partial = None
                 items += m.seq.waiting.values()
                 m.seq.waiting.clear()
-        err = Unavailable("this trainer's cycle thread stopped before running this operation; retry on a "
-                          "healthy pool")
         for item in items:
             _fail(item, err)
+
+    def _lose_pool(self, works: list[Work], err: RankLost) -> None:
+        """A collective failed: answer this cycle's operations and every waiting one with ``err`` (retryable),
+        refuse new ones, and hand over to ``on_rank_lost``."""
+        print(f"lathe.trainer: {err.message}", file=sys.stderr, flush=True)
+        self._lost = err
+        self._fail_cycle(works, err)
+        self._fail_waiting(err)
+        if self.on_rank_lost is not None:
+            self.on_rank_lost()
 
     def _expire(self, now: float) -> float | None:
         """Fail the operations that waited ``order_wait_s`` for a seq_id that has not arrived (caller holds the
@@ -427,7 +517,9 @@ class TrainerEngine:
         return partial
 
     def run_cycle(self) -> int:
-        """Run one cycle over whatever is ready; returns the number of runs it touched."""
+        """Run one cycle over whatever is ready; returns the number of runs it touched. A pool's leader
+        broadcasts the cycle's plan first (an empty one, a heartbeat, when nothing is ready); a failed
+        collective answers everything with ``RankLost`` and raises it."""
         t0 = time.monotonic()
         with self._lock:
             runs = list(self._models.values())
@@ -436,37 +528,78 @@ class TrainerEngine:
                 runs = runs[k:] + runs[:k]
             works = plan_cycle([(m, m.seq, m.partial) for m in runs], self.cfg.cycle_tokens, self._begin,
                                self.cfg.max_runs_per_cycle)
-            if not works:
-                return 0
-            self.cycle += 1
+            creates, self._creates = self._creates, []
+            self.cycle += bool(works)
             cycle = self.cycle
             queued = sum(len(m.seq) for m in self._models.values())
             self._in_cycle = {w.run.model_id for w in works}
         start = time.monotonic()
-        self.metrics.planning_seconds.observe(start - t0)
+        try:
+            for w in works:
+                self._fetch(w)
+            if self.group is not None:
+                self._last_beat = start
+                self.group.broadcast(Plan(cycle, creates, [_step(w) for w in works]))
+            if not works:
+                return 0
+            self.metrics.planning_seconds.observe(start - t0)
+            tokens = self._execute(works, cycle, start)
+        except RankLost as e:
+            self._lose_pool(works, e)
+            raise
+        self.metrics.record_cycle(seconds=time.monotonic() - start, tokens=tokens, capacity=self.cfg.cycle_tokens,
+                                  runs=len(works), tenants=len({w.run.tenant for w in works}), queued=queued)
+        return len(works)
+
+    def _execute(self, works: list[Work], cycle: int, start: float) -> int:
+        """Run a planned cycle (the same on every rank of a pool): controls, the packed pass, optim_steps.
+        Returns the tokens computed; raises only ``RankLost``."""
         tokens = 0
         try:
             for w in works:
                 if w.control is not None:
-                    self._finish(w.run, w.control, cycle, start, self._control(w.run, w.control.op))
+                    self._finish(w.run, w.control, cycle, start, self._control(w))
             tokens = self._compute([w for w in works if w.compute is not None], cycle, start)
             for w in works:
                 if w.optim is not None:
                     self._finish(w.run, w.optim, cycle, start, self._optim(w.run, w.optim.op.body))
+        except RankLost:
+            raise
         except Exception as e:  # noqa: BLE001 - a bug fails this cycle's unanswered operations, not the thread
             self._fail_cycle(works, Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}"))
         finally:
             with self._lock:
                 self._in_cycle = set()
                 self._evict(self._pinned())
-        m = self.metrics
-        m.cycles.inc()
-        m.cycle_seconds.observe(time.monotonic() - start)
-        m.tokens.inc(tokens)
-        m.utilization.set(tokens / self.cfg.cycle_tokens)
-        m.adapters_in_cycle.set(len(works))
-        m.queue_depth.set(queued)
-        return len(works)
+        return tokens
+
+    def replay(self, plan: Plan) -> None:
+        """A follower's whole job: apply one plan of the leader, its new runs first, then its cycle, through
+        the same ``_execute`` as the leader. Raises ``RankLost`` if a collective fails, and RuntimeError if
+        this rank's state no longer matches the plan (the pool must re-form)."""
+        for c in plan.creates:
+            self._create(pb.CreateAdapterRequest.FromString(c.request), c.snapshot, c.state)
+        if not plan.steps:
+            return
+        with self._lock:
+            self.cycle = plan.cycle
+            works = [self._replayed_work(s) for s in plan.steps]
+            self._in_cycle = {s.model_id for s in plan.steps}
+        self._execute(works, plan.cycle, time.monotonic())
+
+    def _replayed_work(self, s: Step) -> Work:
+        m = self._models[s.model_id]
+        w = Work(m, control=_replayed(s.control), optim=_replayed(s.optim), fetched=s.fetched)
+        if s.part is None:
+            return w
+        if s.begin is not None and self._begin(m, _replayed(s.begin)) is None:
+            raise RuntimeError(f"this rank could not start seq_id {s.begin.seq_id} of {s.model_id}, which the "
+                               "leader started")
+        if m.partial is None or m.partial.done != s.part[0]:
+            raise RuntimeError(f"the leader computes datums {s.part} of {s.model_id}, but this rank has "
+                               f"{'no request in progress' if m.partial is None else f'{m.partial.done} done'}")
+        w.compute, w.part = m.partial, s.part
+        return w
 
     def _fail_cycle(self, works: list[Work], err: LatheError) -> None:
         """Answer every operation of ``works`` not answered yet with ``err``; their runs drop their
@@ -507,17 +640,22 @@ class TrainerEngine:
         for w in works:
             by_base.setdefault(self.bank.base_model(w.run.model_id), []).append(w)
         tokens = 0
-        for base, group in by_base.items():
+        for base, part in by_base.items():
             jobs = [Job(self.bank.get(w.run.model_id).weights, w.compute.examples[w.part[0]:w.part[1]],
-                        w.compute.request.loss_fn, w.compute.request.loss_cfg, w.compute.request.backward)
-                    for w in group]
+                        w.compute.request.loss_fn, w.compute.request.loss_cfg, w.compute.request.backward,
+                        w.compute.request.custom)
+                    for w in part]
             tokens += sum(len(x) for j in jobs for x in j.examples)
-            try:
-                results = run_jobs(self.base(base), jobs)
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving
-                results = [JobResult(error=Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}"))
-                           for _ in jobs]
-            for w, res in zip(group, results, strict=True):
+            model = self.base(base)
+
+            def run(some: list[Job], model: Decoder = model) -> list[JobResult]:
+                try:
+                    return run_jobs(model, some)
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving
+                    return [JobResult(error=Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}")) for _ in some]
+
+            results = run(jobs) if self.group is None else shard.run_sharded(self.group, jobs, run)
+            for w, res in zip(part, results, strict=True):
                 self._absorb(w, res, cycle, start)
         return tokens
 
@@ -527,6 +665,7 @@ class TrainerEngine:
         if res.error is None:
             p.logprobs += res.logprobs
             p.loss += res.loss
+            p.metric_sums.update({k: p.metric_sums.get(k, 0.0) + v for k, v in res.metric_sums.items()})
             p.done = w.part[1]
             if not w.last_part:
                 return
@@ -534,6 +673,8 @@ class TrainerEngine:
             for n, param in self.bank.get(m.model_id).weights.named_parameters().items():
                 param.grad = p.grad_backup[n]
         m.partial = None
+        if res.error is None:
+            self.metrics.observe_kl(p.examples, p.logprobs)
         out = self._fb_result(p, res.error)
         self._finish(m, p.item, cycle, start, out, tokens=p.request.tokens)
         if res.error is not None and w.optim is not None:
@@ -545,20 +686,39 @@ class TrainerEngine:
         if error is not None:
             return Result(error=error)
         outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in p.logprobs]
-        return Result(ForwardBackwardOutput("ArrayRecord", outputs, {"loss:sum": p.loss}))
+        return Result(ForwardBackwardOutput("ArrayRecord", outputs,
+                                            {**reduce_metrics(p.metric_sums, len(p.logprobs)), "loss:sum": p.loss}))
 
     def _optim(self, m: _Model, step: OptimStep) -> Result:
         try:
             adapter = self.bank.get(m.model_id)
-            metrics = adamw_step(adapter.weights.named_parameters(), adapter.opt, step.params)
+            metrics = optim_step(adapter.weights.named_parameters(), adapter.opt, step.params)
+        except LatheError as e:  # params of another optimizer family than the run's
+            return Result(error=e)
         except Exception as e:  # noqa: BLE001 - this step fails alone
             return Result(error=Internal(f"optim_step failed: {type(e).__name__}: {e}"))
         return Result(OptimStepResponse(metrics))
 
-    def _control(self, m: _Model, op: Op) -> Result:
+    def _fetch(self, w: Work) -> None:
+        """Read the checkpoint a load of ``w`` applies (before a pool's plan goes out), or the error reading it
+        met: every rank then applies the same bytes, or fails the same way."""
+        if w.control is None or not isinstance(w.control.op.body, Load):
+            return
+        op = w.control.op
         try:
-            adapter = self.bank.get(m.model_id)
+            w.fetched = self._store().get(tenant=op.tenant, path=op.body.path)
+        except LatheError as e:
+            w.fetched = e
+        except Exception as e:  # noqa: BLE001 - e.g. a checkpoint the store cannot decode: this operation fails alone
+            w.fetched = Internal(f"{op.kind} failed: {type(e).__name__}: {e}")
+
+    def _control(self, w: Work) -> Result:
+        op = w.control.op
+        try:
+            adapter = self.bank.get(w.run.model_id)
             req = op.body
+            if isinstance(req, Save) and not self._writes:
+                return Result()  # a follower: the leader writes the checkpoint
             if isinstance(req, Save):
                 files = adapter.state_files(self.cfg.dtype) if req.kind == "weights" else adapter.sampler_files()
                 meta = {"base_model": adapter.base_model, "step": adapter.step, **adapter.peft_config(),
@@ -569,8 +729,9 @@ class TrainerEngine:
                                          max_tenant_bytes=req.max_checkpoint_bytes)
                 saved = SaveWeightsResponse if req.kind == "weights" else SaveWeightsForSamplerResponse
                 return Result(saved(path))
-            files = self._store().get(tenant=op.tenant, path=req.path)
-            adapter.load_files(files, with_optimizer=req.with_optimizer)
+            if isinstance(w.fetched, LatheError):
+                raise w.fetched
+            adapter.load_files(w.fetched, with_optimizer=req.with_optimizer)
             return Result(LoadWeightsResponse(req.path, adapter.model_id))
         except LatheError as e:
             return Result(error=e)

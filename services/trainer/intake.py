@@ -1,9 +1,10 @@
 """The trainer's intake: ``pb.TrainerOp`` in, decoded and checked once, ``pb.TrainerResult`` out.
 
 ``submit`` is what ``Trainer.Run`` does before it waits: it reads the run's ``Limits`` from the engine, decodes
-the request into a plain ``Op`` (``decode_op``: every datum checked against the run's base model, AdamW
-hyperparameters and the save kind checked) and queues it. All of it runs on the caller's thread, outside the
-engine's lock; the engine and its cycle only ever see ``lathe.trainer.ops`` values.
+the request into a plain ``Op`` (``decode_op``: every datum checked against the run's base model, a custom
+loss's graph checked by ``lathe.loss_graph``, the optimizer's hyperparameters and the save kind checked) and
+queues it. All of it runs on the caller's thread, outside the engine's lock; the engine and its cycle only ever
+see ``lathe.trainer.ops`` values.
 
 A request that fails its checks is refused alone, before it is queued: it becomes a ``Skip`` carrying its
 error, answered at once, and its ``seq_id`` is passed over as soon as a later one waits (as one the gateway
@@ -17,6 +18,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from lathe.errors import Internal, InvalidArgument, LatheError
+from lathe.loss_graph import check_graph
+from lathe.trainer.custom_loss import CustomLoss
 from lathe.trainer.ops import (
     SAVE_KINDS,
     Body,
@@ -38,7 +41,7 @@ from lathe.types import (
     SaveWeightsResponse,
 )
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import adam_params_from_proto, error_to_proto, forward_backward_output_to_proto, receipt_to_proto
+from lathe.wire import error_to_proto, forward_backward_output_to_proto, optim_params_from_proto, receipt_to_proto
 
 if TYPE_CHECKING:
     from lathe.trainer.engine import TrainerEngine
@@ -65,10 +68,15 @@ def _body(msg: pb.TrainerOp, limits: Limits) -> Body:
     kind = msg.WhichOneof("op")
     if kind == "forward_backward":
         req = msg.forward_backward
-        examples, cfg = check_request(req.data, req.loss_fn, dict(req.loss_fn_config), limits)
-        return ForwardBackward(examples, req.loss_fn, cfg, backward=not req.forward_only)
+        graph = None
+        if req.loss_fn == "custom":
+            c = req.custom_loss
+            graph = check_graph(c.name, [(x.name, x.rank) for x in c.inputs], c.graph_json)
+        examples, cfg = check_request(req.data, req.loss_fn, dict(req.loss_fn_config), limits, graph)
+        return ForwardBackward(examples, req.loss_fn, cfg, backward=not req.forward_only,
+                               custom=None if graph is None else CustomLoss(graph))
     if kind == "optim_step":
-        return OptimStep(adam_params_from_proto(msg.optim_step.adam_params).check())
+        return OptimStep(optim_params_from_proto(msg.optim_step).check())
     if kind == "save":
         req = msg.save
         if req.kind not in SAVE_KINDS:

@@ -3,8 +3,9 @@
 An ``Op`` is one ordered operation of one training run (``model_id``, ``seq_id``) with a body, decoded and
 checked once at the door (``lathe.trainer.intake.decode_op``) before it reaches the engine:
 
-    ForwardBackward(examples, loss_fn, loss_cfg, backward)   checked datums, the loss and its full config
-    OptimStep(params)                                        checked AdamW hyperparameters
+    ForwardBackward(examples, loss_fn, loss_cfg, backward, custom)  checked datums, the loss and its full config
+                                                             (custom: the checked graph of loss_fn "custom")
+    OptimStep(params)                                        checked AdamW or Dimuon hyperparameters
     Save(kind, name, ttl_seconds, overwrite, user_metadata, max_checkpoint_bytes)
     Load(path, with_optimizer)
     Skip(error)                                              refused before it was queued: by the gateway's
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from lathe.errors import LatheError
+from lathe.trainer.custom_loss import CustomLoss
 from lathe.types import (
-    AdamParams,
     ForwardBackwardOutput,
     LoadWeightsResponse,
+    OptimParams,
     OptimStepResponse,
     Receipt,
     SaveWeightsForSamplerResponse,
@@ -63,6 +65,7 @@ class ForwardBackward:
     loss_fn: str
     loss_cfg: dict[str, float]  # the loss's defaults, overridden by the request's loss_fn_config
     backward: bool  # False: a forward only (no gradients)
+    custom: CustomLoss | None = None  # loss_fn "custom": what runs per datum
 
     @property
     def tokens(self) -> int:
@@ -71,7 +74,7 @@ class ForwardBackward:
 
 @dataclass(slots=True)
 class OptimStep:
-    params: AdamParams  # checked (``AdamParams.check``)
+    params: OptimParams  # checked (``AdamParams.check`` / ``DimuonParams.check``)
 
 
 @dataclass(slots=True)

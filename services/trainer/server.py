@@ -1,7 +1,8 @@
 """gRPC door of the trainer: translates ``lathe.v1.Trainer`` calls into ``TrainerEngine`` calls.
 
 ``Run`` takes a request through the intake (``lathe.trainer.intake``: decoded and checked on a worker thread,
-outside the engine's lock, then queued) and answers its ``Result`` as a ``pb.TrainerResult``."""
+outside the engine's lock, then queued) and answers its ``Result`` as a ``pb.TrainerResult``; an operation failed
+because the pool lost a rank (``RankLost``: it never ran) is answered as the RPC status UNAVAILABLE instead."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 
 from lathe.errors import LatheError
 from lathe.trainer import intake
+from lathe.trainer.dist import RankLost
 from lathe.trainer.engine import TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
@@ -39,4 +41,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             fut = await asyncio.to_thread(intake.submit, self.engine, request)
         except LatheError as e:
             await context.abort(e.status, e.message)
-        return intake.result_to_proto(await asyncio.wrap_future(fut))
+        res = await asyncio.wrap_future(fut)
+        if isinstance(res.error, RankLost):  # never ran: UNAVAILABLE, which the gateway retries on the re-formed pool
+            await context.abort(res.error.status, res.error.message)
+        return intake.result_to_proto(res)

@@ -5,7 +5,8 @@ tokens into one flat batch with one LoRA segment per job, runs the base model on
 logprobs back per datum, computes each job's own loss, and backpropagates the sum of the
 forward_backward jobs' losses: each adapter's ``.grad`` receives exactly its own job's gradient
 (adapters share no parameters), accumulating onto what earlier cycles left there. Forward-only jobs
-run in a separate pass without autograd. A job whose loss is not finite fails alone.
+run in a separate pass without autograd. A job whose loss is not finite (or whose custom loss fails on
+a datum) fails alone; a custom loss's per-datum metrics are summed into its ``JobResult.metric_sums``.
 
 Examples arrive as CPU tensors; the pass runs on the model's device (inputs are moved there) and each
 result's logprobs come back on the CPU.
@@ -21,6 +22,7 @@ import torch
 from lathe.errors import InvalidArgument, LatheError
 from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import LoraBatch, LoraWeights
+from lathe.trainer.custom_loss import CustomLoss
 from lathe.trainer.losses import LOSSES
 from lathe.trainer.ops import Example
 
@@ -32,12 +34,14 @@ class Job:
     loss_fn: str
     loss_cfg: dict[str, float]
     backward: bool
+    custom: CustomLoss | None = None  # loss_fn "custom": runs instead of a built-in loss
 
 
 @dataclass(slots=True)
 class JobResult:
     logprobs: list[torch.Tensor] = field(default_factory=list)  # per datum, [L] fp32
     loss: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
     error: LatheError | None = None
 
     @property
@@ -73,13 +77,24 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
     offset = 0
     for job, res in zip(jobs, results, strict=True):
         loss = lp.new_zeros(())
-        spec = LOSSES[job.loss_fn]
         for ex in job.examples:
             lp_d = lp[offset:offset + len(ex)]
             res.logprobs.append(host[offset:offset + len(ex)])
             offset += len(ex)
             inputs = {k: v.to(lp.device) for k, v in ex.inputs.items()}
-            loss = loss + spec.fn(lp_d, inputs, job.loss_cfg)
+            if job.custom is None:
+                loss = loss + LOSSES[job.loss_fn].fn(lp_d, inputs, job.loss_cfg)
+                continue
+            try:
+                value, metrics = job.custom(lp_d, inputs)
+            except LatheError as e:
+                res.error = e
+                break
+            loss = loss + value
+            for key, m in metrics.items():
+                res.metric_sums[key] = res.metric_sums.get(key, 0.0) + float(m)
+        if res.error is not None:
+            continue
         res.loss = float(loss.detach())
         if not math.isfinite(res.loss):
             res.error = InvalidArgument(f"loss {job.loss_fn!r} is {res.loss} for this batch: a non-finite loss "

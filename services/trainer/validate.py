@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from lathe.errors import InvalidArgument
+from lathe.loss_graph import LossGraph
 from lathe.trainer.losses import LOSSES
 from lathe.trainer.ops import Example, Limits
 from lathe.v1 import lathe_pb2 as pb
@@ -61,15 +62,37 @@ def _check_ids(values: np.ndarray | list[int], field: str, i: int, vocab: int) -
         raise InvalidArgument(f"datum {i}: {field}[{j}] = {int(arr[j])} is outside the vocabulary [0, {vocab})")
 
 
-def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits) -> Example:
-    spec = LOSSES[loss_fn]
+def _input_array(full: np.ndarray, rank: int, n: int, where: str) -> np.ndarray:
+    """A loss input of declared ``rank`` for a datum of ``n`` tokens: [] (one value), [n] or [n, K]."""
+    if rank == 0:
+        if full.size != 1:
+            raise InvalidArgument(f"{where} has {full.size} values; the loss declared it rank 0 (one value)")
+        return full.reshape(())
+    if rank == 2:
+        if full.ndim != 2 or full.shape[0] != n:
+            raise InvalidArgument(f"{where} has shape {list(full.shape)}; the loss declared it rank 2 ([{n}, K] for "
+                                  f"model_input's {n} tokens)")
+        return full
+    if full.size != n:
+        raise InvalidArgument(f"{where} has length {full.size} but model_input has {n} tokens")
+    return full.reshape(-1)
+
+
+def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits, custom: LossGraph | None = None) -> Example:
+    """One datum for loss ``loss_fn`` (``custom``: the checked graph of a "custom" loss, whose inputs have the
+    ranks it declares; a built-in loss's inputs are all [L])."""
+    if custom is not None:
+        required, optional, ranks = custom.input_names, (), dict(custom.inputs[1:])
+    else:
+        spec = LOSSES[loss_fn]
+        required, optional, ranks = spec.inputs, spec.optional, {}
     tokens = _tokens(d, i)
     n = len(tokens)
     if n > limits.max_context:
         raise InvalidArgument(f"datum {i}: model_input has {n} tokens, over the model's context length "
                               f"{limits.max_context}")
     _check_ids(tokens, "model_input", i, limits.vocab_size)
-    allowed = {"target_tokens", *spec.inputs, *spec.optional}
+    allowed = {"target_tokens", *required, *optional}
     unknown = sorted(set(d.loss_fn_inputs) - allowed)
     if unknown:
         raise InvalidArgument(f"datum {i}: loss_fn_inputs has unknown key(s) {unknown} for loss {loss_fn!r} "
@@ -79,14 +102,13 @@ def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits) -> Example:
     arrays: dict[str, np.ndarray] = {}
     for name, tensor in d.loss_fn_inputs.items():
         where = f"datum {i}: loss_fn_inputs[{name!r}]"
-        arr = decode_tensor(tensor, where).reshape(-1)
+        full = decode_tensor(tensor, where)
+        arr = full.reshape(-1)
         is_int = arr.dtype.kind == "i"
         if name in _INT_FIELDS and not is_int:
             raise InvalidArgument(f"{where}: dtype {tensor.dtype} must be int64 (token ids)")
         if name not in _INT_FIELDS and is_int:
             raise InvalidArgument(f"{where}: dtype {tensor.dtype} must be float32")
-        if arr.size != n:
-            raise InvalidArgument(f"{where} has length {arr.size} but model_input has {n} tokens")
         if not is_int and not np.isfinite(arr).all():
             j = int(np.flatnonzero(~np.isfinite(arr))[0])
             raise InvalidArgument(f"{where}[{j}] = {arr[j]} is not finite")
@@ -94,8 +116,8 @@ def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits) -> Example:
             j = int(np.flatnonzero(arr > 0)[0])
             raise InvalidArgument(f"{where}[{j}] = {arr[j]} is positive; sampled logprobs are log-probabilities "
                                   "(<= 0)")
-        arrays[name] = arr
-    missing = [k for k in spec.inputs if k not in arrays and not (loss_fn == "cross_entropy" and k == "weights")]
+        arrays[name] = _input_array(full, ranks.get(name, 1), n, where)
+    missing = [k for k in required if k not in arrays and not (loss_fn == "cross_entropy" and k == "weights")]
     if missing:
         raise InvalidArgument(f"datum {i}: loss {loss_fn!r} needs loss_fn_inputs {missing}")
     _check_ids(arrays["target_tokens"], "loss_fn_inputs['target_tokens']", i, limits.vocab_size)
@@ -106,14 +128,17 @@ def check_datum(d: pb.Datum, i: int, loss_fn: str, limits: Limits) -> Example:
 
 
 def check_request(
-    data: Sequence[pb.Datum], loss_fn: str, loss_fn_config: Mapping[str, float], limits: Limits
+    data: Sequence[pb.Datum], loss_fn: str, loss_fn_config: Mapping[str, float], limits: Limits,
+    custom: LossGraph | None = None
 ) -> tuple[list[Example], dict[str, float]]:
-    """Decode and check a whole forward/backward request; returns the examples and the loss config."""
-    if loss_fn not in LOSSES:
-        raise InvalidArgument(f"unknown loss_fn {loss_fn!r}; supported: {sorted(LOSSES)}")
+    """Decode and check a whole forward/backward request; returns the examples and the loss config.
+    ``custom``: the checked graph when ``loss_fn`` is "custom" (which takes no loss_fn_config)."""
+    if loss_fn not in LOSSES and not (loss_fn == "custom" and custom is not None):
+        raise InvalidArgument(f"unknown loss_fn {loss_fn!r}; supported: {sorted(LOSSES)}, or 'custom' with a "
+                              "custom loss")
     if not data:
         raise InvalidArgument("data is empty: a forward/backward needs at least one datum")
-    defaults = LOSSES[loss_fn].config
+    defaults = LOSSES[loss_fn].config if custom is None else {}
     unknown = sorted(set(loss_fn_config) - set(defaults))
     if unknown:
         raise InvalidArgument(f"loss_fn_config has unknown key(s) {unknown} for loss {loss_fn!r} "
@@ -129,4 +154,4 @@ def check_request(
     if total > limits.max_request_tokens:
         raise InvalidArgument(f"request has {total} tokens in {len(data)} datums, over the limit of "
                               f"{limits.max_request_tokens} tokens per request; send it in smaller batches")
-    return [check_datum(d, i, loss_fn, limits) for i, d in enumerate(data)], cfg
+    return [check_datum(d, i, loss_fn, limits, custom) for i, d in enumerate(data)], cfg

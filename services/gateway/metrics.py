@@ -1,0 +1,67 @@
+"""The gateway's Prometheus metrics: the Tinker HTTP door's requests, and per-tenant usage.
+
+Owned by ``GatewayCore`` (``core.metrics``), shared by both doors; the process's ``Probes`` serve the same registry,
+where the gRPC door's calls are counted too (``lathe_gateway_grpc_*``, by ``lathe.probes.RequestMetrics``).
+
+- HTTP door (``timed`` wraps each route's endpoint): ``lathe_gateway_http_requests_total{route,status}``,
+  ``lathe_gateway_http_request_seconds{route}``, ``lathe_gateway_http_requests_in_flight``; ``route`` is the
+  handler's name (a fixed set), ``status`` the HTTP status code.
+- usage, recorded as each operation's result is recorded (``finished``): ``lathe_gateway_operations_total``
+  ``{tenant,op,outcome}`` and ``lathe_gateway_tenant_tokens_total{tenant,op}`` (the tokens of its receipt).
+  Tenants are a bounded label set (``lathe.probes.TenantLabels``: past the cap they count as "other").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lathe.probes import LATENCY_BUCKETS, TenantLabels
+from lathe.v1 import lathe_pb2 as pb
+
+MAX_TENANT_LABELS = 50
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, max_tenants: int = MAX_TENANT_LABELS) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.tenant = TenantLabels(max_tenants)
+        self.http_requests = Counter("lathe_gateway_http_requests", "Tinker HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.http_seconds = Histogram("lathe_gateway_http_request_seconds", "Tinker HTTP request latency by route",
+                                      ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.http_in_flight = Gauge("lathe_gateway_http_requests_in_flight", "Tinker HTTP requests being answered",
+                                    registry=r)
+        self.operations = Counter("lathe_gateway_operations", "Operations finished, by tenant, kind and outcome",
+                                  ["tenant", "op", "outcome"], registry=r)
+        self.tenant_tokens = Counter("lathe_gateway_tenant_tokens", "Tokens of finished operations, by tenant",
+                                     ["tenant", "op"], registry=r)
+
+    def timed(self, route: str, endpoint: Endpoint) -> Endpoint:
+        """``endpoint``, counted and timed under ``route``."""
+
+        async def counted(request: Request) -> Response:
+            started = time.perf_counter()
+            self.http_in_flight.inc()
+            status = 500
+            try:
+                response = await endpoint(request)
+                status = response.status_code
+                return response
+            finally:
+                self.http_in_flight.dec()
+                self.http_requests.labels(route=route, status=str(status)).inc()
+                self.http_seconds.labels(route=route).observe(time.perf_counter() - started)
+
+        return counted
+
+    def finished(self, tenant: str, result: pb.FutureResult) -> None:
+        """Count one finished operation of ``tenant`` and the tokens its receipt says it used."""
+        who, op = self.tenant(tenant), result.receipt.op or "other"
+        self.operations.labels(tenant=who, op=op, outcome="error" if result.HasField("error") else "ok").inc()
+        self.tenant_tokens.labels(tenant=who, op=op).inc(result.receipt.tokens)

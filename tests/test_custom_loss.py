@@ -1,0 +1,190 @@
+"""Server-side custom losses (tinker's ``create_custom_loss``): the graph checks, the trainer's fp32 evaluation
+against a float64 reference, Lathe's encoder against tinker's, and one loss through both SDKs, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tinker
+import torch
+import torch.nn.functional as F
+from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+import lathe
+from lathe.errors import InvalidArgument
+from lathe.loss_graph import FUNCTIONS, MAX_DEPTH, MAX_NODES, METHODS, check_graph
+from lathe.loss_trace import trace
+from lathe.stack import Stack
+from lathe.trainer.custom_loss import FUNCTION_IMPLS, CustomLoss
+
+BASE = "lathe/tiny-llama"
+
+
+def dpo_like(logprobs, ref, sign):  # noqa: ANN001, ANN201 - traced by torch.fx
+    margin = (logprobs - ref).sum() * sign
+    loss = -F.logsigmoid(0.5 * margin)
+    return loss, {"custom/margin:mean": margin.detach(), "custom/p:sum": torch.exp(logprobs).mean(dim=0)}
+
+
+def clipped(logprobs, q, adv, w):  # noqa: ANN001, ANN201 - traced by torch.fx
+    r = torch.exp(logprobs - q)
+    c = torch.clamp(r, 0.8, max=1.2)
+    pick = torch.where(adv > 0, torch.minimum(r * adv, c * adv), torch.maximum(r * adv, c * adv))
+    extra = (w[..., 0] * logprobs).sum() + torch.logsumexp(logprobs, dim=0) + F.softplus(logprobs[1:]).mean()
+    return -pick.sum() + extra ** 2 / 2, {"custom/ratio:mean": r.mean()}
+
+
+RANKS = {dpo_like: {"logprobs": 1, "ref": 1, "sign": 0}, clipped: {"logprobs": 1, "q": 1, "adv": 1, "w": 2}}
+
+
+def _ref_dpo(lp: np.ndarray, inp: dict[str, np.ndarray]) -> tuple[float, np.ndarray, dict[str, float]]:
+    """(loss, dloss/dlp, metrics) by hand in float64."""
+    m = (lp - inp["ref"]).sum() * inp["sign"]
+    s = 1 / (1 + np.exp(-0.5 * m))
+    return float(-np.log(s)), np.full_like(lp, -(1 - s) * 0.5 * inp["sign"]), \
+        {"custom/margin:mean": float(m), "custom/p:sum": float(np.exp(lp).mean())}
+
+
+def _ref_clipped(lp: np.ndarray, inp: dict[str, np.ndarray]) -> tuple[float, np.ndarray, dict[str, float]]:
+    q, a, w = inp["q"], inp["adv"], inp["w"][:, 0]
+    r = np.exp(lp - q)
+    c = np.clip(r, 0.8, 1.2)
+    use_r = np.where(a > 0, r * a <= c * a, r * a >= c * a)
+    inside = (r > 0.8) & (r < 1.2)
+    pick = np.where(use_r, r * a, c * a)
+    d_pick = np.where(use_r | inside, r * a, 0.0)
+    soft = np.log1p(np.exp(lp[1:]))
+    extra = (w * lp).sum() + np.log(np.exp(lp).sum()) + soft.mean()
+    d_extra = w + np.exp(lp) / np.exp(lp).sum()
+    d_extra[1:] += 1 / (1 + np.exp(-lp[1:])) / (len(lp) - 1)
+    return float(-pick.sum() + extra ** 2 / 2), -d_pick + extra * d_extra, {"custom/ratio:mean": float(r.mean())}
+
+
+def _graph(fn) -> tuple[list[tuple[str, int]], str]:  # noqa: ANN001
+    handle = trace(fn, RANKS[fn])
+    return list(handle.inputs), handle.graph_json
+
+
+@pytest.mark.parametrize(("fn", "ref"), [(dpo_like, _ref_dpo), (clipped, _ref_clipped)])
+def test_the_trainer_evaluates_a_graph_in_fp32_as_float64_says(fn, ref) -> None:  # noqa: ANN001
+    rng = np.random.default_rng(3)
+    n = 9
+    lp = -rng.exponential(1.0, n)
+    inp = {"ref": lp + rng.normal(0, 0.3, n), "sign": np.array(-1.0), "q": lp + rng.normal(0, 0.3, n),
+           "adv": rng.normal(0, 1, n), "w": rng.normal(0, 1, (n, 3))}
+    inputs, graph_json = _graph(fn)
+    loss = CustomLoss(check_graph(fn.__name__, inputs, graph_json))
+    lp_t = torch.tensor(lp, dtype=torch.float32, requires_grad=True)
+    value, metrics = loss(lp_t, {k: torch.tensor(v, dtype=torch.float32) for k, v in inp.items()})
+    value.backward()
+    want, want_grad, want_metrics = ref(lp, inp)
+    assert value.dtype == torch.float32 and lp_t.grad.dtype == torch.float32
+    np.testing.assert_allclose(float(value.detach()), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lp_t.grad.numpy(), want_grad, rtol=1e-4, atol=1e-5)
+    assert metrics.keys() == want_metrics.keys()
+    for k, v in want_metrics.items():
+        np.testing.assert_allclose(float(metrics[k]), v, rtol=1e-5, atol=1e-6)
+
+
+def test_lathes_encoder_writes_tinkers_graph_node_for_node() -> None:
+    for fn, ranks in RANKS.items():
+        theirs = json.loads(encode_graph(trace_loss(fn, ranks, "s")).model_dump_json())
+        assert json.loads(trace(fn, ranks).graph_json) == theirs
+
+
+def test_every_name_a_graph_may_call_has_an_implementation() -> None:
+    assert set(FUNCTION_IMPLS) == set(FUNCTIONS)
+    assert all(callable(getattr(torch.Tensor, m)) for m in METHODS)
+
+
+def _nodes(*calls: dict) -> str:
+    head = [{"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}}]
+    last = calls[-1]["name"] if calls else "logprobs"
+    out = {"op": "output", "name": "output", "target": "output",
+           "args": [{"tuple": [{"ref": last}, {"dict": {}}]}], "kwargs": {}}
+    return json.dumps({"format": 1, "nodes": head + list(calls) + [out]})
+
+
+def _call(name: str, target: str, *args: object, op: str = "call_function", **kwargs: object) -> dict:
+    return {"op": op, "name": name, "target": target, "args": list(args), "kwargs": kwargs}
+
+
+@pytest.mark.parametrize(("graph", "message"), [
+    (_nodes(_call("x", "os.system", "rm")), "node 1 (x): function 'os.system' is not one a custom loss may call"),
+    (_nodes(_call("x", "backward", {"ref": "logprobs"}, op="call_method")),
+     "node 1 (x): tensor method 'backward' is not one"),
+    (_nodes({"op": "get_attr", "name": "w", "target": "weight", "args": [], "kwargs": {}}),
+     "node 1 (w): op 'get_attr' is not allowed"),
+    (_nodes(_call("x", "torch.exp", {"ref": "later"})), "node 1 (x): argument refers to 'later', which is no earlier"),
+    (_nodes(_call("x", "torch.sum", {"ref": "logprobs"}, dtype={"dtype": "float64"})),
+     "node 1 (x): torch.sum takes no keyword argument(s) ['dtype']"),
+    (_nodes(_call("x", "operator.add", {"ref": "logprobs"}, "text")), "node 1 (x): argument \"text\" is not one"),
+    (_nodes(*[_call(f"n{i}", "torch.exp", {"ref": f"n{i - 1}" if i else "logprobs"}) for i in range(MAX_DEPTH + 1)]),
+     f"node {MAX_DEPTH + 1} (n{MAX_DEPTH}): the graph is deeper than {MAX_DEPTH} calls"),
+    (_nodes(*[_call(f"n{i}", "torch.exp", {"ref": "logprobs"}) for i in range(MAX_NODES)]),
+     f"{MAX_NODES + 2} nodes, over the limit of {MAX_NODES}"),
+])
+def test_a_graph_outside_the_rules_is_refused_naming_its_node(graph: str, message: str) -> None:
+    with pytest.raises(InvalidArgument, match="^custom loss 'f': .*") as e:
+        check_graph("f", [("logprobs", 1)], graph)
+    assert message in e.value.message
+
+
+def test_bad_inputs_and_outputs_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="logprobs has rank 2; Lathe serves rank 1"):
+        check_graph("f", [("logprobs", 2)], _nodes())
+    with pytest.raises(InvalidArgument, match="the graph has 1 placeholders for 2 declared inputs"):
+        check_graph("f", [("logprobs", 1), ("adv", 1)], _nodes())
+    bad_metric = json.loads(_nodes())
+    bad_metric["nodes"][-1]["args"] = [{"tuple": [{"ref": "logprobs"}, {"dict": {"loss": {"ref": "logprobs"}}}]}]
+    with pytest.raises(InvalidArgument, match="metric 'loss' must be named custom/<name>:sum"):
+        check_graph("f", [("logprobs", 1)], json.dumps(bad_metric))
+
+
+def test_a_loss_that_is_not_a_scalar_fails_naming_its_node() -> None:
+    loss = CustomLoss(check_graph("f", [("logprobs", 1)], _nodes(_call("e", "torch.exp", {"ref": "logprobs"}))))
+    with pytest.raises(InvalidArgument, match=r"custom loss 'f' must return a scalar loss, got \(4,\) from node e"):
+        loss(torch.zeros(4), {})
+
+
+def _data(sdk) -> list:  # noqa: ANN001 - tinker or lathe
+    rng = np.random.default_rng(5)
+    out = []
+    for sign in (1.0, -1.0, 1.0):
+        toks = rng.integers(3, 500, 12).tolist()
+        out.append(sdk.Datum(model_input=sdk.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
+            "target_tokens": toks[1:],
+            "ref": sdk.TensorData(data=(-rng.uniform(3, 8, 11)).tolist(), dtype="float32", shape=[11]),
+            "sign": sdk.TensorData(data=[sign], dtype="float32", shape=[])}))
+    return out
+
+
+def test_one_graph_trains_bit_for_bit_alike_through_both_sdks(stack: Stack) -> None:
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-custom")
+    lc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-custom")
+    theirs = sc.create_custom_loss(dpo_like, RANKS[dpo_like]).result()
+    ours = lc.create_custom_loss(dpo_like, RANKS[dpo_like]).result()
+    assert theirs.loss_id is not None  # uploaded: the server runs it
+    t = sc.create_lora_training_client(BASE, rank=4, seed=8).result()
+    lt = lc.create_lora_training_client(BASE, rank=4, seed=8)
+    for _ in range(2):
+        a = t.forward_backward_custom(_data(tinker), theirs).result()
+        b = lt.forward_backward_custom(_data(lathe), ours).result()
+        t.optim_step(tinker.AdamParams(learning_rate=0.05)).result()
+        lt.optim_step(lathe.AdamParams(learning_rate=0.05)).result()
+        assert a.metrics == b.metrics and set(a.metrics) == {"loss:sum", "custom/margin:mean", "custom/p:sum"}
+        assert [o["logprobs"].tolist() for o in a.loss_fn_outputs] == \
+            [o["logprobs"].tolist() for o in b.loss_fn_outputs]
+    # the margin moved: the step trained on the custom loss
+    assert a.metrics["custom/margin:mean"] != t.forward_backward_custom(_data(tinker), theirs).result().metrics[
+        "custom/margin:mean"]
+    with pytest.raises(tinker.RequestFailedError, match=r"datum 0: loss_fn_inputs\['sign'\] has 2 values; the loss "
+                       "declared it rank 0"):
+        bad = _data(tinker)
+        bad[0] = tinker.Datum(model_input=bad[0].model_input, loss_fn_inputs={
+            **bad[0].loss_fn_inputs, "sign": tinker.TensorData(data=[1.0, 2.0], dtype="float32", shape=[2])})
+        t.forward_backward(bad, "custom", {"loss_id": theirs.loss_id}).result()
+    sc.close("success").result()
+    lc.close()

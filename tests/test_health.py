@@ -1,0 +1,137 @@
+"""gRPC health on every service: SERVING once ready, without the internal secret; a pool whose loop died, or
+that is still loading its models, is NOT_SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import lathe
+from lathe.errors import Unavailable
+from lathe.internal_auth import RequireToken
+from lathe.models.catalog import ModelCatalog
+from lathe.probes import LIVENESS, NOT_SERVING, SERVING, Probes, Warmup
+from lathe.stack import Stack, StackConfig
+from lathe.trainer import intake
+from lathe.trainer.engine import TrainerConfig, TrainerEngine
+from lathe.trainer.server import TrainerServicer
+from lathe.v1 import lathe_pb2 as pb
+from lathe.v1 import lathe_pb2_grpc as pb_grpc
+
+BASE = "lathe/tiny-llama"
+WAIT_S = 180.0
+SERVICES = {"gateway": "lathe.v1.Gateway", "trainer": "lathe.v1.Trainer", "sampler": "lathe.v1.Sampler",
+            "checkpoints": "lathe.v1.Checkpoints"}
+
+
+def check(address: str, service: str = "") -> int:
+    """One health Check, sent without any metadata (as kubelet sends it)."""
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                          timeout=10).status
+
+
+def wait_for(address: str, status: int, service: str = "") -> None:
+    deadline = time.monotonic() + WAIT_S
+    while check(address, service) != status:
+        assert time.monotonic() < deadline, f"{address} {service!r} never became {status}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
+    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
+                      trainer_threads=1, sampler_threads=1, http_port=-1)
+    with Stack(cfg) as s:
+        yield s
+
+
+def test_every_service_answers_serving_once_ready_without_the_secret(live: Stack) -> None:
+    for name, grpc_service in SERVICES.items():
+        address = live.service(name).address
+        wait_for(address, SERVING)
+        assert check(address, grpc_service) == SERVING
+        assert check(address, LIVENESS) == SERVING
+    # the exemption is the health service alone: the pools' own calls still need the secret
+    with grpc.insecure_channel(live.service("trainer").address) as channel, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.TrainerStub(channel).Capabilities(pb.TrainerCapabilitiesRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # a ready pool has loaded its model and run the self-check: the capabilities say so before any training run
+    with lathe.ServiceClient(base_url=live.gateway, api_key="tml-health") as sc:
+        model = next(m for m in sc.get_server_capabilities().supported_models if m.model_name == BASE)
+    assert model.trainer_exactness.checked and model.sampler_exactness.checked
+
+
+async def _status(stub: health_pb2_grpc.HealthStub, service: str = "") -> int:
+    return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)).status
+
+
+async def _until(stub: health_pb2_grpc.HealthStub, status: int, service: str = "") -> None:
+    deadline = time.monotonic() + WAIT_S
+    while await _status(stub, service) != status:
+        assert time.monotonic() < deadline, f"{service!r} never became {status}"
+        await asyncio.sleep(0.1)
+
+
+def test_a_pool_is_ready_only_once_warm_and_not_alive_once_its_loop_died(
+        model_cache: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache),
+                           ModelCatalog.from_spec(BASE, model_cache))
+    release = threading.Event()
+
+    def load(name: str) -> object:
+        assert release.wait(WAIT_S)
+        return engine.base(name)
+
+    def die() -> int:
+        raise SystemExit("simulated death of the cycle thread")  # not an Exception: passes every guard
+
+    async def scenario() -> None:
+        engine.start()
+        warm = Warmup(load, [BASE], lambda: engine.alive).start()
+        probes = Probes("lathe.v1.Trainer", "lathe_trainer", warm.ready, warm.alive, engine.metrics.registry)
+        server = grpc.aio.server(interceptors=[probes.requests, RequireToken("the-stack-secret")])
+        pb_grpc.add_TrainerServicer_to_server(TrainerServicer(engine), server)
+        probes.install(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await probes.start()
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                await asyncio.sleep(0.6)  # more than one poll: still loading
+                assert await _status(health) == NOT_SERVING
+                assert await _status(health, "lathe.v1.Trainer") == NOT_SERVING
+                assert await _status(health, LIVENESS) == SERVING
+                release.set()
+                await _until(health, SERVING)
+                assert BASE in engine.exactness.reports  # ready means loaded and self-checked
+                with pytest.raises(grpc.aio.AioRpcError) as e:  # no secret: refused, unlike the health calls
+                    await pb_grpc.TrainerStub(channel).Capabilities(pb.TrainerCapabilitiesRequest(), timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                monkeypatch.setattr(engine, "run_cycle", die)
+                monkeypatch.setattr(threading, "excepthook", lambda args: None)
+                lora = pb.LoraConfig(rank=4, seed=1, train_mlp=True)
+                engine.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE,
+                                                              lora_config=lora))
+                adam = pb.AdamParams(learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8)
+                step = pb.TrainerOp(model_id="m", seq_id=1, tenant="t", request_id="m-1",
+                                    optim_step=pb.OptimStepRequest(model_id="m", seq_id=1, adam_params=adam))
+                fut = await asyncio.to_thread(intake.submit, engine, step)  # wakes the cycle thread, which dies
+                assert isinstance((await asyncio.wrap_future(fut)).error, Unavailable)
+                await _until(health, NOT_SERVING)
+                await _until(health, NOT_SERVING, LIVENESS)
+                await probes.shutdown()
+                assert await _status(health, "lathe.v1.Trainer") == NOT_SERVING
+        finally:
+            await server.stop(None)
+            engine.stop()
+
+    asyncio.run(scenario())
