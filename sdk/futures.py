@@ -9,7 +9,8 @@ Owns, per ``ServiceClient``:
   once) and then long-polled with ``Gateway.RetrieveFuture(request_id, timeout_s=POLL_S)``: the gateway
   holds each poll until the result is ready or ``timeout_s`` has passed, and the poll is repeated until
   ``done``. Polling starts as soon as the submit returns; ``result()`` waits for it and caches the value
-  (or the ``lathe.errors`` exception of an ``Error`` result).
+  (or the ``lathe.errors`` exception of an ``Error`` result). Each not-done answer says why the tenant's work
+  waits (``queue_state``); a poll given ``on_queue_state`` reports it, and ``"active"`` once done.
 
 Calls that fail with UNAVAILABLE are retried with capped exponential backoff within the policy's budget;
 a submit is retried as the same request (same ``seq_id``), which the gateway treats as idempotent. A failed
@@ -200,10 +201,15 @@ def call_future(conn: Connection, work: Coroutine[Any, Any, T]) -> APIFuture[T]:
     return APIFuture(conn.spawn(work))
 
 
-def server_future(conn: Connection, submit: Coroutine[Any, Any, str],
-                  decode: Callable[[pb.FutureResult], T]) -> APIFuture[T]:
-    """An APIFuture of a server-side future: ``submit`` yields its request id, then it is long-polled and
-    the finished ``FutureResult`` is read with ``decode`` (which raises for an ``Error`` result)."""
+QueueStateHook = Callable[[str, str | None], None]
+"""Told (on the connection's loop) the ``queue_state`` and reason of each answer of a poll."""
+
+
+def server_future(conn: Connection, submit: Coroutine[Any, Any, str], decode: Callable[[pb.FutureResult], T],
+                  on_queue_state: QueueStateHook | None = None) -> APIFuture[T]:
+    """An APIFuture of a server-side future: ``submit`` yields its request id, then it is long-polled (telling
+    ``on_queue_state``, see ``poll``) and the finished ``FutureResult`` is read with ``decode`` (which raises for an
+    ``Error`` result)."""
     request_id: cf.Future[str] = cf.Future()
 
     async def run() -> T:
@@ -216,7 +222,7 @@ def server_future(conn: Connection, submit: Coroutine[Any, Any, str],
             request_id.set_exception(e)
             raise
         request_id.set_result(rid)
-        res = await poll(conn, rid)
+        res = await poll(conn, rid, on_queue_state)
         if res.HasField("receipt"):
             conn.exactness.see(res.receipt)
         return decode(res)
@@ -228,14 +234,21 @@ def server_future(conn: Connection, submit: Coroutine[Any, Any, str],
         raise
 
 
-async def poll(conn: Connection, request_id: str) -> pb.FutureResult:
-    """Long-poll ``RetrieveFuture`` until the request is done; each poll waits on the server."""
+async def poll(conn: Connection, request_id: str, on_queue_state: QueueStateHook | None = None) -> pb.FutureResult:
+    """Long-poll ``RetrieveFuture`` until the request is done; each poll waits on the server. ``on_queue_state``
+    hears each not-done answer's queue state (``"active"`` from a gateway that names none) and ``"active"`` once
+    the request is done, whether it succeeded or failed."""
     loop = asyncio.get_running_loop()
     request = pb.RetrieveFutureRequest(request_id=request_id, timeout_s=POLL_S)
     while True:
         started = loop.time()
         res = await conn.call("RetrieveFuture", request, timeout=POLL_S + POLL_GRACE_S,
                               retry_codes=POLL_RETRY_CODES)
+        if on_queue_state is not None:
+            if not res.done and res.queue_state:
+                on_queue_state(res.queue_state, res.queue_state_reason or None)
+            else:
+                on_queue_state("active", None)
         if res.done:
             return res
         await asyncio.sleep(max(0.0, MIN_POLL_INTERVAL_S - (loop.time() - started)))

@@ -6,33 +6,48 @@ silently serves a newer adapter) or a base model. Each ``sample`` is a server-si
 sequence names the policy version that produced it. Requests carry a per-client ``seq_id`` so a retried
 submit is answered once; sampling requests need no ordering among themselves. A client made with its own
 ``retry_config`` (a ``RetryPolicy``) retries its submits by that policy instead of its connection's.
+
+The session's id is the client's sampler handle (``get_sampler_handle``): ``from_sampler_handle`` joins the session
+as a new client of it (``Gateway.JoinSamplingSession``, the tenant's own sessions only), numbered by the gateway so
+its ``seq_id``s (from ``number * CLIENT_STRIDE + 1``) never meet another client's; such a client owns the connection
+it opened. The client also owns its last-seen queue state: the polls of its samples report theirs, and
+``on_queue_state_change`` is called (on the connection's loop) each time the client's state changes.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 from typing import Any
 
 from lathe import wire
+from lathe.connect import open_connection
 from lathe.futures import APIFuture, Connection, RetryPolicy, server_future
 from lathe.tokenizer import load_tokenizer
-from lathe.types import ModelInput, SampleResponse, SamplingParams, TensorData
+from lathe.types import CLIENT_STRIDE, ModelInput, QueueState, SampleResponse, SamplingParams, TensorData
 from lathe.v1 import lathe_pb2 as pb
+
+log = logging.getLogger("lathe")
 
 
 class SamplingClient:
     """Made by ``ServiceClient.create_sampling_client`` or ``TrainingClient.save_weights_and_get_sampling_client``."""
 
-    def __init__(self, conn: Connection, session: pb.SamplingSession, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, conn: Connection, session: pb.SamplingSession, retry: RetryPolicy | None = None,
+                 client_counter: int = 0, owns_conn: bool = False) -> None:
+        """``client_counter``: this client's number among the session's (0: its creator); ``owns_conn``: ``close``
+        closes ``conn`` (one ``from_sampler_handle`` opened), else its ``ServiceClient`` does."""
         self._conn = conn
         self._retry = retry
+        self._owns_conn = owns_conn
         self.sampling_session_id = session.sampling_session_id
         self.base_model = session.base_model
         self.model_path = session.model_path or None
-        self._seq = itertools.count(1)
+        self._seq = itertools.count(client_counter * CLIENT_STRIDE + 1)
         self._lock = threading.Lock()
+        self._queue_state = QueueState.ACTIVE  # touched only on the connection's loop
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.model_path or self.base_model}>"
@@ -62,7 +77,7 @@ class SamplingClient:
             target_prompt_logprobs=(wire.tensor_to_proto(target_prompt_logprobs)
                                     if target_prompt_logprobs is not None else None))
         return server_future(self._conn, self._submit(request),
-                             functools.partial(wire.result_from_proto, kind=SampleResponse))
+                             functools.partial(wire.result_from_proto, kind=SampleResponse), self._see_queue_state)
 
     async def sample_async(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                            include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
@@ -74,6 +89,47 @@ class SamplingClient:
 
     async def _submit(self, request: pb.SampleRequest) -> str:
         return (await self._conn.call("Sample", request, retry=self._retry)).request_id
+
+    def _see_queue_state(self, state: str, reason: str | None) -> None:
+        """A poll of one of this client's samples heard ``state``: tell ``on_queue_state_change`` if it is new."""
+        seen = QueueState(state)
+        if seen is not self._queue_state:
+            self._queue_state = seen
+            self.on_queue_state_change(seen, reason)
+
+    def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
+        """Called (on the connection's loop: do not block) when this client's samples start waiting for a reason
+        (``PAUSED_CAPACITY``, ``PAUSED_RATE_LIMIT``) or stop (``ACTIVE``). Override to follow it; by default, as in
+        Tinker, a pause is logged as a warning and the end of one is not."""
+        if queue_state is not QueueState.ACTIVE:
+            log.warning("Sampling is paused for sampler %s (%s). Reason: %s", self.sampling_session_id,
+                        queue_state.value, queue_state_reason or "unknown")
+
+    def get_sampler_handle(self) -> str:
+        """A string another process of the same tenant passes to ``SamplingClient.from_sampler_handle`` to sample
+        from this client's sampler (the sampling session's id; it carries no credentials)."""
+        return self.sampling_session_id
+
+    @staticmethod
+    def from_sampler_handle(handle: str, *, api_key: str | None = None, base_url: str | None = None
+                            ) -> SamplingClient:
+        """A new client of the sampler behind ``handle`` (``get_sampler_handle``), on its own connection to
+        ``base_url`` with ``api_key`` (each else from the environment, as ``ServiceClient`` finds them); ``close``
+        it when done. Another tenant's handle is ``NotFound``."""
+        conn = open_connection(base_url, api_key)
+        try:
+            joined = conn.spawn(conn.call("JoinSamplingSession", pb.JoinSamplingSessionRequest(
+                sampling_session_id=handle))).result()
+        except BaseException:
+            conn.close()
+            raise
+        return SamplingClient(conn, joined.session, client_counter=joined.client_counter, owns_conn=True)
+
+    def close(self) -> None:
+        """Close the connection this client opened (``from_sampler_handle``); a client a ``ServiceClient`` made
+        shares that client's connection and leaves it open."""
+        if self._owns_conn:
+            self._conn.close()
 
     def get_base_model(self) -> str:
         """The base model this client samples from (known since creation: never waits on the server)."""

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -422,6 +423,23 @@ EPHEMERAL_TTL_S = 24 * 3600
 """Unnamed sampler snapshots (``save_weights_and_get_sampling_client()``, one per RL step) expire after a day."""
 MAX_TTL_S = 10 * 365 * 24 * 3600
 """The longest ``ttl_seconds`` a checkpoint may ask for (ten years; 0 keeps it forever)."""
+CLIENT_STRIDE = 1_000_000_000
+"""Client ``n`` of a sampling session (its creator is 0, each joiner the next number) sends ``seq_id``s from
+``n * CLIENT_STRIDE + 1``, as Tinker's SDK numbers its clones; the gateway reads the client back from them."""
+
+
+class QueueState(Enum):
+    """Why a tenant's work waits, as a pending future's poll reports it (``SamplingClient.on_queue_state_change``):
+    a full trainer queue (``PAUSED_CAPACITY``), one of the tenant's quotas (``PAUSED_RATE_LIMIT``), or nothing."""
+
+    ACTIVE = "active"
+    PAUSED_RATE_LIMIT = "paused_rate_limit"
+    PAUSED_CAPACITY = "paused_capacity"
+    UNKNOWN = "unknown"
+
+    @classmethod
+    def _missing_(cls, value: object) -> QueueState:
+        return cls.UNKNOWN  # a state a newer gateway names
 RECOVERY_KIND, RECOVERY_NAME = "recovery", "latest"
 """A trainer's own recovery snapshot of a run (``lathe.trainer.recovery``): one per run, overwritten in place,
 never listed among the run's checkpoints; the gateway rebuilds a run from it after a trainer restart."""

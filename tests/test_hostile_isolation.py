@@ -226,6 +226,8 @@ GRPC_PROBES: dict[str, Callable[[Owned, Callable[[str], str], str], tuple[str, o
         session_id=mine, model_path=t(o.state_path))),
     "get_sampling_session": lambda o, t, mine: ("GetSamplingSession", pb.GetSamplingSessionRequest(
         sampling_session_id=t(o.sampling_session_id))),
+    "join_their_sampling_session": lambda o, t, mine: ("JoinSamplingSession", pb.JoinSamplingSessionRequest(
+        sampling_session_id=t(o.sampling_session_id))),
     "sample_in_their_session": lambda o, t, mine: ("Sample", pb.SampleRequest(
         sampling_session_id=t(o.sampling_session_id), seq_id=9, prompt=TOKENS[:4], num_samples=1,
         params=SAMPLING)),

@@ -1,12 +1,15 @@
 """Per-tenant quotas (issue 9, item 4): each quota refused through a real door with the quota, the tenant's use
 and the limit in its message, leaving no state; another tenant untouched; resident adapters paged out per tenant
 and back in bit for bit; checkpoint bytes freed by delete and by expiry. Plus the quota book and file on their
-own (a clock the test moves, the bank with a pinned cycle)."""
+own (a clock the test moves, the bank with a pinned cycle). Also what a held-back tenant hears: the queue state of
+its pending futures (``RetrieveFuture``) and a sampling client's ``on_queue_state_change``; and sampler handles,
+which reach the same sampler for their own tenant only."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -29,7 +32,7 @@ from lathe.v1 import tinker_public_pb2 as tp
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
 RANK = 4
-TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free")
+TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free", "held")
 
 
 def _sampler_checkpoint_bytes(tiny_dir: Path) -> int:
@@ -51,6 +54,7 @@ def quota_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tin
     quotas = root / "quotas.json"
     quotas.write_text(json.dumps({"default": {"max_runs": 8}, "tenants": {
         "runs": {"max_runs": 2}, "tokens": {"max_tokens_per_minute": 40}, "busy": {"max_inflight_ops": 2},
+        "held": {"max_inflight_ops": 2},
         "meta": {"max_user_metadata_bytes": 32}, "pager": {"max_resident_adapters": 1},
         "roomy": {"max_resident_adapters": 2}, "bytes": {"max_checkpoint_bytes": 2 * ckpt + ckpt // 2}}}))
     pages = root / "pages"
@@ -174,6 +178,83 @@ def test_max_inflight_ops(quota_stack: tuple) -> None:
     channel.close()
     with _client(stack, "free") as other:  # the other tenant's requests still go through
         other.create_lora_training_client(BASE, rank=RANK).forward([_datum(4)]).result()
+
+
+def test_a_held_back_tenant_hears_its_queue_state(quota_stack: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """``RetrieveFuture`` of a pending request says whether the tenant's in-flight quota holds new work back, and a
+    sampling client's hook hears the pause and its end; the default hook warns of a pause only."""
+    stack = quota_stack[0]
+    channel = grpc.insecure_channel(stack.gateway, options=CHANNEL_OPTIONS)
+    stub, md = pb_grpc.GatewayStub(channel), (("x-api-key", "tml-held"),)
+    monkeypatch.setattr(lathe.futures, "POLL_S", 0.02)  # the SDK's polls answer "not done" at once
+    heard: list[tuple[lathe.QueueState, str | None]] = []
+    with _client(stack, "held") as sc:
+        model_id = sc.create_lora_training_client(BASE, rank=RANK).model_id
+        sampler = sc.create_sampling_client(base_model=BASE)
+        with caplog.at_level(logging.WARNING, logger="lathe"):
+            sampler.on_queue_state_change(lathe.QueueState.ACTIVE, None)
+            sampler.on_queue_state_change(lathe.QueueState.PAUSED_CAPACITY, None)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"Sampling is paused for sampler {sampler.sampling_session_id} (paused_capacity). Reason: unknown"]
+        sampler.on_queue_state_change = lambda state, reason: heard.append((state, reason))  # type: ignore[method-assign]
+
+        def fb(seq: int) -> str:
+            req = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn="cross_entropy",
+                                            forward_only=True, data=[lathe.wire.datum_to_proto(_datum(4))])
+            return stub.ForwardBackward(req, metadata=md, timeout=60).request_id
+
+        def state(request_id: str) -> tuple[bool, str, str]:
+            res = stub.RetrieveFuture(pb.RetrieveFutureRequest(request_id=request_id, timeout_s=0), metadata=md,
+                                      timeout=60)
+            return res.done, res.queue_state, res.queue_state_reason
+
+        waiting = fb(2)  # waits for seq_id 1: one of the tenant's two places
+        assert state(waiting) == (False, "active", "")
+        slow = sampler.sample(lathe.ModelInput.from_ints([5, 17, 42, 9]), 16,
+                              lathe.SamplingParams(max_tokens=120, seed=3))  # the second place, while it runs
+        assert len(slow.result(timeout=120).sequences) == 16
+        assert heard == [(lathe.QueueState.PAUSED_RATE_LIMIT,
+                          "quota max_inflight_ops: 2 requests in flight, the limit is 2"),
+                         (lathe.QueueState.ACTIVE, None)]
+        for rid in (fb(1), waiting):  # seq_id 1 lets the run go on
+            done = stub.RetrieveFuture(pb.RetrieveFutureRequest(request_id=rid, timeout_s=30), metadata=md,
+                                       timeout=60)
+            assert done.done and done.HasField("forward_backward") and not done.queue_state
+        held = fb(4)  # both wait for seq_id 3: the tenant's two places, so the quota holds new work back
+        fb(5)
+        assert state(held) == (False, "paused_rate_limit", "quota max_inflight_ops: 2 requests in flight, the limit "
+                                                           "is 2")
+    channel.close()
+
+
+def test_a_sampler_handle_reaches_the_same_sampler_for_its_tenant_only(quota_stack: tuple) -> None:
+    stack = quota_stack[0]
+    prompt = lathe.ModelInput.from_ints([5, 17, 42, 9])
+    seeded = lathe.SamplingParams(max_tokens=12, seed=7, temperature=1.0)
+
+    def bits(res: lathe.SampleResponse) -> list[tuple[list[int], list[float]]]:
+        return [(list(s.tokens), list(s.logprobs or [])) for s in res.sequences]
+
+    with _client(stack, "free") as sc:
+        tc = sc.create_lora_training_client(BASE, rank=RANK)
+        tc.forward_backward([_datum(6)], "cross_entropy").result()
+        tc.optim_step(lathe.AdamParams(learning_rate=0.05)).result()
+        original = tc.save_weights_and_get_sampling_client()
+        want = bits(original.sample(prompt, 2, seeded).result())  # the original's seq_id 1
+        handle = original.get_sampler_handle()
+        rebuilt = lathe.SamplingClient.from_sampler_handle(handle, api_key="tml-free", base_url=stack.gateway)
+        try:
+            assert (rebuilt.sampling_session_id, rebuilt.model_path, rebuilt.base_model) == (
+                original.sampling_session_id, original.model_path, BASE)
+            # its first request is its own (a seq_id space of its own), not the original's first answered again
+            other = bits(rebuilt.sample(prompt, 2, lathe.SamplingParams(max_tokens=12, seed=8)).result())
+            assert other != want
+            assert bits(rebuilt.sample(prompt, 2, seeded).result()) == want
+        finally:
+            rebuilt.close()
+    with pytest.raises(lathe.NotFound, match=re.escape(f"unknown sampling_session_id {handle!r}")):
+        lathe.SamplingClient.from_sampler_handle(handle, api_key="tml-held", base_url=stack.gateway)
 
 
 def test_user_metadata_bytes(quota_stack: tuple) -> None:

@@ -26,7 +26,6 @@ CONSTRUCTED_BY_USERS = {"ServiceClient", "RestClient"}  # the others are made by
 _NO_CONSOLE = "Lathe has no web console"
 _NO_TELEMETRY = "Lathe sends no client telemetry"
 _NO_PROJECTS = "Lathe has tenants (API keys), not projects"
-_NO_HANDLES = "sampler handles (a sampler shared by a string) are not served"
 _NO_TRACES = "Lathe builds no Perfetto traces of a session's requests"
 _NO_BILLING = "Lathe keeps no billing or audit records"
 
@@ -40,11 +39,7 @@ KNOWN_GAPS: dict[str, str] = {
     "TrainingClient.get_telemetry": _NO_TELEMETRY,
     # SamplingClient
     "SamplingClient.create": "tinker's internal constructor (takes its client holder); use create_sampling_client",
-    "SamplingClient.from_sampler_handle": _NO_HANDLES,
-    "SamplingClient.get_sampler_handle": _NO_HANDLES,
     "SamplingClient.get_telemetry": _NO_TELEMETRY,
-    "SamplingClient.on_queue_state_change": "Lathe's gRPC RetrieveFuture answers done or not, without the queue "
-                                            "state (the HTTP door reports it to the official SDK)",
     # RestClient
     "RestClient.assign_session_project": _NO_PROJECTS,
     "RestClient.assign_session_project_async": _NO_PROJECTS,

@@ -19,7 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-CLIENT_STRIDE = 1_000_000_000  # a sampling client's seq_ids start at its number times this
+from lathe.types import CLIENT_STRIDE
+
 KEEP = 10_000  # unseen events kept per queue
 
 Key = tuple[str, int]  # (sampling session id, client number)

@@ -543,14 +543,20 @@ class GatewayCore:
         return entry.request_id
 
     async def retrieve(self, tenant: str, request_id: str, timeout_s: float) -> pb.FutureResult:
-        """The result (held up to ``timeout_s`` while pending); one no longer in memory comes from the ledger."""
+        """The result (held up to ``timeout_s`` while pending); one no longer in memory comes from the ledger. A
+        ``done=False`` answer carries the tenant's ``queue_state`` as it is then (a fresh message each time)."""
         found = self._request(tenant, request_id)
         if isinstance(found, Entry):
-            return await self.futures.wait(found, min(timeout_s, MAX_WAIT_S))
-        if found.result is None:  # pending at another gateway over this database: held while it runs there
+            res = await self.futures.wait(found, min(timeout_s, MAX_WAIT_S))
+        elif found.result is None:  # pending at another gateway over this database: held while it runs there
             recorded = await self._recorded_result(request_id, min(timeout_s, MAX_WAIT_S))
-            return recorded or pb.FutureResult(request_id=request_id, done=False)
-        return pb.FutureResult.FromString(found.result)
+            res = recorded or pb.FutureResult(request_id=request_id, done=False)
+        else:
+            return pb.FutureResult.FromString(found.result)
+        if not res.done:
+            state, reason = self.queue_state(tenant)
+            res.queue_state, res.queue_state_reason = state, reason or ""
+        return res
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         """Cancel a sample not finished yet: its future answers ``Cancelled`` at once and its call to the sampler

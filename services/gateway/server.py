@@ -248,5 +248,13 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return self.core.sampling_session(tenant, request.sampling_session_id).proto()
 
     @authed
+    async def JoinSamplingSession(self, request: pb.JoinSamplingSessionRequest, tenant: str
+                                  ) -> pb.JoinSamplingSessionResponse:
+        """A new client of one of the tenant's sampling sessions (a sampler handle): another tenant's is NotFound."""
+        number = self.core.join_sampling_session(tenant, request.sampling_session_id)
+        return pb.JoinSamplingSessionResponse(
+            session=self.core.sampling_session(tenant, request.sampling_session_id).proto(), client_counter=number)
+
+    @authed
     async def Sample(self, request: pb.SampleRequest, tenant: str) -> pb.SubmitResponse:
         return await self.core.sample(tenant, request)

@@ -391,8 +391,8 @@ class TinkerHttpDoor:
         request_id = (await self._fields(request)).get("request_id", str)
         res = await self.core.retrieve(tenant, request_id, self._poll_s(request))
         if not res.done:
-            state, reason = self.core.queue_state(tenant)
-            return {"type": "try_again", "request_id": request_id, "queue_state": state, "queue_state_reason": reason}
+            return {"type": "try_again", "request_id": request_id, "queue_state": res.queue_state,
+                    "queue_state_reason": res.queue_state_reason or None}
         if res.WhichOneof("result") == "save" and Downloads.maybe_staging(res.save.path):
             exported = await self.downloads.finish_export(tenant, res.save.path)  # a save_weights_external
             if exported is not None:
