@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -112,7 +111,7 @@ class Follower:
     """A follower's life on its own thread: form the pool, then apply the leader's plans until the leader says
     stop (``exit_code`` 0) or the pool breaks (``EXIT_RANK_LOST``, or a formation error's code). Meanwhile the
     process serves only gRPC health (and metrics): ``ready`` once it has joined the pool, ``alive`` until the
-    loop ends; the end stops that server (SIGTERM to this process), so ``main`` exits with ``exit_code``."""
+    loop ends, and the loop's end ends the process with ``exit_code`` (at once, even before the server is up)."""
 
     def __init__(self, cfg: TrainerConfig, catalog: ModelCatalog, pool: PoolConfig) -> None:
         self.cfg, self.catalog, self.pool = cfg, catalog, pool
@@ -132,7 +131,9 @@ class Follower:
 
     def _run(self) -> None:
         self.exit_code = self._follow()
-        os.kill(os.getpid(), signal.SIGTERM)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code)  # nothing to wind down: the health server dies with the process
 
     def _follow(self) -> int:
         try:
