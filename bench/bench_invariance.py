@@ -8,9 +8,9 @@ and its LM head (vocab 49152), random weights, each case timed in both modes:
   attention, as the sampler runs it), and the same for a single sequence
   LM head + log_softmax of the 32 decoded tokens, and of one
   and, to split the layer figures, attention alone for the 8x256 prefill and the 32-sequence decode
-Three modes, interleaved run by run: plain ops, invariant ops with the reference 16-row linear tiles, and
-invariant ops with the tile ladder this machine's self-check chooses (``choose_row_tiles``, printed; what a
-pool runs). Prints the median wall time of --repeats runs (after --warmup) per mode and each invariant
+Three modes, interleaved run by run: plain ops, invariant ops with the reference tiles (16-row linear,
+4-row attention), and invariant ops with the tile ladders this machine's self-check chooses
+(``choose_row_tiles``, ``choose_attention_tiles``, printed; what a pool runs). Prints the median wall time of --repeats runs (after --warmup) per mode and each invariant
 mode's ratio to plain.
 
 Run it alone: other processes on the same cores distort these timings badly.
@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from machine import cpu_line
 
 from lathe.kernels import ops
-from lathe.models.exactness import HEAD_ROWS, choose_row_tiles
+from lathe.models.exactness import HEAD_ROWS, choose_attention_tiles, choose_row_tiles
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-Mode = tuple[bool, tuple[int, ...]]
-"""(invariant, the linears' tile ladder)."""
+Mode = tuple[bool, tuple[int, ...], tuple[int, ...]]
+"""(invariant, the linears' tile ladder, prefill attention's tile ladder)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class Layer:
         mode: Mode,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; attend(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]."""
-        s, (invariant, tiles) = self.s, mode
+        s, (invariant, tiles, _) = self.s, mode
 
         def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return ops.linear(h, w, invariant=invariant, tiles=tiles)
@@ -118,7 +118,7 @@ class Layer:
 
     def logprobs(self, x: torch.Tensor, mode: Mode) -> list[torch.Tensor]:
         """Full-vocabulary log-softmax of x [T, hidden], ``logit_chunk`` rows at a time."""
-        (invariant, tiles), out = mode, []
+        (invariant, tiles, _), out = mode, []
         for rows in x.split(self.s.logit_chunk):
             h = ops.rms_norm(rows, self.final_norm, self.s.eps, invariant=invariant)
             out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant, tiles=tiles),
@@ -133,7 +133,8 @@ def train_forward(layer: Layer, x: torch.Tensor, mode: Mode) -> torch.Tensor:
         pieces = (t.split(s.train_length) for t in (q, k, v))
         scale = s.head_dim**-0.5
         return torch.cat(
-            [ops.attention(*qkv, q_offset=0, scale=scale, invariant=mode[0]) for qkv in zip(*pieces, strict=True)]
+            [ops.attention(*qkv, q_offset=0, scale=scale, invariant=mode[0], tiles=mode[2])
+             for qkv in zip(*pieces, strict=True)]
         )
 
     return layer.forward(x, attend, mode)
@@ -208,7 +209,7 @@ def cases(s: Shapes, infer_layer: Layer, dtype: torch.dtype) -> dict[str, Callab
         with torch.no_grad():
             kv = cache[0, 0, : s.train_length]
             return [
-                ops.attention(q_train, kv, kv, q_offset=0, scale=scale, invariant=mode[0])
+                ops.attention(q_train, kv, kv, q_offset=0, scale=scale, invariant=mode[0], tiles=mode[2])
                 for _ in range(s.train_sequences)
             ]
 
@@ -236,16 +237,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {cpu}; {cpu_line()}")
     for name in args.dtypes:
         layer = Layer(SMOLLM2, DTYPES[name], requires_grad=False)
-        ladder = choose_row_tiles(layer.weights(), sorted({1, args.threads}))
-        modes: list[Mode] = [(False, (ops.ROW_TILE,)), (True, (ops.ROW_TILE,)), (True, ladder)]
-        print(f"{name}: tile ladder chosen by the self-check on this machine: {ladder}")
-        print(f"{'dtype':5}  {'case':48}  {'plain ms':>9}  {'16-row ms':>9}  {'ratio':>6}  {'ladder ms':>9}  "
+        threads = sorted({1, args.threads})
+        ladder = choose_row_tiles(layer.weights(), threads)
+        attn = choose_attention_tiles(SMOLLM2.heads, SMOLLM2.kv_heads, SMOLLM2.head_dim, DTYPES[name],
+                                      torch.device("cpu"), threads)
+        reference = ((ops.ROW_TILE,), (ops.ATTN_ROW_TILE,))
+        modes: list[Mode] = [(False, *reference), (True, *reference), (True, ladder, attn)]
+        print(f"{name}: tile ladders chosen by the self-check on this machine: linear {ladder}, attention {attn}")
+        print(f"{'dtype':5}  {'case':48}  {'plain ms':>9}  {'ref ms':>9}  {'ratio':>6}  {'ladder ms':>9}  "
               f"{'ratio':>6}")
         for case, fn in cases(SMOLLM2, layer, DTYPES[name]).items():
-            plain, tile16, chosen = median_ms(fn, modes, args.repeats, args.warmup)
-            print(f"{name:5}  {case:48}  {plain:9.2f}  {tile16:9.2f}  {tile16 / plain:6.2f}  {chosen:9.2f}  "
+            plain, ref, chosen = median_ms(fn, modes, args.repeats, args.warmup)
+            print(f"{name:5}  {case:48}  {plain:9.2f}  {ref:9.2f}  {ref / plain:6.2f}  {chosen:9.2f}  "
                   f"{chosen / plain:6.2f}", flush=True)
-
 
 if __name__ == "__main__":
     main()

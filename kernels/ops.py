@@ -42,13 +42,15 @@ problem whatever the batch, and a row's bits depend only on its own values:
   bitwise equal to the ``ROW_TILE`` tile's on that machine (larger tiles re-pack each weight block less
   often; a 1-row tile is a GEMV).
 - ``attention`` and ``decode_attention``: keys are cut into chunks of ``KEY_CHUNK`` on the absolute key
-  grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of
-  ``ATTN_ROW_TILE``; scores are ``[ATTN_ROW_TILE, D] @ [D, KEY_CHUNK]`` products and each chunk's
-  probabilities meet its values (with a ones column: the softmax denominator) in
-  ``[ATTN_ROW_TILE, KEY_CHUNK] @ [KEY_CHUNK, D + 1]`` products; chunk results are added one by one in
-  chunk order. A key in a row's future scores -inf, so a chunk wholly in its future adds exactly 0
-  (decode never loads it). The row max that stabilises exp is exact in any order. Scores, sums and
-  the output before its final cast are fp32 (fp64 for fp64 input).
+  grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of T rows
+  (decode: ``ATTN_ROW_TILE``; prefill: the largest height of the pool's attention ladder that the rows
+  fill, admitted by the self-check only where its rows have the ``ATTN_ROW_TILE`` tile's bits); scores
+  are ``[T, D] @ [D, KEY_CHUNK]`` products and each chunk's probabilities meet its values (with a ones
+  column: the softmax denominator) in ``[T, KEY_CHUNK] @ [KEY_CHUNK, D + 1]`` products; chunk results
+  are added one by one in chunk order. A key in a row's future scores -inf, so a chunk wholly in its
+  future adds exactly 0 (prefill never computes it, decode never loads it). The row max that
+  stabilises exp is exact in any order. Scores, sums and the output before its final cast are fp32
+  (fp64 for fp64 input).
 - ``log_softmax`` over the last dim is row-invariant in plain torch (its kernel splits the work over
   rows only), so both modes share the code. ``rms_norm`` is too, except that torch splits the mean of
   a lone row across threads once it has more than 32768 elements; the invariant mode gives a lone row
@@ -72,15 +74,20 @@ ROW_TILE = 16
 """Rows of the reference ``linear`` tile in invariant mode (measured invariant at every position on AVX2 and
 on AVX-512 with and without MKL's AVX2 path; 8 was not, under that path)."""
 
-ROW_TILE_CANDIDATES = (1, 4, 64)
+ROW_TILE_CANDIDATES = (1, 4, 64, 128)
 """Other tile heights a pool may add to its ladder (``linear``'s ``tiles``) when its self-check finds their
 rows bitwise equal to the reference tile's on that machine (``lathe.models.exactness.choose_row_tiles``)."""
 
-COL_BLOCK_BYTES = 1 << 19
+COL_BLOCK_BYTES = 1 << 22
 """Most bytes of weight one ``linear`` product reads; wider weights are cut into column blocks."""
 
 ATTN_ROW_TILE = 4
-"""Query rows (a GQA group's heads, then the next query's) per attention product in invariant mode."""
+"""Query rows (a GQA group's heads, then the next query's) per attention product in invariant mode: the
+reference height, and the one decode uses (a decoded token's group of heads fills one tile)."""
+
+ATTN_TILE_CANDIDATES = (16, 64)
+"""Taller attention tiles a pool may add to its prefill ladder (``attention``'s ``tiles``) when its
+self-check finds their rows bitwise equal to the reference tile's (``lathe.models.exactness.choose_attention_tiles``)."""
 
 KEY_CHUNK = 64
 """Width of the fixed key chunks of invariant attention, on the absolute key grid."""
@@ -191,14 +198,16 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, invariant: bool) -> torch.Ten
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, scale: float, invariant: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, scale: float, invariant: bool,
+    tiles: tuple[int, ...] = (ATTN_ROW_TILE,),
 ) -> torch.Tensor:
     """Causal grouped-query attention of one sequence; q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D].
 
     o[i, h] = softmax(scale * q[i, h] @ k[:q_offset+i+1, h // g].T) @ v[:q_offset+i+1, h // g],
     g = Hq // Hkv. Needs q_offset + Lq <= Lk; keys from q_offset + Lq on are ignored (they must be
     finite: spare KV-cache slots hold zeros). The output has q's dtype. Differentiable in both modes
-    (the trainer backpropagates through it).
+    (the trainer backpropagates through it). Invariant mode cuts each kv head's Lq * g query rows into
+    tiles of the tallest height in ``tiles`` that they fill (the smallest when they fill none).
     """
     lq, hq, d = q.shape
     lk, hkv, dk = k.shape
@@ -209,7 +218,9 @@ def attention(
     if q_offset < 0 or q_offset + lq > lk:
         raise ValueError(f"attention: q_offset={q_offset} with Lq={lq} queries needs 0 <= q_offset <= Lk-Lq, Lk={lk}")
     if invariant:
-        return _chunked_attention(q, k, v, q_offset, scale)
+        rows = lq * (hq // hkv)
+        tile = max((t for t in tiles if t <= rows), default=min(tiles))
+        return _chunked_attention(q, k, v, q_offset, scale, tile)
     return _sdpa_attention(q, k, v, q_offset, scale)
 
 
@@ -237,44 +248,50 @@ def _grid(x: torch.Tensor, n: int, dtype: torch.dtype, ones_column: bool = False
     return F.pad(x, pad, value=1.0) if any(pad) else x
 
 
-def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
+def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
+                       t: int) -> torch.Tensor:
     lq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    wide, t = _wide(q.dtype), ATTN_ROW_TILE
+    wide = _wide(q.dtype)
     # Row i * g + j of kv head h is query i of head h * g + j: a GQA group is consecutive rows.
-    # Padding rows sit past the last query; they see every key loaded, so they stay finite.
+    # Padding rows sit past the last query and take its position, so they stay finite.
     rows = _pad_rows((q.to(wide) * scale).reshape(lq, hkv, g, d).transpose(0, 1).reshape(hkv, lq * g, d), t)
     tiles = rows.shape[1] // t
-    last_key = q_offset + lq - 1  # the last key any query sees
-    chunks = last_key // KEY_CHUNK + 1
+    chunks = (q_offset + lq - 1) // KEY_CHUNK + 1  # up to the last key any query sees
     n = chunks * KEY_CHUNK
     keys = _grid(k, n, wide).unflatten(1, (chunks, KEY_CHUNK)).transpose(2, 3)  # [Hkv, C, D, 64]
     # A ones column after v makes each chunk's value product also sum its probabilities (the denominator).
     values = _grid(v, n, wide, ones_column=True).unflatten(1, (chunks, KEY_CHUNK))  # [Hkv, C, 64, D + 1]
     position = q_offset + torch.arange(tiles * t, device=q.device).clamp(max=lq * g - 1) // g  # [R]
-    # first[c]: the first tile whose last row sees chunk c; the tiles before it have the chunk in their future.
-    tile_ends = [q_offset + min(i * t + t - 1, lq * g - 1) // g for i in range(tiles)]
-    first = [bisect.bisect_left(tile_ends, c * KEY_CHUNK) for c in range(chunks)]
-    future = torch.arange(n, device=q.device) > position.view(tiles, t, 1)  # the same for every kv head
+    firsts, lasts = position[::t].tolist(), position[t - 1 :: t].tolist()  # each tile's first and last row
+    # Chunk c meets tiles[seen[c]:] (a tile before seen[c] has the whole chunk in its future); of those, the
+    # tiles before whole[c] see only part of it and mask the rest. Chunks a tile never sees are never computed.
+    seen = [bisect.bisect_left(lasts, c * KEY_CHUNK) for c in range(chunks)]
+    whole = [bisect.bisect_left(firsts, (c + 1) * KEY_CHUNK - 1) for c in range(chunks)]
+    key = torch.arange(KEY_CHUNK, device=q.device)
     heads = []
     for h in range(hkv):
         mine = rows[h].view(tiles, t, d)
-        scores = torch.full((tiles, t, n), float("-inf"), dtype=wide, device=q.device)
+        scores = []  # chunk c: [tiles - seen[c], t, 64]
         for c in range(chunks):
-            f = first[c]
-            cols = slice(c * KEY_CHUNK, (c + 1) * KEY_CHUNK)
-            scores[f:, :, cols] = _bmm(mine[f:], keys[h, c].expand(tiles - f, d, KEY_CHUNK))
-        scores = scores.masked_fill(future, float("-inf"))
-        # The max only stabilises exp; the result does not depend on it, so it carries no gradient.
-        # Every row sees key 0, so it is finite.
-        probs = torch.exp(scores - scores.detach().amax(-1, keepdim=True))
-        acc = _bmm(probs[:, :, :KEY_CHUNK], values[h, 0].expand(tiles, KEY_CHUNK, d + 1))
+            f, e = seen[c], whole[c]
+            s = _bmm(mine[f:], keys[h, c].expand(tiles - f, d, KEY_CHUNK))
+            if e > f:
+                future = c * KEY_CHUNK + key > position[f * t : e * t].view(e - f, t, 1)
+                s[: e - f].masked_fill_(future, float("-inf"))
+            scores.append(s)
+        # The row max only stabilises exp (the result does not depend on it, so it carries no gradient); it is
+        # exact in any order. Every row sees key 0, so it is finite.
+        with torch.no_grad():
+            top = scores[0].amax(-1, keepdim=True)
+            for c in range(1, chunks):
+                top[seen[c] :] = torch.maximum(top[seen[c] :], scores[c].amax(-1, keepdim=True))
+        # Chunk results are added one by one in chunk order, as decode adds them.
+        acc = _bmm(torch.exp(scores[0] - top), values[h, 0].expand(tiles, KEY_CHUNK, d + 1))
         for c in range(1, chunks):
-            f = first[c]
-            cols = slice(c * KEY_CHUNK, (c + 1) * KEY_CHUNK)
-            part = _bmm(probs[f:, :, cols], values[h, c].expand(tiles - f, KEY_CHUNK, d + 1))
-            acc = torch.cat([acc[:f], acc[f:] + part]) if f else acc + part
+            f = seen[c]
+            acc[f:] += _bmm(torch.exp(scores[c] - top[f:]), values[h, c].expand(tiles - f, KEY_CHUNK, d + 1))
         heads.append((acc[..., :-1] / acc[..., -1:]).reshape(tiles * t, d)[: lq * g])
     out = torch.stack(heads)  # [Hkv, Lq * g, D]
     return out.reshape(hkv, lq, g, d).transpose(0, 1).reshape(lq, hq, d).to(q.dtype)

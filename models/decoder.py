@@ -100,6 +100,7 @@ class Decoder(torch.nn.Module):
         self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: memory for time
         self.sgmv = False  # LoRA through the Triton SGMV kernels (GPU pools) instead of the per-segment path
         self.row_tiles = (ops.ROW_TILE,)  # invariant linears' tile ladder; the pool's self-check may widen it
+        self.attn_tiles = (ops.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -174,7 +175,7 @@ class Decoder(torch.nn.Module):
             if kv is not None:
                 ks, vs, offset = kv.extend(i, s, ks, vs)
             outs.append(ops.attention(qs, ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
-                                      invariant=self.invariant))
+                                      invariant=self.invariant, tiles=self.attn_tiles))
         o = torch.cat(outs, dim=0).reshape(t, cfg.num_heads * cfg.head_dim)
         return self._linear(o, p + "o_proj", (i, "o_proj"), lora)
 

@@ -8,8 +8,10 @@ Why at start, on the pool's own shapes: batch invariance is a property of the ke
 paths on this machine, not of Lathe's code alone (``lathe.kernels.ops`` explains the tiles). Before the
 check, ``choose_row_tiles`` picks the pool's ladder of ``linear`` tile heights: the reference tile
 (``ops.ROW_TILE``) plus each candidate (``ops.ROW_TILE_CANDIDATES``) whose rows are bitwise the reference's
-for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread count.
-The check runs, with that ladder, at every thread count the pool may use:
+for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread count;
+``choose_attention_tiles`` does the same for prefill attention's row tiles (``ops.ATTN_ROW_TILE``, the one
+decode uses, plus each of ``ops.ATTN_TILE_CANDIDATES`` whose prefill and chunked prefill have its bits).
+The check runs, with those ladders, at every thread count the pool may use:
 
 1. ops at the model's shapes, rows alone vs in batches of 1, 3, 13, 17, 64 and 300 rows, and the
    300-row batch shifted by one row (which moves every row to the next position of its tile): each
@@ -54,6 +56,9 @@ DECODED = 6
 ATTENTION_LENGTH = 300
 """Keys of the attention check: past 256, where one long key reduction changed bits (measured)."""
 
+ATTENTION_SPLITS = (0, 1, 4, 17, 64, 150, 257, ATTENTION_LENGTH)
+"""Where the attention checks cut the sequence into chunked prefills (each part at its own offset)."""
+
 
 @dataclass(slots=True)
 class Check:
@@ -97,7 +102,8 @@ class ExactnessReport:
 class PoolExactness:
     """The self-check reports of one pool's loaded base models; owned by a trainer or sampler engine.
 
-    ``check`` runs when the pool loads a model: it sets the model's tile ladder (``choose_row_tiles``),
+    ``check`` runs when the pool loads a model: it sets the model's tile ladders (``choose_row_tiles``,
+    ``choose_attention_tiles``),
     runs the self-check and logs the verdict on stderr. A pool that runs the plain ops (``--no-invariant``)
     is not exact by construction: it records that without running the check.
     """
@@ -108,7 +114,11 @@ class PoolExactness:
 
     def check(self, name: str, model: Decoder) -> ExactnessReport:
         if self.invariant:
-            model.row_tiles = choose_row_tiles(_model_weights(model), default_threads(model))
+            threads = default_threads(model)
+            model.row_tiles = choose_row_tiles(_model_weights(model), threads)
+            cfg = model.cfg
+            model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                                                      model.device, threads)
             report = self_check(model)
         else:
             report = ExactnessReport(False, "plain ops (--no-invariant) are not batch-invariant", "", model.device.type,
@@ -126,7 +136,8 @@ class PoolExactness:
 def tiles(model: Decoder) -> dict[str, object]:
     """The tile sizes the invariant ops use on ``model`` (part of the fingerprint)."""
     return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.row_tiles), "attn_row_tile": ops.ATTN_ROW_TILE,
-            "key_chunk": ops.KEY_CHUNK, "col_block_bytes": ops.COL_BLOCK_BYTES}
+            "attn_row_tiles": list(model.attn_tiles), "key_chunk": ops.KEY_CHUNK,
+            "col_block_bytes": ops.COL_BLOCK_BYTES}
 
 
 def default_threads(model: Decoder) -> list[int]:
@@ -183,6 +194,37 @@ def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int 
     with torch.no_grad():
         chosen = [t for t in ops.ROW_TILE_CANDIDATES if _tile_agrees(t, weights, pools, threads)]
     return tuple(sorted({ops.ROW_TILE, *chosen}))
+
+
+def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:
+    """Whether prefill attention in ``tile``-row tiles has the reference tile's bits, whole and in the chunked
+    prefills of ``ATTENTION_SPLITS`` (every part at its own offset, so rows sit at other tile positions)."""
+    scale = q.shape[-1] ** -0.5
+    for n in threads:
+        with _threads(n):
+            ref = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True)
+            for s0, s1 in [(0, len(q)), *zip(ATTENTION_SPLITS, ATTENTION_SPLITS[1:], strict=False)]:
+                part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True,
+                                     tiles=(tile,))
+                if _differing(part, ref[s0:s1]):
+                    return False
+    return True
+
+
+def choose_attention_tiles(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                           threads: list[int], seed: int = 0) -> tuple[int, ...]:
+    """Prefill attention's tile ladder on this machine: ``ops.ATTN_ROW_TILE`` and every
+    ``ops.ATTN_TILE_CANDIDATES`` height whose prefill rows are bitwise the reference tile's, for the model's
+    head shapes at each thread count. Decided by bits, like ``choose_row_tiles``; off the CPU the products do
+    not depend on row tiles, so the ladder is the reference tile alone.
+    """
+    if device.type != "cpu":
+        return (ops.ATTN_ROW_TILE,)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(ATTENTION_LENGTH, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    with torch.no_grad():
+        chosen = [t for t in ops.ATTN_TILE_CANDIDATES if _attention_tile_agrees(t, q, k, v, threads)]
+    return tuple(sorted({ops.ATTN_ROW_TILE, *chosen}))
 
 
 @contextmanager
@@ -257,23 +299,24 @@ def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Che
                         lambda x: ops.rms_norm(x, norm, cfg.rms_norm_eps, invariant=True), pool(cfg.hidden_size)))
     checks.append(_rows(f"log_softmax {cfg.vocab_size}", lambda x: ops.log_softmax(x, invariant=True),
                         pool(cfg.vocab_size, scale=4.0)))
-    checks.append(_attention_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, dev, gen))
+    checks.append(_attention_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, dev, gen, model.attn_tiles))
     return checks
 
 
-def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.device, gen: torch.Generator) -> Check:
-    name = f"attention Hq={hq} Hkv={hkv} D={d}"
+def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.device, gen: torch.Generator,
+                     tiles: tuple[int, ...]) -> Check:
+    name = f"attention Hq={hq} Hkv={hkv} D={d} tiles {list(tiles)}"
     n = ATTENTION_LENGTH
     q, k, v = (torch.randn(n, h, d, generator=gen).to(device=dev, dtype=dt) for h in (hq, hkv, hkv))
     scale = d**-0.5
-    prefill = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True)
+    prefill = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True, tiles=tiles)
     for t in (0, 1, 2, 63, 64, 65, 127, 255, 256, n - 1):
-        alone = ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=scale, invariant=True)
+        alone = ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=scale, invariant=True,
+                              tiles=tiles)
         if _differing(alone, prefill[t : t + 1]):
             return Check(name, False, f"token {t} decoded alone differs from the {n}-token prefill")
-    splits = [0, 1, 4, 17, 64, 150, 257, n]
-    for s0, s1 in zip(splits, splits[1:], strict=False):
-        part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True)
+    for s0, s1 in zip(ATTENTION_SPLITS, ATTENTION_SPLITS[1:], strict=False):
+        part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True, tiles=tiles)
         if _differing(part, prefill[s0:s1]):
             return Check(name, False, f"chunked prefill of tokens {s0}:{s1} differs from the {n}-token prefill")
     positions = [0, 2, 12, 16, 63, 64, 200, n - 1]

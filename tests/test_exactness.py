@@ -77,8 +77,8 @@ def test_a_prefill_only_attention_change_is_caught_by_the_attention_check(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, dtype: torch.dtype) -> None:
-    """The pool widens its linear tiles only to heights whose bits equal the 16-row tile's: the packed
-    logprobs and the fingerprint's bits are the same with the chosen ladder as with the reference tile."""
+    """The pool widens its linear and attention tiles only to heights whose bits equal the reference tiles':
+    the packed logprobs and the fingerprint's bits are the same with the chosen ladders as with the references."""
     model = Decoder.from_dir(tiny_dir, dtype=dtype)
     reference = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
     pool = exactness.PoolExactness("trainer", invariant=True)
@@ -86,6 +86,8 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     assert report.exact, report.first_failure
     assert ops.ROW_TILE in model.row_tiles and report.tiles["row_tiles"] == list(model.row_tiles)
     assert set(model.row_tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
+    assert ops.ATTN_ROW_TILE in model.attn_tiles and report.tiles["attn_row_tiles"] == list(model.attn_tiles)
+    assert set(model.attn_tiles) <= {ops.ATTN_ROW_TILE, *ops.ATTN_TILE_CANDIDATES}
     ladder = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
     assert torch.equal(ladder, reference)
 
@@ -106,6 +108,21 @@ def test_a_tile_height_with_other_bits_is_left_out_of_the_ladder(tiny_dir: Path,
     assert 64 not in ladder and ops.ROW_TILE in ladder
 
 
+def test_an_attention_tile_height_with_other_bits_is_left_out_of_its_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill attention's ladder is judged by bits too: a height whose products round differently is not
+    chosen, and the reference height (the one decode uses) always is."""
+    real = ops._chunked_attention
+
+    def off_at_64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
+                  t: int) -> torch.Tensor:
+        out = real(q, k, v, q_offset, scale, t)
+        return out * (1 + 2**-20) if t == 64 else out
+
+    monkeypatch.setattr(ops, "_chunked_attention", off_at_64)
+    ladder = exactness.choose_attention_tiles(6, 2, 16, torch.float32, torch.device("cpu"), [1])
+    assert 64 not in ladder and ops.ATTN_ROW_TILE in ladder
+
+
 def test_fingerprint_is_the_same_for_the_same_bits_and_differs_for_other_bits(tiny_dir: Path) -> None:
     one = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
     two = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[2])
@@ -119,7 +136,8 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     d = report.to_dict()
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "attn_row_tile": ops.ATTN_ROW_TILE,
-                          "key_chunk": ops.KEY_CHUNK, "col_block_bytes": ops.COL_BLOCK_BYTES}
+                          "attn_row_tiles": [ops.ATTN_ROW_TILE], "key_chunk": ops.KEY_CHUNK,
+                          "col_block_bytes": ops.COL_BLOCK_BYTES}
     assert len(d["checks"]) == len(report.checks) and all(c["ok"] for c in d["checks"])
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels import ops
+from lathe.models.exactness import choose_attention_tiles
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -123,13 +124,14 @@ def test_log_softmax_matches_float64_in_fp32(invariant: bool, dtype: torch.dtype
     _assert_close(out, _log_softmax_reference(x.double()), torch.float32)
 
 
-@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize(("invariant", "tiles"), [(True, (ops.ATTN_ROW_TILE,)), (True, (4, 16, 64)), (False, ())],
+                         ids=["invariant", "invariant-ladder", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("lq", "lk", "q_offset"), [(100, 100, 0), (20, 75, 50), (1, 130, 129)], ids=["prefill", "chunked", "decode"]
 )
 def test_attention_matches_float64_values_and_grads(
-    invariant: bool, dtype: torch.dtype, lq: int, lk: int, q_offset: int
+    invariant: bool, tiles: tuple[int, ...], dtype: torch.dtype, lq: int, lk: int, q_offset: int
 ) -> None:
     gen = torch.Generator().manual_seed(4)
     inputs = [
@@ -138,7 +140,7 @@ def test_attention_matches_float64_values_and_grads(
         _leaf(lk, 2, 16, dtype=dtype, gen=gen),
     ]
     _check_values_and_grads(
-        lambda q, k, v: ops.attention(q, k, v, q_offset=q_offset, scale=0.25, invariant=invariant),
+        lambda q, k, v: ops.attention(q, k, v, q_offset=q_offset, scale=0.25, invariant=invariant, tiles=tiles),
         lambda q, k, v: _attention_reference(q, k, v, q_offset, 0.25),
         inputs,
     )
@@ -251,10 +253,15 @@ def _qkv(length: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torc
     return q, k, v
 
 
+@pytest.mark.parametrize("ladder", ["reference", "chosen"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_invariant_attention_decode_and_chunked_prefill_equal_prefill(dtype: torch.dtype) -> None:
+def test_invariant_attention_decode_and_chunked_prefill_equal_prefill(dtype: torch.dtype, ladder: str) -> None:
+    """Prefill in the reference tile, or in the ladder this machine's self-check chooses, has decode's bits."""
+    tiles = (ops.ATTN_ROW_TILE,)
+    if ladder == "chosen":
+        tiles = choose_attention_tiles(9, 3, 64, dtype, torch.device("cpu"), sorted({1, torch.get_num_threads()}))
     q, k, v = _qkv(150, dtype, seed=8)
-    prefill = ops.attention(q, k, v, q_offset=0, scale=0.125, invariant=True)
+    prefill = ops.attention(q, k, v, q_offset=0, scale=0.125, invariant=True, tiles=tiles)
     # A KV cache longer than the sequence, its spare slots holding any finite values: they never count.
     k_cache, v_cache = (torch.cat([x, torch.randn(106, 3, 64).to(dtype)]) for x in (k, v))
     for t in range(150):
@@ -264,7 +271,7 @@ def test_invariant_attention_decode_and_chunked_prefill_equal_prefill(dtype: tor
         assert torch.equal(cached, prefill[t : t + 1]), f"decode of token {t} from a long cache differs"
     for splits in ([0, 1, 2, 65, 129, 150], [0, 37, 64, 100, 150], [0, 63, 64, 128, 149, 150]):
         for s0, s1 in zip(splits, splits[1:], strict=False):
-            part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=0.125, invariant=True)
+            part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=0.125, invariant=True, tiles=tiles)
             assert torch.equal(part, prefill[s0:s1]), f"chunked prefill {s0}:{s1} (splits {splits}) differs"
 
 
