@@ -10,8 +10,8 @@ and its LM head (vocab 49152), random weights, each case timed in both modes:
   and, to split the layer figures, attention alone for the 8x256 prefill and the 32-sequence decode
 Three modes, interleaved run by run: plain ops, invariant ops with the reference tiles (16-row linear,
 4-row attention), and invariant ops with the tile ladders this machine's self-check chooses
-(``choose_row_tiles``, ``choose_attention_tiles``, printed; what a pool runs). Prints the median wall time of --repeats runs (after --warmup) per mode and each invariant
-mode's ratio to plain.
+(``choose_row_tiles``, ``choose_attention_tiles``, printed; what a pool runs). Prints the median wall time
+of --repeats runs (after --warmup) per mode and each invariant mode's ratio to plain.
 
 Run it alone: other processes on the same cores distort these timings badly.
 Run: python bench/bench_invariance.py [--repeats 5 --warmup 1 --threads 2 --dtypes fp32 bf16]

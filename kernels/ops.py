@@ -45,12 +45,14 @@ problem whatever the batch, and a row's bits depend only on its own values:
   grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of T rows
   (decode: ``ATTN_ROW_TILE``; prefill: the largest height of the pool's attention ladder that the rows
   fill, admitted by the self-check only where its rows have the ``ATTN_ROW_TILE`` tile's bits); scores
-  are ``[T, D] @ [D, KEY_CHUNK]`` products and each chunk's probabilities meet its values (with a ones
-  column: the softmax denominator) in ``[T, KEY_CHUNK] @ [KEY_CHUNK, D + 1]`` products; chunk results
-  are added one by one in chunk order. A key in a row's future scores -inf, so a chunk wholly in its
-  future adds exactly 0 (prefill never computes it, decode never loads it). The row max that
-  stabilises exp is exact in any order. Scores, sums and the output before its final cast are fp32
-  (fp64 for fp64 input).
+  are ``[T, D] @ [D, KEY_CHUNK]`` products and each chunk's probabilities meet its values in
+  ``[T, KEY_CHUNK] @ [KEY_CHUNK, D]`` products and are summed over the chunk's 64 keys (the softmax
+  denominator: a row-wise sum, invariant like ``log_softmax``); chunk results are added one by one in
+  chunk order. A kv head's key and value blocks are strided views of the ``[N, Hkv, D]`` rows a KV cache
+  holds (leading dimension Hkv * D in prefill and decode alike), never copied. A key in a row's future
+  scores -inf, so a chunk wholly in its future adds exactly 0 (prefill never computes it; decode adds
+  its zeros). The row max that stabilises exp is exact in any order. Scores, sums and the output before
+  its final cast are fp32 (fp64 for fp64 input).
 - ``log_softmax`` over the last dim is row-invariant in plain torch (its kernel splits the work over
   rows only), so both modes share the code. ``rms_norm`` is too, except that torch splits the mean of
   a lone row across threads once it has more than 32768 elements; the invariant mode gives a lone row
@@ -86,8 +88,8 @@ ATTN_ROW_TILE = 4
 reference height, and the one decode uses (a decoded token's group of heads fills one tile)."""
 
 ATTN_TILE_CANDIDATES = (16, 64)
-"""Taller attention tiles a pool may add to its prefill ladder (``attention``'s ``tiles``) when its
-self-check finds their rows bitwise equal to the reference tile's (``lathe.models.exactness.choose_attention_tiles``)."""
+"""Taller attention tiles a pool may add to its prefill ladder (``attention``'s ``tiles``) when its self-check
+finds their rows bitwise equal to the reference tile's (``lathe.models.exactness.choose_attention_tiles``)."""
 
 KEY_CHUNK = 64
 """Width of the fixed key chunks of invariant attention, on the absolute key grid."""
@@ -236,16 +238,16 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset:
     return o[0].transpose(0, 1)
 
 
-def _grid(x: torch.Tensor, n: int, dtype: torch.dtype, ones_column: bool = False) -> torch.Tensor:
-    """x[:n] as [Hkv, n, D] in ``dtype`` (slots past the end of x are ones), plus a ones column if asked.
+def _keys(x: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """x[:n] ([Lk, Hkv, D] keys or values) in ``dtype``, zero rows appended up to n: the [n, Hkv, D] grid whose
+    [KEY_CHUNK, D] blocks (one kv head's slice, a strided view) the products read.
 
     Keys from q_offset + Lq on are in every query's future, scored -inf and weighted exactly 0, so
-    whatever finite value fills them (ones here, zeros in a caller's spare KV-cache slots) never
-    reaches a result bit.
+    whatever finite value fills them (zeros here and in a caller's spare KV-cache slots) never reaches a
+    result bit.
     """
-    x = x[:n].to(dtype).transpose(0, 1)
-    pad = (0, int(ones_column), 0, n - x.shape[1])
-    return F.pad(x, pad, value=1.0) if any(pad) else x
+    x = x[:n].to(dtype)
+    return F.pad(x, (0, 0, 0, 0, 0, n - x.shape[0])) if x.shape[0] < n else x
 
 
 def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
@@ -258,11 +260,9 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
     # Padding rows sit past the last query and take its position, so they stay finite.
     rows = _pad_rows((q.to(wide) * scale).reshape(lq, hkv, g, d).transpose(0, 1).reshape(hkv, lq * g, d), t)
     tiles = rows.shape[1] // t
+    mine = rows.view(hkv, tiles, t, d)
     chunks = (q_offset + lq - 1) // KEY_CHUNK + 1  # up to the last key any query sees
-    n = chunks * KEY_CHUNK
-    keys = _grid(k, n, wide).unflatten(1, (chunks, KEY_CHUNK)).transpose(2, 3)  # [Hkv, C, D, 64]
-    # A ones column after v makes each chunk's value product also sum its probabilities (the denominator).
-    values = _grid(v, n, wide, ones_column=True).unflatten(1, (chunks, KEY_CHUNK))  # [Hkv, C, 64, D + 1]
+    keys, values = (_keys(x, chunks * KEY_CHUNK, wide) for x in (k, v))  # [n, Hkv, D]
     position = q_offset + torch.arange(tiles * t, device=q.device).clamp(max=lq * g - 1) // g  # [R]
     firsts, lasts = position[::t].tolist(), position[t - 1 :: t].tolist()  # each tile's first and last row
     # Chunk c meets tiles[seen[c]:] (a tile before seen[c] has the whole chunk in its future); of those, the
@@ -270,30 +270,39 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
     seen = [bisect.bisect_left(lasts, c * KEY_CHUNK) for c in range(chunks)]
     whole = [bisect.bisect_left(firsts, (c + 1) * KEY_CHUNK - 1) for c in range(chunks)]
     key = torch.arange(KEY_CHUNK, device=q.device)
-    heads = []
-    for h in range(hkv):
-        mine = rows[h].view(tiles, t, d)
-        scores = []  # chunk c: [tiles - seen[c], t, 64]
-        for c in range(chunks):
-            f, e = seen[c], whole[c]
-            s = _bmm(mine[f:], keys[h, c].expand(tiles - f, d, KEY_CHUNK))
-            if e > f:
-                future = c * KEY_CHUNK + key > position[f * t : e * t].view(e - f, t, 1)
-                s[: e - f].masked_fill_(future, float("-inf"))
-            scores.append(s)
-        # The row max only stabilises exp (the result does not depend on it, so it carries no gradient); it is
-        # exact in any order. Every row sees key 0, so it is finite.
-        with torch.no_grad():
-            top = scores[0].amax(-1, keepdim=True)
-            for c in range(1, chunks):
-                top[seen[c] :] = torch.maximum(top[seen[c] :], scores[c].amax(-1, keepdim=True))
-        # Chunk results are added one by one in chunk order, as decode adds them.
-        acc = _bmm(torch.exp(scores[0] - top), values[h, 0].expand(tiles, KEY_CHUNK, d + 1))
+
+    def block(x: torch.Tensor, c: int, h: int, f: int) -> torch.Tensor:
+        """Chunk c of kv head h as [KEY_CHUNK, D], shared (expanded, never copied) by tiles f onwards."""
+        return x[c * KEY_CHUNK : (c + 1) * KEY_CHUNK, h].expand(tiles - f, KEY_CHUNK, d)
+
+    scores = []  # chunk c: [Hkv, tiles - seen[c], t, 64]
+    for c in range(chunks):
+        f, e = seen[c], whole[c]
+        s = torch.stack([_bmm(mine[h, f:], block(keys, c, h, f).transpose(1, 2)) for h in range(hkv)])
+        if e > f:
+            future = c * KEY_CHUNK + key > position[f * t : e * t].view(e - f, t, 1)
+            s[:, : e - f].masked_fill_(future, float("-inf"))
+        scores.append(s)
+    # The row max only stabilises exp (the result does not depend on it, so it carries no gradient); it is
+    # exact in any order. Every row sees key 0, so it is finite.
+    with torch.no_grad():
+        top = scores[0].amax(-1, keepdim=True)
         for c in range(1, chunks):
-            f = seen[c]
-            acc[f:] += _bmm(torch.exp(scores[c] - top[f:]), values[h, c].expand(tiles - f, KEY_CHUNK, d + 1))
-        heads.append((acc[..., :-1] / acc[..., -1:]).reshape(tiles * t, d)[: lq * g])
-    out = torch.stack(heads)  # [Hkv, Lq * g, D]
+            top[:, seen[c] :] = torch.maximum(top[:, seen[c] :], scores[c].amax(-1, keepdim=True))
+    # Each chunk's probabilities meet its values (numerators) and are summed (denominators); chunk results are
+    # added one by one in chunk order, as decode adds them.
+    num = den = torch.empty(0)
+    for c in range(chunks):
+        f = seen[c]
+        p = torch.exp(scores[c] - top[:, f:])
+        part = torch.stack([_bmm(p[h], block(values, c, h, f)) for h in range(hkv)])
+        total = p.sum(-1, keepdim=True)
+        if c == 0:
+            num, den = part, total
+        else:
+            num[:, f:] += part
+            den[:, f:] += total
+    out = (num / den).reshape(hkv, tiles * t, d)[:, : lq * g]
     return out.reshape(hkv, lq, g, d).transpose(0, 1).reshape(lq, hq, d).to(q.dtype)
 
 
@@ -323,22 +332,26 @@ def decode_attention(
     if n % KEY_CHUNK:
         raise ValueError(f"decode_attention: N={n} keys must be whole chunks of {KEY_CHUNK}")
     wide, t, chunks = _wide(q.dtype), ATTN_ROW_TILE, n // KEY_CHUNK
-    rows = _pad_rows((q.to(wide) * scale).reshape(s * hkv, g, d), t)  # [S*Hkv, G, D], G whole tiles
-    tiles = rows.shape[1] // t
-    keys = k.to(wide).transpose(1, 2).reshape(s * hkv, chunks, KEY_CHUNK, d).transpose(2, 3)  # [SH, C, D, 64]
-    values = F.pad(v.to(wide).transpose(1, 2), (0, 1), value=1.0).reshape(s * hkv, chunks, KEY_CHUNK, d + 1)
-    # [SH, tiles, C, t, 64]: one [t, D] @ [D, 64] product per (sequence, kv head, tile, chunk)
-    batch = (s * hkv, tiles, chunks)
-    scores = _bmm(rows.view(s * hkv, tiles, 1, t, d).expand(*batch, t, d).reshape(-1, t, d),
-                  keys[:, None].expand(*batch, d, KEY_CHUNK).reshape(-1, d, KEY_CHUNK)).view(*batch, t, KEY_CHUNK)
-    pos = torch.as_tensor(positions, device=q.device).repeat_interleave(hkv)
-    future = torch.arange(n, device=q.device).view(chunks, 1, KEY_CHUNK) > pos.view(-1, 1, 1, 1, 1)
-    scores = scores.masked_fill(future, float("-inf"))
+    keys, values = k.to(wide), v.to(wide)  # [S, N, Hkv, D]: kv head h's chunks are strided views, never copied
+    rows = _pad_rows((q.to(wide) * scale).reshape(s, hkv, g, d), t)  # [S, Hkv, G, D], G whole tiles
+    tiles = rows.shape[2] // t
+    # Per (kv head, tile): one [t, D] @ [D, 64] product per (sequence, chunk), the tile's rows shared by its chunks
+    mine = rows.view(s, hkv, tiles, 1, t, d).expand(s, hkv, tiles, chunks, t, d)
+    pairs = [(h, j) for h in range(hkv) for j in range(tiles)]
+
+    def chunked(x: torch.Tensor, h: int) -> torch.Tensor:
+        return x[:, :, h].reshape(s * chunks, KEY_CHUNK, d)  # [S * C, 64, D]
+
+    scores = torch.stack([_bmm(mine[:, h, j].reshape(-1, t, d), chunked(keys, h).transpose(1, 2)) for h, j in pairs])
+    pos = torch.as_tensor(positions, device=q.device)
+    future = torch.arange(n, device=q.device).view(chunks, 1, KEY_CHUNK) > pos.view(-1, 1, 1, 1)  # [S, C, 1, 64]
+    scores = scores.view(len(pairs), s, chunks, t, KEY_CHUNK).masked_fill(future, float("-inf"))
     probs = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
-    chunk_values = values[:, None].expand(*batch, KEY_CHUNK, d + 1).reshape(-1, KEY_CHUNK, d + 1)
-    partial = _bmm(probs.reshape(-1, t, KEY_CHUNK), chunk_values).view(*batch, t, d + 1)
-    acc, *later = partial.unbind(2)
-    for chunk in later:
-        acc = acc + chunk
-    out = (acc[..., :-1] / acc[..., -1:]).reshape(s * hkv, tiles * t, d)[:, :g]
+    num = torch.stack([_bmm(probs[i].view(-1, t, KEY_CHUNK), chunked(values, h)) for i, (h, _) in enumerate(pairs)])
+    num = num.view(len(pairs), s, chunks, t, d)
+    den = probs.sum(-1, keepdim=True)
+    acc, total = num[:, :, 0], den[:, :, 0]
+    for c in range(1, chunks):  # chunks past a sequence's end add exactly zero
+        acc, total = acc + num[:, :, c], total + den[:, :, c]
+    out = (acc / total).view(hkv, tiles, s, t, d).permute(2, 0, 1, 3, 4).reshape(s, hkv, tiles * t, d)[:, :, :g]
     return out.reshape(s, hq, d).to(q.dtype)
