@@ -291,17 +291,16 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
             top[:, seen[c] :] = torch.maximum(top[:, seen[c] :], scores[c].amax(-1, keepdim=True))
     # Each chunk's probabilities meet its values (numerators) and are summed (denominators); chunk results are
     # added one by one in chunk order, as decode adds them.
-    num = den = torch.empty(0)
-    for c in range(chunks):
+    def chunk_result(c: int) -> tuple[torch.Tensor, torch.Tensor]:
         f = seen[c]
         p = torch.exp(scores[c] - top[:, f:])
-        part = torch.stack([_bmm(p[h], block(values, c, h, f)) for h in range(hkv)])
-        total = p.sum(-1, keepdim=True)
-        if c == 0:
-            num, den = part, total
-        else:
-            num[:, f:] += part
-            den[:, f:] += total
+        return torch.stack([_bmm(p[h], block(values, c, h, f)) for h in range(hkv)]), p.sum(-1, keepdim=True)
+
+    num, den = chunk_result(0)
+    for c in range(1, chunks):
+        part, total = chunk_result(c)
+        num[:, seen[c] :] += part
+        den[:, seen[c] :] += total
     out = (num / den).reshape(hkv, tiles * t, d)[:, : lq * g]
     return out.reshape(hkv, lq, g, d).transpose(0, 1).reshape(lq, hq, d).to(q.dtype)
 
