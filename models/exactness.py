@@ -26,6 +26,10 @@ The check runs, with those ladders, at every thread count the pool may use:
    trainer and a sampler on different machines are reported exact only then. The fingerprint must
    also be the same at every thread count checked.
 
+LoRA products take their shapes from the adapter's rank, which the pool learns only when adapters arrive: the
+self-check covers its own rank (8), and ``PoolExactness.check_ranks`` checks the products of every other rank
+the first time an adapter of that rank is about to compute (the engines call it on their compute thread).
+
 The first check that fails is named in ``first_failure``; a pool that fails still serves and says so.
 """
 
@@ -82,13 +86,15 @@ class ExactnessReport:
     tiles: dict[str, object]
     seconds: float
     checks: list[Check] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    """LoRA ranks whose products were checked: the self-check's own, then each adapter rank the pool met."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def fields(self) -> dict[str, object]:
         """The fields of the ``Exactness`` message that pools publish (capabilities) and the SDK reads."""
-        detail = f"{self.device} {self.dtype}, threads {self.threads}, tiles {self.tiles}"
+        detail = f"{self.device} {self.dtype}, threads {self.threads}, tiles {self.tiles}, lora ranks {self.ranks}"
         return {"checked": True, "exact": self.exact, "first_failure": self.first_failure or "",
                 "fingerprint": self.fingerprint, "detail": detail}
 
@@ -108,8 +114,8 @@ class PoolExactness:
     is not exact by construction: it records that without running the check.
     """
 
-    def __init__(self, pool: str, invariant: bool) -> None:
-        self.pool, self.invariant = pool, invariant
+    def __init__(self, pool: str, invariant: bool, publish: Callable[[str, bool], None] | None = None) -> None:
+        self.pool, self.invariant, self.publish = pool, invariant, publish
         self.reports: dict[str, ExactnessReport] = {}
 
     def check(self, name: str, model: Decoder) -> ExactnessReport:
@@ -125,6 +131,25 @@ class PoolExactness:
                                      str(model.dtype).removeprefix("torch."), [], tiles(model), 0.0)
         print(f"lathe.{self.pool} {name}: {report.summary()}", file=sys.stderr, flush=True)
         self.reports[name] = report
+        self._publish(name, report)
+        return report
+
+    def _publish(self, name: str, report: ExactnessReport) -> None:
+        if self.publish is not None:
+            self.publish(name, report.exact)
+
+    def check_ranks(self, name: str, model: Decoder, ranks: set[int]) -> ExactnessReport | None:
+        """Check the LoRA products of each adapter rank in ``ranks`` that ``name``'s report has not met yet
+        (an adapter's rank sets its products' shapes). Run it on the thread that computes, before the adapters'
+        first pass: the check sets torch's thread count while it runs. Returns the report when it was
+        checked further (its verdict may have changed), else None."""
+        report = self.reports.get(name)
+        new = sorted(ranks - set(report.ranks)) if report is not None and self.invariant else []
+        if not new:
+            return None
+        add_rank_checks(report, model, new)
+        print(f"lathe.{self.pool} {name}: LoRA ranks {new} checked: {report.summary()}", file=sys.stderr, flush=True)
+        self._publish(name, report)
         return report
 
     def fields(self, name: str) -> dict[str, object]:
@@ -262,6 +287,28 @@ def _rows(name: str, op: Callable[[torch.Tensor], torch.Tensor], pool: torch.Ten
     return Check(name, True)
 
 
+def _lora_checks(model: Decoder, gen: torch.Generator, rank: int) -> list[Check]:
+    """The LoRA shrink and expand products at ``rank`` for every width of the model's targets, in the dtype
+    the LoRA path computes in (fp32 under a bf16 base): their shapes follow the adapter's rank, not the base."""
+    cfg, dev = model.cfg, model.device
+    wide = torch.promote_types(model.dtype, torch.float32)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=wide)
+
+    targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
+    checks = []
+    for width in sorted({module_shape(cfg, t)[0] for t in targets}):
+        a = rand(rank, width)
+        checks.append(_rows(f"lora shrink {width}->{rank}", lambda x, a=a: ops.linear(x, a, invariant=True),
+                            rand(BATCH_ROWS[-1], width)))
+    for width in sorted({module_shape(cfg, t)[1] for t in targets}):
+        b = rand(width, rank)
+        checks.append(_rows(f"lora expand {rank}->{width}", lambda x, b=b: ops.linear(x, b, invariant=True),
+                            rand(BATCH_ROWS[-1], rank)))
+    return checks
+
+
 def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Check]:
     cfg, w, dt, dev = model.cfg, model.w, model.dtype, model.device
 
@@ -284,16 +331,7 @@ def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Che
     head = model.lm_head
     checks.append(_rows(f"linear lm_head {head.shape[1]}->{head.shape[0]}",
                         lambda x: ops.linear(x, head, invariant=True, tiles=model.row_tiles), pool(head.shape[1])))
-    ins = sorted({module_shape(cfg, t)[0] for t in ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)})
-    outs = sorted({module_shape(cfg, t)[1] for t in ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)})
-    for width in ins:
-        a = torch.randn(lora_rank, width, generator=gen).to(device=dev, dtype=dt)
-        checks.append(_rows(f"lora shrink {width}->{lora_rank}", lambda x, a=a: ops.linear(x, a, invariant=True),
-                            pool(width)))
-    for width in outs:
-        b = torch.randn(width, lora_rank, generator=gen).to(device=dev, dtype=dt)
-        checks.append(_rows(f"lora expand {lora_rank}->{width}", lambda x, b=b: ops.linear(x, b, invariant=True),
-                            pool(lora_rank)))
+    checks += _lora_checks(model, gen, lora_rank)
     norm = w["model.norm.weight"]
     checks.append(_rows(f"rms_norm {cfg.hidden_size}",
                         lambda x: ops.rms_norm(x, norm, cfg.rms_norm_eps, invariant=True), pool(cfg.hidden_size)))
@@ -465,4 +503,22 @@ def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: i
         tiles=tiles(model),
         seconds=time.perf_counter() - start,
         checks=checks,
+        ranks=[lora_rank],
     )
+
+
+def add_rank_checks(report: ExactnessReport, model: Decoder, ranks: list[int], seed: int = 0) -> list[Check]:
+    """The LoRA products at each of ``ranks`` at the report's thread counts, added to ``report``: its
+    verdict turns to not exact at the first that fails (a pool that fails still serves, and says so)."""
+    checks: list[Check] = []
+    for n in report.threads:
+        with _threads(n), torch.no_grad():
+            gen = torch.Generator().manual_seed(seed)
+            checks += [Check(f"{c.name} @{n} threads", c.ok, c.detail) for r in ranks
+                       for c in _lora_checks(model, gen, r)]
+    report.ranks = sorted({*report.ranks, *ranks})
+    report.checks += checks
+    failed = next((c for c in checks if not c.ok), None)
+    if failed is not None and report.exact:
+        report.exact, report.first_failure = False, f"{failed.name}: {failed.detail}"
+    return checks

@@ -171,3 +171,42 @@ def test_sdk_warns_when_trainer_and_sampler_fingerprints_differ_and_not_when_the
     other.see(_receipt("forward", "aa"))
     with pytest.warns(RuntimeWarning, match=r"trainer fingerprints \['aa'\] differ from sampler fingerprints \['bb'\]"):
         other.see(_receipt("sample", "bb"))
+
+
+def test_an_adapter_rank_is_checked_the_first_time_the_pool_meets_it(tiny_dir: Path) -> None:
+    """LoRA products take their shapes from the adapter's rank: each new rank is checked once, before use."""
+    published: list[tuple[str, bool]] = []
+    pool = exactness.PoolExactness("trainer", invariant=True, publish=lambda name, exact: published.append((name,
+                                                                                                           exact)))
+    model = Decoder.from_dir(tiny_dir)
+    report = pool.check("tiny", model)
+    assert report.ranks == [8] and published == [("tiny", True)]
+    assert pool.check_ranks("tiny", model, {8}) is None
+    again = pool.check_ranks("tiny", model, {24, 8})
+    assert again is report and report.ranks == [8, 24] and report.exact
+    assert any(c.name.startswith("lora shrink") and "->24 @" in c.name and c.ok for c in report.checks)
+    assert any(c.name.startswith("lora expand 24->") for c in report.checks)
+    assert "lora ranks [8, 24]" in report.fields()["detail"]
+    assert published == [("tiny", True), ("tiny", True)]
+
+
+def test_a_rank_whose_products_change_with_the_batch_turns_the_pool_not_exact(tiny_dir: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank-24 shrink that rounds differently in larger batches is caught when rank 24 first arrives."""
+    real = ops.linear
+
+    def drifting(x: torch.Tensor, weight: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        y = real(x, weight, *args, **kw)
+        return y * (1 + 2**-20) if weight.shape[0] == 24 and x.shape[0] > 1 else y
+
+    published: list[tuple[str, bool]] = []
+    pool = exactness.PoolExactness("sampler", invariant=True, publish=lambda name, exact: published.append((name,
+                                                                                                           exact)))
+    model = Decoder.from_dir(tiny_dir)
+    pool.check("tiny", model)
+    monkeypatch.setattr(ops, "linear", drifting)
+    report = pool.check_ranks("tiny", model, {24})
+    assert report is not None and not report.exact
+    assert report.first_failure.startswith("lora shrink") and "->24" in report.first_failure
+    assert "alone differs" in report.first_failure
+    assert published[-1] == ("tiny", False)

@@ -210,6 +210,9 @@ def _runs(model_cache: Path, model_dir: Path, dtype: str, invariant: bool
     start = busy[0].receipt.cycle  # the first four were prefilled together, the others 3 steps later,
     assert [r.receipt.cycle for r in busy] == [start] * 4 + [start + 3] * 4  # in the middle of their decoding
     assert min(q.params.max_tokens for q in reqs[:4]) > 3
+    if invariant:  # the adapters' ranks (2, 4 and the self-check's 8) were each checked before their first step
+        report = eng.exactness.reports[BASE]
+        assert report.ranks == [2, 4, 8] and report.exact, report.first_failure
     eng.stop()
     return reqs, alone, [ok(r) for r in busy]
 

@@ -435,3 +435,16 @@ def test_bad_rl_datums_are_rejected(engine: TrainerEngine, field: str, values: l
     res = submit(engine, fb("rl", 1, [d], "importance_sampling")).result(timeout=60)
     assert res.error.code == "InvalidArgument" and message in res.error.message
     assert engine.bank.get("rl").step == 0 and not engine.bank.get("rl").has_grads()
+
+
+def test_each_adapter_rank_is_self_checked_before_its_first_pass(engine: TrainerEngine) -> None:
+    """The pool's report starts with the self-check's rank; ranks 4 and 12 are checked when their adapters
+    first compute, and the pool stays exact (gauge included)."""
+    create(engine, "small", rank=4)
+    create(engine, "odd", rank=12)
+    done = [submit(engine, fb(m, 1, batch(3))) for m in ("small", "odd")]
+    assert all(f.result(timeout=120).forward_backward.metrics["loss:sum"] > 0 for f in done)
+    report = engine.exactness.reports[BASE]
+    assert report.ranks == [4, 8, 12] and report.exact
+    assert any("lora expand 12->" in c.name for c in report.checks)
+    assert engine.metrics.exactness.labels(model=BASE)._value.get() == 1.0

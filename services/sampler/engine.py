@@ -204,9 +204,10 @@ class SamplerEngine:
         self.adapters = AdapterCache(source, cfg.adapter_cache)
         self.steps = 0
         self._bases: dict[str, _Base] = {}
-        self.exactness = PoolExactness("sampler", cfg.invariant)
-        self._adapter_dtype = adapter_dtype(self.dtype, cfg.sgmv)
         self.metrics = SamplerMetrics()
+        self.exactness = PoolExactness("sampler", cfg.invariant,
+                                       lambda name, exact: self.metrics.exactness.labels(model=name).set(exact))
+        self._adapter_dtype = adapter_dtype(self.dtype, cfg.sgmv)
         self._base_lock = threading.Lock()
         self._cond = threading.Condition()
         self._live: set[_Request] = set()
@@ -231,8 +232,7 @@ class SamplerEngine:
                 model = Decoder.from_dir(entry.path, dtype=self.dtype, device=self.cfg.device,
                                          invariant=self.cfg.invariant)
                 model.sgmv = self.cfg.sgmv
-                report = self.exactness.check(name, model)
-                self.metrics.exactness.labels(model=name).set(float(report.exact))
+                self.exactness.check(name, model)
                 tok_file = Path(entry.path) / "tokenizer.json"
                 cfg = model.cfg
                 limits = ModelLimits(
@@ -428,6 +428,8 @@ class SamplerEngine:
             cache = self._prompt_cache(base, r)
             items.append(Item(list(r.plan.prompt[cache.length:]), cache, r.adapter, r.plan.ask))
         items += [Item([s.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
+        name = (prefills[0] if prefills else decodes[0].request).req.base_model
+        self.exactness.check_ranks(name, base.model, {i.adapter.spec.rank for i in items if i.adapter is not None})
         try:
             outs = self._run(base, items, decodes if not prefills else None)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving

@@ -179,7 +179,8 @@ class TrainerEngine:
         self.metrics.capacity.set(cfg.cycle_tokens)
         self._bases: dict[str, Decoder] = {}
         self._base_lock = threading.Lock()  # one load (and self-check) per base model, warm-up included
-        self.exactness = PoolExactness("trainer", cfg.invariant)
+        self.exactness = PoolExactness("trainer", cfg.invariant,
+                                       lambda name, exact: self.metrics.exactness.labels(model=name).set(exact))
         self._models: dict[str, _Model] = {}
         pages = DirPages(Path(cfg.page_store) if cfg.page_store else cfg.cache_root / "paged")
         self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.base(name).cfg,
@@ -207,8 +208,7 @@ class TrainerEngine:
                                          invariant=self.cfg.invariant,
                                          checkpoint_layers=self.cfg.activation_checkpointing)
                 model.sgmv = self.cfg.sgmv
-                report = self.exactness.check(name, model)
-                self.metrics.exactness.labels(model=name).set(float(report.exact))
+                self.exactness.check(name, model)
                 self._bases[name] = model
             return self._bases[name]
 
@@ -647,6 +647,7 @@ class TrainerEngine:
                     for w in part]
             tokens += sum(len(x) for j in jobs for x in j.examples)
             model = self.base(base)
+            self.exactness.check_ranks(base, model, {j.weights.spec.rank for j in jobs})
 
             def run(some: list[Job], model: Decoder = model) -> list[JobResult]:
                 try:
