@@ -110,9 +110,8 @@ class PoolExactness:
     """The self-check reports of one pool's loaded base models; owned by a trainer or sampler engine.
 
     ``check`` runs when the pool loads a model: it sets the model's tile ladders (``choose_row_tiles``,
-    ``choose_attention_tiles``),
-    runs the self-check and logs the verdict on stderr. A pool that runs the plain ops (``--no-invariant``)
-    is not exact by construction: it records that without running the check.
+    ``choose_attention_tiles``), runs the self-check and logs the verdict on stderr. A pool that runs the plain
+    ops (``--no-invariant``) is not exact by construction: it records that without running the check.
     """
 
     def __init__(self, pool: str, invariant: bool, publish: Callable[[str, bool], None] | None = None) -> None:
