@@ -32,8 +32,9 @@ shape and by the CPU's instruction set: on one AVX-512 CPU every row of an fp32 
 M reaches 16 rows; under MKL's AVX2 path a row's position inside an 8-row block changes them. Padding
 to "a multiple of 4" was tuned to where one CPU switched. So the invariant mode never lets a batch
 choose a shape: every matmul is cut into tiles of fixed shape and the tiles go through ONE batched
-matmul (``torch.bmm`` with the shared operand expanded, never copied), so the library sees the same
-problem whatever the batch, and a row's bits depend only on its own values:
+matmul (``torch.bmm`` with the shared operand expanded, never copied, padded with zero products to at
+least as many products as threads, so that each product runs on one thread), so the library sees the same
+problem whatever the batch and the thread count, and a row's bits depend only on its own values:
 - ``linear``: rows in tiles of ``ROW_TILE`` (zero-padded), the weight's columns in blocks of at most
   ``COL_BLOCK_BYTES`` (a block stays in cache while every tile reads it; the blocks depend only on the
   weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``. A pool may pass a
@@ -108,13 +109,26 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """c[i] = a[i] @ b[i] for a [B, M, K], b [B, K, N]: torch.bmm on CPU (the callers fix the shapes), the
-    batch-invariant Triton kernel on CUDA (cuBLAS picks algorithms by batch count)."""
+    """c[i] = a[i] @ b[i] for a [B, M, K], b [B, K, N] -> c [B, M, N], every product run by one thread.
+
+    On CPU the batch is padded with zero products up to torch's thread count. MKL runs a batch of at
+    least as many products as threads one product per thread, but splits a product across threads when
+    there are fewer (measured on AVX-512 Xeons, and under MKL's AVX2 path: a lone [16, 1536] @ [1536, 32]
+    product, or two products at 4 threads, get other bits than the same products in a larger batch). With
+    the padding a product's bits depend on its own shape alone, never on the batch count or the threads.
+    On CUDA it is the batch-invariant Triton kernel (cuBLAS picks algorithms by batch count).
+    """
     if a.is_cuda:
         from lathe.kernels.invariant_triton import invariant_bmm
 
         return invariant_bmm(a, b)
-    return torch.bmm(a, b)
+    n, want = a.shape[0], torch.get_num_threads()
+    if n == 0 or n >= want:
+        return torch.bmm(a, b)
+    a = F.pad(a, (0, 0, 0, 0, 0, want - n))
+    shared = b.shape[0] == 1 or b.stride(0) == 0  # one operand for every product: still a view
+    b = b[:1].expand(want, *b.shape[1:]) if shared else F.pad(b, (0, 0, 0, 0, 0, want - n))
+    return torch.bmm(a, b)[:n]
 
 
 def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> torch.Tensor:
@@ -131,7 +145,7 @@ def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> t
     tiles = _pad_rows(x, tile).view(-1, tile, k)
     count = tiles.shape[0]
     block = max(KEY_CHUNK, COL_BLOCK_BYTES // (k * w.element_size()) // KEY_CHUNK * KEY_CHUNK)
-    parts = [torch.bmm(tiles, w[:, c : c + block].expand(count, k, min(block, n - c))) for c in range(0, n, block)]
+    parts = [_bmm(tiles, w[:, c : c + block].expand(count, k, min(block, n - c))) for c in range(0, n, block)]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y.view(count * tile, n)[:m]
 
@@ -161,16 +175,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Invariant mode flattens the leading dims to M rows, cuts them into ``row_groups(M, tiles)`` and runs
     ``tiled_matmul`` on each group with its tile height; the bias is added after. Mixing heights keeps a
     row's bits only where every height gives the reference tile's bits: the self-check picks the ladder
-    (``tiles``) per machine and verifies that. Differentiable in both modes.
+    (``tiles``) per machine and verifies that. Differentiable in both modes: in invariant mode backward
+    runs in ``ROW_TILE`` tiles whatever the forward's ladder (``_InvariantLinear``).
     """
     if not invariant:
         return F.linear(x, weight, bias)
-    rows, w = x.reshape(-1, x.shape[-1]), weight.t()
-    parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in row_groups(rows.shape[0], tiles)]
-    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    rows = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y = _InvariantLinear.apply(rows, weight, tiles)
+    else:
+        y = _tiled_linear(rows, weight, tiles)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:
+    """rows [M, K] @ weight.T over ``row_groups(M, tiles)`` -> [M, N]."""
+    w = weight.t()
+    parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in row_groups(rows.shape[0], tiles)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _InvariantLinear(torch.autograd.Function):
+    """``_tiled_linear`` under autograd. The forward's ladder gives a row the reference tile's bits, but its
+    backward products would not share them: a row's dX would depend on the tile height the batch size chose
+    for it (measured on an AVX-512 Xeon: a tenant's gradient changed with its batch mates). So backward runs
+    dX = dY @ weight in ``ROW_TILE`` tiles, whose rows depend on their own values alone; and only x and the
+    weight are saved, not the forward's padded tiles."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(rows, weight)
+        return _tiled_linear(rows, weight, tiles)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        rows, weight = ctx.saved_tensors
+        dx = tiled_matmul(grad, weight) if ctx.needs_input_grad[0] else None
+        dw = grad.t() @ rows if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bool) -> torch.Tensor:
@@ -222,8 +266,53 @@ def attention(
     if invariant:
         rows = lq * (hq // hkv)
         tile = max((t for t in tiles if t <= rows), default=min(tiles))
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _InvariantAttention.apply(q, k, v, q_offset, scale, tile)
         return _chunked_attention(q, k, v, q_offset, scale, tile)
     return _sdpa_attention(q, k, v, q_offset, scale)
+
+
+class _InvariantAttention(torch.autograd.Function):
+    """Invariant attention under autograd: the forward is ``_chunked_attention`` itself (the same bits),
+    run without recording a graph, and only q, k, v and the output are saved. Backward recomputes the
+    probabilities of the sequence's visible keys in one product per head group and applies the softmax
+    gradient (dS = P * (dP - rowsum(dO * O))), in fp32 or wider: a few products per sequence and layer
+    instead of autograd's thousands of small kernels and zero-filled slices. Its bits depend on the
+    sequence alone, so a tenant's gradient does not depend on its batch mates."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,  # noqa: ANN001
+                tile: int) -> torch.Tensor:
+        out = _chunked_attention(q, k, v, q_offset, scale, tile)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.q_offset, ctx.scale = q_offset, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        q, k, v, out = ctx.saved_tensors
+        lq, hq, d = q.shape
+        lk, hkv = k.shape[0], k.shape[1]
+        g, n, wide = hq // hkv, ctx.q_offset + lq, _wide(q.dtype)
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [L, H, D] -> [H, L, D] in the wide dtype
+            return x.to(wide).transpose(0, 1)
+
+        qh, dout, oh = heads(q), heads(grad), heads(out)
+        kh, vh = (heads(x[:n]).repeat_interleave(g, dim=0) for x in (k, v))  # [Hq, n, D]: query head h reads h // g
+        future = torch.arange(n, device=q.device) > ctx.q_offset + torch.arange(lq, device=q.device)[:, None]
+        p = torch.softmax(torch.matmul(qh, kh.transpose(1, 2)).mul_(ctx.scale).masked_fill_(future, float("-inf")), -1)
+        dp = torch.matmul(dout, vh.transpose(1, 2))
+        ds = p * (dp - (dout * oh).sum(-1, keepdim=True))
+        dq = torch.matmul(ds, kh).mul_(ctx.scale).transpose(0, 1).to(q.dtype)
+
+        def per_kv_head(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [Hq, n, D] -> [Lk, Hkv, D]
+            x = x.view(hkv, g, n, d).sum(1).transpose(0, 1).to(like.dtype)
+            return F.pad(x, (0, 0, 0, 0, 0, lk - n)) if lk > n else x
+
+        dk = per_kv_head(torch.matmul(ds.transpose(1, 2), qh).mul_(ctx.scale), k)
+        dv = per_kv_head(torch.matmul(p.transpose(1, 2), dout), v)
+        return dq, dk, dv, None, None, None
 
 
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:

@@ -55,6 +55,9 @@ BATCH_ROWS = (1, 3, 13, 17, 64, 300)
 SEQ_LENGTHS = (1, 3, 13, 17, 64)
 """Sequence lengths of the end-to-end check (packed together, then each alone)."""
 
+GROUPED_LENGTHS = (1, 5, 16, 17, 40)
+"""Segment lengths of the grouped-LoRA check: under, at and over one tile, and several tiles."""
+
 DECODED = 6
 """Tokens of each longer sequence that the end-to-end check decodes one at a time after its prefill."""
 
@@ -310,7 +313,36 @@ def _lora_checks(model: Decoder, gen: torch.Generator, rank: int) -> list[Check]
         b = rand(width, rank)
         checks.append(_rows(f"lora expand {rank}->{width}", lambda x, b=b: ops.linear(x, b, invariant=True),
                             rand(BATCH_ROWS[-1], rank)))
+    checks.append(_grouped_check(model, rank, rand))
     return checks
+
+
+def _grouped_check(model: Decoder, rank: int, rand: Callable[..., torch.Tensor]) -> Check:
+    """The grouped LoRA path (what both engines run) against the per-segment reference, for every target
+    shape at ``rank``: segments of ``GROUPED_LENGTHS`` rows over three adapters, packed and each alone."""
+    name = f"lora grouped vs per-segment rank {rank}"
+    keys = [(0, t) for t in ATTN_TARGETS + MLP_TARGETS] + [(-1, UNEMBED)]
+    shapes = {key: module_shape(model.cfg, key[1]) for key in keys}
+    adapters = [LoraWeights(LoraSpec(rank=rank), {k: rand(rank, i) for k, (i, _) in shapes.items()},
+                            {k: rand(o, rank) * 0.02 for k, (_, o) in shapes.items()}) for _ in range(3)]
+    seg = [0]
+    for n in GROUPED_LENGTHS:
+        seg.append(seg[-1] + n)
+    ids = [s % len(adapters) for s in range(len(GROUPED_LENGTHS))]
+    packed = LoraBatch(seg, ids, adapters)
+    for key, (width, _) in shapes.items():
+        x = rand(seg[-1], width)
+        grouped = packed.delta(key, x)
+        bad = _differing(grouped, packed.delta_per_segment(key, x))
+        if bad:
+            return Check(name, False, f"{key[1]}: rows {bad[:4]} of the grouped product differ from the "
+                                      "per-segment one")
+        for s, adapter in enumerate(ids):
+            alone = LoraBatch([0, seg[s + 1] - seg[s]], [0], [adapters[adapter]]).delta(key, x[seg[s] : seg[s + 1]])
+            if _differing(alone, grouped[seg[s] : seg[s + 1]]):
+                return Check(name, False, f"{key[1]}: the {GROUPED_LENGTHS[s]}-row segment alone differs from the "
+                                          f"same segment among {len(GROUPED_LENGTHS)}")
+    return Check(name, True)
 
 
 def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Check]:

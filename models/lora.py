@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lathe.kernels import ops
+from lathe.kernels.lora_grouped import TileLayout, lora_grouped
 from lathe.models.config import ModelConfig
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -146,9 +147,9 @@ class LoraBatch:
     """The adapter layout of a packed batch.
 
     Rows ``seg[i]:seg[i+1]`` of every activation belong to adapter ``adapters[ids[i]]``. The decoder
-    calls ``delta(key, x)`` after each target module's base matmul. Each segment is computed on its
-    own (no rank padding, no dependence on which other adapters share the batch), with the same
-    batch-invariant matmul as the base model, so a token's bits do not depend on its batch mates.
+    calls ``delta(key, x)`` after each target module's base matmul. Each segment's rows are computed in
+    tiles of their own (no rank padding, no dependence on which other adapters share the batch), with the
+    same fixed-shape products as the base model, so a token's bits do not depend on its batch mates.
     """
 
     seg: list[int]
@@ -157,6 +158,7 @@ class LoraBatch:
     invariant: bool = True
     triton: bool = False  # SGMV kernels on stacked, rank-padded weights (GPU); else the per-segment path
     _segments: list[tuple[int, int, LoraWeights]] = field(default_factory=list)
+    _layouts: dict[tuple[tuple[int, int, int], ...], TileLayout] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.seg) != len(self.ids) + 1:
@@ -177,13 +179,47 @@ class LoraBatch:
 
         Computed in fp32 (fp64 for fp64 activations) whatever the base dtype: the precision policy keeps
         LoRA weights, their products and gradients in fp32 under a bf16 base; the caller rounds once.
+        Invariant mode runs every segment of one rank through one grouped shrink and expand
+        (``lathe.kernels.lora_grouped``), with the bits of ``delta_per_segment``.
         """
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
             return None
-        out_features = holders[0].b[key].shape[0]
         if self.triton:
-            return self._delta_sgmv(key, x, out_features)
+            return self._delta_sgmv(key, x, holders[0].b[key].shape[0])
+        if not self.invariant:
+            return self.delta_per_segment(key, x)
+        out = None
+        for rank in sorted({w.spec.rank for w in holders}):
+            layout, members = self._layout(key, rank, x)
+            part = lora_grouped(x, layout, [w.a[key] for w in members], [w.b[key] for w in members],
+                                [w.spec.scale for w in members])
+            out = part if out is None else out + part  # each part is zero outside its own rows
+        return out
+
+    def _layout(self, key: Key, rank: int, x: torch.Tensor) -> tuple[TileLayout, list[LoraWeights]]:
+        """The tile layout of the segments whose adapter has ``key`` at ``rank``, and those adapters by slot."""
+        members: list[LoraWeights] = []
+        spans: list[tuple[int, int, int]] = []
+        for s0, s1, w in self._segments:
+            if key in w.a and w.spec.rank == rank:
+                slot = next((i for i, m in enumerate(members) if m is w), None)
+                if slot is None:
+                    slot, members = len(members), [*members, w]
+                spans.append((s0, s1, slot))
+        cache_key = tuple(spans)
+        layout = self._layouts.get(cache_key)
+        if layout is None:
+            layout = self._layouts[cache_key] = TileLayout.build(x.shape[0], spans, ops.ROW_TILE, x.device)
+        return layout, members
+
+    def delta_per_segment(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
+        """The reference: each segment through its own ``ops.linear`` pair (the plain mode, and the oracle
+        the self-check holds the grouped path to)."""
+        holders = [w for _, _, w in self._segments if key in w.a]
+        if not holders:
+            return None
+        out_features = holders[0].b[key].shape[0]
         wide = torch.promote_types(x.dtype, torch.float32)
         parts = []
         for s0, s1, w in self._segments:

@@ -1,0 +1,165 @@
+"""Grouped LoRA for the invariant CPU path: every segment of a packed batch in one shrink and one expand.
+
+    lora_grouped(x, layout, a, b, scale) -> y
+      x: [T, I]; layout: segments (s0, s1, j) of rows, each padded to whole tiles of ``layout.tile`` rows
+      a[j]: [r, I], b[j]: [O, r] (one rank per call); scale[j]: float
+      y[s0:s1] = (x[s0:s1] @ a[j].T) @ b[j].T * scale[j]   for each segment; rows in no segment: 0
+                                                                             -> y: [T, O] (fp32 or wider)
+
+Every product has the shape the per-segment reference (``LoraBatch.delta_per_segment``: ``ops.linear`` on
+each segment alone) gives it: ``[tile, I] @ [I, r]`` per tile for the shrink, ``[tile, r] @ [r, <= block]``
+per tile and column block for the expand, the same weight layouts (transposed views), the same column
+blocks, and the scale applied after the expand. Products of one rank go through one ``ops._bmm`` per
+product kind, whatever the number of segments (a tile's weight is its adapter's: stacked when they are
+small, a view of the one adapter when the batch has one, one product per segment when stacking would copy
+more than ``STACK_BYTES``), so a row's bits equal the reference's. The pool's self-check verifies that on
+its machine (``lathe.models.exactness``).
+
+Backward is written out (a ``torch.autograd.Function``) so that it, too, costs a few products per target
+instead of autograd's per-segment slices, zero-filled full-size gradients and concatenations. Each
+segment's weight gradients are the sum over its own tiles of per-tile products: an adapter's gradient
+depends on its own rows only, never on which other adapters share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lathe.kernels import ops
+
+STACK_BYTES = 8 << 20
+"""Most bytes of per-tile weight copies one grouped product makes; above it, one product per segment."""
+
+
+@dataclass(frozen=True, slots=True)
+class TileLayout:
+    """Where the rows of a batch's segments sit once each segment is padded to whole tiles.
+
+    ``src [R]``: the rows of x that lie in a segment, ascending; ``dest [R]``: each one's row in the padded
+    ``[tiles * tile]`` layout; ``runs``: ``(first tile, end tile, slot)`` per segment, in row order.
+    """
+
+    rows: int
+    tile: int
+    tiles: int
+    src: torch.Tensor
+    dest: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def build(cls, rows: int, segments: list[tuple[int, int, int]], tile: int, device: torch.device) -> TileLayout:
+        """``segments``: ``(s0, s1, slot)`` with s0 < s1, ascending and disjoint, within ``rows``."""
+        src, dest, runs, tiles = [], [], [], 0
+        for s0, s1, slot in segments:
+            n = -(-(s1 - s0) // tile)
+            src.append(torch.arange(s0, s1))
+            dest.append(torch.arange(tiles * tile, tiles * tile + s1 - s0))
+            runs.append((tiles, tiles + n, slot))
+            tiles += n
+        return cls(rows, tile, tiles, torch.cat(src).to(device), torch.cat(dest).to(device), tuple(runs))
+
+    @property
+    def full(self) -> bool:
+        """Whether every row of x lies in a segment (then ``src`` is ``arange(rows)``)."""
+        return self.src.shape[0] == self.rows
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, W] -> [tiles, tile, W]: each segment's rows in its own tiles, the rest zero."""
+        out = x.new_zeros(self.tiles * self.tile, x.shape[1])
+        out.index_copy_(0, self.dest, x if self.full else x.index_select(0, self.src))
+        return out.view(self.tiles, self.tile, x.shape[1])
+
+    def unpad(self, t: torch.Tensor) -> torch.Tensor:
+        """[tiles, tile, W] -> [rows, W]: the inverse of ``pad`` (rows in no segment get 0)."""
+        flat = t.reshape(self.tiles * self.tile, t.shape[2])
+        picked = flat.index_select(0, self.dest)
+        if self.full:
+            return picked
+        return picked.new_zeros(self.rows, t.shape[2]).index_copy_(0, self.src, picked)
+
+    def per_segment_sum(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t [tiles, ...]`` summed over each segment's own tiles, in run order."""
+        return [t[t0:t1].sum(0) for t0, t1, _ in self.runs]
+
+
+def _col_blocks(out_features: int, rank: int, element_size: int) -> list[tuple[int, int]]:
+    """The expand's column blocks: ``ops.tiled_matmul``'s for a ``[rank, out_features]`` weight."""
+    block = max(ops.KEY_CHUNK, ops.COL_BLOCK_BYTES // (rank * element_size) // ops.KEY_CHUNK * ops.KEY_CHUNK)
+    return [(c, min(c + block, out_features)) for c in range(0, out_features, block)]
+
+
+def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, transpose: bool) -> torch.Tensor:
+    """``lhs[t] @ op(mats[slot of tile t])`` for every tile; op is ``.T`` when ``transpose``; lhs [tiles, m, k].
+
+    The weight operand keeps the layout the reference reads (a transposed view when ``transpose``): a
+    view expanded over the tiles when every run has one slot, stacked copies when small, else one product
+    per run.
+    """
+    def op(m: torch.Tensor) -> torch.Tensor:
+        return m.t() if transpose else m
+
+    slots = {slot for _, _, slot in layout.runs}
+    tiles = layout.tiles
+    if len(slots) == 1:
+        w = op(mats[slots.pop()])
+        return ops._bmm(lhs, w.expand(tiles, *w.shape))
+    if tiles * mats[0].numel() * mats[0].element_size() <= STACK_BYTES:
+        stacked = torch.stack([mats[slot] for t0, t1, slot in layout.runs for _ in range(t1 - t0)])
+        return ops._bmm(lhs, stacked.transpose(1, 2) if transpose else stacked)
+    return torch.cat([ops._bmm(lhs[t0:t1], op(mats[slot]).expand(t1 - t0, *op(mats[slot]).shape))
+                      for t0, t1, slot in layout.runs])
+
+
+class _GroupedLora(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layout: TileLayout, scales: list[float], n: int,  # noqa: ANN001
+                *weights: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        a, b = [m.to(wide) for m in weights[:n]], [m.to(wide) for m in weights[n:]]
+        xt = layout.pad(x.to(wide))
+        v = _products(xt, a, layout, transpose=True)  # [tiles, tile, r]
+        rank, out_features = a[0].shape[0], b[0].shape[0]
+        blocks = _col_blocks(out_features, rank, b[0].element_size())
+        parts = [_products(v, [m[c0:c1] for m in b], layout, transpose=True) for c0, c1 in blocks]
+        yt = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        scale = torch.tensor([scales[slot] for t0, t1, slot in layout.runs for _ in range(t1 - t0)], dtype=wide,
+                             device=x.device).view(-1, 1, 1)
+        yt = yt * scale
+        ctx.save_for_backward(xt, v, scale, *a, *b)
+        ctx.layout, ctx.n, ctx.blocks, ctx.x_dtype = layout, n, blocks, x.dtype
+        ctx.w_dtypes = [m.dtype for m in weights]
+        return layout.unpad(yt)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        xt, v, scale, *weights = ctx.saved_tensors
+        layout, n = ctx.layout, ctx.n
+        a, b = weights[:n], weights[n:]
+        gt = layout.pad(grad.to(v.dtype)) * scale  # [tiles, tile, O]
+        dv = None
+        grad_b: list[list[torch.Tensor]] = []
+        for c0, c1 in ctx.blocks:
+            g = gt[:, :, c0:c1]
+            part = _products(g, [m[c0:c1] for m in b], layout, transpose=False)  # [tiles, tile, r]
+            dv = part if dv is None else dv + part
+            grad_b.append(layout.per_segment_sum(ops._bmm(g.transpose(1, 2), v)))  # [blk, r] per segment
+        dx = _products(dv, list(a), layout, transpose=False)  # [tiles, tile, I]
+        grad_a = layout.per_segment_sum(ops._bmm(dv.transpose(1, 2), xt))  # [r, I] per segment
+        da: list[torch.Tensor | None] = [None] * n
+        db: list[torch.Tensor | None] = [None] * n
+        for s, (_, _, slot) in enumerate(layout.runs):
+            block_grads = [g[s] for g in grad_b]
+            gb = block_grads[0] if len(block_grads) == 1 else torch.cat(block_grads)
+            da[slot] = grad_a[s] if da[slot] is None else da[slot] + grad_a[s]
+            db[slot] = gb if db[slot] is None else db[slot] + gb
+        dx_rows = layout.unpad(dx).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grads = [None if g is None else g.to(dt) for g, dt in zip(da + db, ctx.w_dtypes, strict=True)]
+        return (dx_rows, None, None, None, *grads)
+
+
+def lora_grouped(x: torch.Tensor, layout: TileLayout, a: list[torch.Tensor], b: list[torch.Tensor],
+                 scales: list[float]) -> torch.Tensor:
+    """See the module docstring. ``a``, ``b`` and ``scales`` are indexed by the layout's slots."""
+    return _GroupedLora.apply(x, layout, scales, len(a), *a, *b)
