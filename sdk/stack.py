@@ -1,7 +1,9 @@
 """The embedded stack: every Lathe service as its own process, each its own gRPC server on loopback.
 
-``Stack`` starts checkpoints -> trainer -> sampler -> gateway, waits for each one's ready line (bounded), and
-stops them in reverse order (SIGTERM, then SIGKILL after a grace period). ``lathe serve``, the demo
+``Stack`` starts checkpoints -> trainer -> sampler -> gateway, waits for each one's ready line (bounded), then
+(``wait_pools``) for the model pools to answer SERVING on gRPC health: their models loaded and self-checked, so
+that a caller's first step does not share the cores with a pool's self-check. It stops them in reverse order
+(SIGTERM, then SIGKILL after a grace period). ``lathe serve``, the demo
 and the end-to-end tests all use it. Torch-free: it only spawns ``python -m lathe.<service>``.
 
 Supervision: each child's first start may pick any free port; the stack pins the port its ready line
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from lathe.checkpoints.seaweed import LocalS3
 
 READY_TIMEOUT_S = 180.0
+POOLS_READY_TIMEOUT_S = 900.0  # loading and self-checking the served models (SmolLM2: ~40 s on 2 cores)
+POOLS = ("trainer", "sampler")
 SUPERVISE_POLL_S = 0.1  # how often the supervisor looks at its children
 LOCAL_S3 = "s3-local"
 
@@ -67,6 +71,7 @@ class StackConfig:
     db_url: str = ""
     gateways: int = 1  # gateway replicas over the one control-plane database (the first on the ports above)
     supervise: bool = True  # restart a child that exits while the stack runs
+    wait_pools: bool = True  # start() returns once trainer and sampler have loaded and self-checked their models
     metrics: bool = False  # every child serves Prometheus /metrics on a free loopback port (Stack.metrics_urls)
     restart_budget: int = 3  # restarts per child within restart_window_s; one more exit stops the stack
     restart_window_s: float = 600.0
@@ -183,6 +188,8 @@ class Stack:
             self._spawn("gateway", gw_args, {"--port": c.gateway_port, "--http-port": c.http_port})
             for _ in range(c.gateways - 1):
                 self._spawn("gateway", gw_args, {"--port": 0, "--http-port": min(c.http_port, 0)})
+            if c.wait_pools:
+                self.wait_pools()
         except BaseException:
             self.stop()
             raise
@@ -190,6 +197,31 @@ class Stack:
             self._supervisor = threading.Thread(target=self._supervise, name="stack-supervisor", daemon=True)
             self._supervisor.start()
         return self
+
+    def wait_pools(self, timeout_s: float = POOLS_READY_TIMEOUT_S) -> None:
+        """Block until every model pool answers SERVING on gRPC health (bounded; a pool that exits or stays
+        NOT_SERVING past ``timeout_s`` raises, naming it)."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        for s in (s for s in self.services if s.name in POOLS):
+            with grpc.insecure_channel(s.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while True:
+                    if s.proc is not None and s.proc.poll() is not None:
+                        raise RuntimeError(f"lathe.{s.name} exited with code {s.proc.returncode} while loading its "
+                                           "models")
+                    try:
+                        status = stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                    except grpc.RpcError:
+                        status = None
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"lathe.{s.name} did not load and self-check its models within "
+                                           f"{timeout_s:.0f} s")
+                    time.sleep(0.1)
 
     def kill(self, name: str) -> int:
         """SIGKILL the child ``name`` (a crash, as far as anyone can tell) and wait for it; its exit code.
