@@ -11,7 +11,10 @@ run, the same operations:
 - one big:  a single tenant submitting the same total batch (what multiplexing should cost: nothing).
 Batch shapes per tenant: 1x32, 1x128 and 4x128 tokens. Prints aggregate tokens/s, mean step latency,
 the packed/serial speedup, packed vs. one-big, and the cycle planning overhead read from the trainer's
-Prometheus metrics.
+Prometheus metrics. Beside the packed run: the arithmetic floor of a round (its training FLOPs at this
+machine's measured fp32 GEMM rate), the trainer's own cycle time per round (its metrics), and the
+overhead per tenant-step: (round time - floor) / tenants, the time a tenant's step costs beyond its
+arithmetic.
 """
 
 from __future__ import annotations
@@ -26,13 +29,30 @@ import time
 import urllib.request
 from pathlib import Path
 
+from machine import cpu_line, gemm_gflops
+
 import lathe
+from lathe.models.config import ModelConfig
+from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, module_shape
 from lathe.stack import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("LATHE_CACHE", REPO / ".cache" / "lathe"))
 MODELS = {"tiny": "lathe/tiny-llama", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+MODEL_DIRS = {"tiny": "tiny-llama", "smollm2": "SmolLM2-135M-Instruct"}  # under CACHE, made by the first Stack
 SHAPES = [(1, 32), (1, 128), (4, 128)]
+RANK = 16
+
+
+def train_flops_per_token(cfg: ModelConfig, rank: int, length: int) -> float:
+    """FLOPs of one trained token: base forward, dX backward and the LM head's recompute; LoRA (rank ``rank``
+    on every target and the head) forward, dX, dW and head recompute; causal attention at ``length``."""
+    lin = cfg.num_layers * sum(i * o for i, o in (module_shape(cfg, t) for t in ATTN_TARGETS + MLP_TARGETS))
+    head = cfg.hidden_size * cfg.vocab_size
+    lora = cfg.num_layers * sum(rank * (i + o) for i, o in (module_shape(cfg, t) for t in ATTN_TARGETS + MLP_TARGETS))
+    lora_head = rank * (cfg.hidden_size + cfg.vocab_size)
+    attention = cfg.num_layers * 4 * (length / 2) * cfg.num_heads * cfg.head_dim * 3
+    return 2 * (2 * lin + 3 * head) + 2 * (3 * lora + 4 * lora_head) + attention
 
 
 def batch(n: int, length: int, seed: int) -> list[lathe.Datum]:
@@ -61,23 +81,30 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def trainer_metrics(stack: Stack) -> str:
+    trainer = next(s for s in stack.services if s.name == "trainer")
+    url = next(line.split(" on ")[-1] for line in trainer.lines if "metrics on" in line)
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
 def measure(stack: Stack, model: str, tenants: int, n: int, length: int, steps: int) -> dict[str, float]:
     with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") as sc:
-        clients = [sc.create_lora_training_client(model, rank=16, seed=i) for i in range(tenants)]
+        clients = [sc.create_lora_training_client(model, rank=RANK, seed=i) for i in range(tenants)]
         data = [batch(n, length, i) for i in range(tenants)]
-        tenant_loop(clients[0], data[0], 1)  # warm-up
+        with cf.ThreadPoolExecutor(tenants) as pool:  # warm-up: every adapter's first step (its rank check)
+            list(pool.map(lambda i: tenant_loop(clients[i], data[i], 1), range(tenants)))
+        cycles0 = metric(trainer_metrics(stack), "lathe_trainer_cycle_seconds_sum")
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(tenants) as pool:
             lats = list(pool.map(lambda i: tenant_loop(clients[i], data[i], steps), range(tenants)))
         wall = time.perf_counter() - t0
-    return {"tokens_per_s": tenants * n * length * steps / wall,
-            "latency_s": statistics.mean(x for lat in lats for x in lat)}
+        cycles = metric(trainer_metrics(stack), "lathe_trainer_cycle_seconds_sum") - cycles0
+    return {"tokens_per_s": tenants * n * length * steps / wall, "round_s": wall / steps,
+            "cycle_s": cycles / steps, "latency_s": statistics.mean(x for lat in lats for x in lat)}
 
 
 def planning_share(stack: Stack) -> float:
-    trainer = next(s for s in stack.services if s.name == "trainer")
-    url = next(line.split(" on ")[-1] for line in trainer.lines if "metrics on" in line)
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    text = trainer_metrics(stack)
     cycle = metric(text, "lathe_trainer_cycle_seconds_sum")
     plan = metric(text, "lathe_trainer_cycle_planning_seconds_sum")
     return plan / cycle if cycle else 0.0
@@ -85,8 +112,8 @@ def planning_share(stack: Stack) -> float:
 
 def run_model(key: str, args: argparse.Namespace) -> None:
     model = MODELS[key]
-    print(f"\n{model}: {args.tenants} tenants, LoRA rank 16, {args.steps} steps each, "
-          f"trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens")
+    print(f"\n{model}: {args.tenants} tenants, LoRA rank {RANK}, {args.steps} steps each, "
+          f"trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens; {cpu_line()}")
     print(f"{'tokens/tenant':<14}{'packed tok/s':>13}{'serial tok/s':>13}{'one-big tok/s':>14}"
           f"{'packed/serial':>14}{'packed/one-big':>15}{'lat packed s':>13}{'lat serial s':>13}")
     rows = {}
@@ -108,6 +135,16 @@ def run_model(key: str, args: argparse.Namespace) -> None:
               f"{p['tokens_per_s'] / s['tokens_per_s']:>14.2f}{p['tokens_per_s'] / b['tokens_per_s']:>15.2f}"
               f"{p['latency_s']:>13.3f}{s['latency_s']:>13.3f}")
     print(f"cycle planning time / cycle time (packed run): {share:.4f}")
+    rate = gemm_gflops(args.threads)
+    cfg = ModelConfig.from_dir(CACHE / MODEL_DIRS[key])
+    print(f"packed rounds against the arithmetic floor (fp32 GEMM at {rate:.0f} GFLOP/s, {args.threads} threads):")
+    print(f"{'tokens/tenant':<14}{'round s':>9}{'cycles s':>10}{'floor s':>9}{'floor/round':>12}"
+          f"{'overhead/tenant-step ms':>25}")
+    for n, length in shapes:
+        p = rows[("packed", n, length)]
+        floor = args.tenants * n * length * train_flops_per_token(cfg, RANK, length) / (rate * 1e9)
+        print(f"{f'{n}x{length}':<14}{p['round_s']:>9.2f}{p['cycle_s']:>10.2f}{floor:>9.2f}"
+              f"{floor / p['round_s']:>12.2f}{1e3 * (p['round_s'] - floor) / args.tenants:>25.0f}")
 
 
 def main() -> None:

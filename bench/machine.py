@@ -17,3 +17,26 @@ def cpu_line() -> str:
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     flags = [f for f in fields.get("Flags", "").split() if f.startswith(FLAG_PREFIXES)]
     return f"{fields.get('Model name', '?').strip()} ({os.cpu_count()} cores; flags {' '.join(flags)})"
+
+
+def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 30) -> float:
+    """fp32 GEMM throughput of this machine at ``threads`` torch threads ([rows, k] @ [k, n], best of
+    ``repeats``): the arithmetic rate a figure's floor is computed with."""
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w = torch.randn(rows, k), torch.randn(k, n)
+        for _ in range(3):
+            x @ w
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x @ w
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * rows * k * n / best / 1e9

@@ -234,6 +234,42 @@ class Decoder(torch.nn.Module):
         return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
 
 
+    def target_logprobs_backward(
+        self, h: torch.Tensor, targets: torch.Tensor, lora: LoraBatch | None, grad: torch.Tensor, *,
+        chunk: int = LOGIT_CHUNK,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
+        """``target_logprobs`` and its backward in one pass, for a loss whose gradient with respect to the
+        logprobs, ``grad [T]``, is known before they are (cross-entropy: ``-weights``).
+
+        Each chunk's logits are computed once and backpropagated at once, instead of being kept for, or
+        recomputed in, the backward pass. Returns the logprobs ``[T]`` (no graph), the gradient with respect
+        to ``h`` (``[T, hidden]``; the caller backpropagates it through the layers) and the gradients of the
+        LoRA head parameters that saw a row, by parameter (not yet accumulated into ``.grad``). The same
+        operations as ``target_logprobs`` under autograd, so the same bits.
+        """
+        targets, grad = targets.to(h.device), grad.to(h.device)
+        h = h.detach()
+        lps, dhs = [], []
+        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for r0 in range(0, h.shape[0], chunk):
+            r1 = min(r0 + chunk, h.shape[0])
+            sub = lora.rows(r0, r1) if lora is not None else None
+            params = sub.parameters_of((-1, UNEMBED)) if sub is not None else []
+            rows = h[r0:r1].requires_grad_()
+            with torch.enable_grad():
+                lp = _ChunkLogprobs(self, sub)(rows, targets[r0:r1])
+            got = torch.autograd.grad(lp, [rows, *params], grad[r0:r1], allow_unused=True)
+            lps.append(lp.detach())
+            dhs.append(got[0])
+            for p, g in zip(params, got[1:], strict=True):
+                if g is not None:
+                    prev = grads.get(id(p))
+                    grads[id(p)] = (p, g if prev is None else prev[1] + g)
+        empty = h.new_zeros(0, dtype=torch.float32)
+        return (torch.cat(lps) if lps else empty, torch.cat(dhs) if dhs else torch.zeros_like(h),
+                dict(grads.values()))
+
+
 class _ChunkLogprobs:
     """One chunk of ``target_logprobs`` as a plain callable (what activation checkpointing replays)."""
 

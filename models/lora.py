@@ -174,6 +174,14 @@ class LoraBatch:
         seg = [min(max(s - r0, 0), r1 - r0) for s in self.seg]
         return LoraBatch(seg, list(self.ids), self.adapters, self.invariant, self.triton)
 
+    def parameters_of(self, key: Key) -> list[torch.Tensor]:
+        """The A and B of target ``key`` of every adapter with rows in this batch that has it (each once)."""
+        out: list[torch.Tensor] = []
+        for _, _, w in self._segments:
+            if key in w.a and not any(t is w.a[key] for t in out):
+                out += [w.a[key], w.b[key]]
+        return out
+
     def delta(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA correction of target ``key`` for activations ``x [T, I]`` -> ``[T, O]`` or None.
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lathe.models.config import ModelConfig
-from lathe.models.decoder import Decoder
-from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.decoder import Decoder, Packed
+from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 from lathe.trainer.ops import Example
 from lathe.trainer.optimizer import AdamParams, AdamState, adamw_step
 from lathe.trainer.step import Job, run_jobs
@@ -134,6 +134,26 @@ def test_packed_gradients_match_reference_per_adapter(model: Decoder) -> None:
         for key in a.a:
             assert rel_err(a.a[key].grad, ref_w.a[key].grad) <= 1e-5, key
             assert rel_err(a.b[key].grad, ref_w.b[key].grad) <= 1e-5, key
+
+def test_cross_entropy_one_pass_head_has_the_bits_of_the_recomputed_head(model: Decoder) -> None:
+    """A cross-entropy pass runs the LM head forward and backward in one pass per chunk (its gradient, -weights,
+    is known in advance); its gradients equal, bit for bit, those of the loss backpropagated through
+    ``target_logprobs``' recomputed chunks. 473 rows: two logit chunks, the second adapter's rows in both."""
+    adapters = [_adapter(model, 4, 10), _adapter(model, 8, 20, train_attn=False)]
+    batches = [[_example(model.cfg.vocab_size, n, 7 * n) for n in sizes] for sizes in ([150, 120], [200, 3])]
+    twins = [LoraWeights(a.spec, {k: t.detach().clone().requires_grad_() for k, t in a.a.items()},
+                         {k: t.detach().clone().requires_grad_() for k, t in a.b.items()}) for a in adapters]
+    run_jobs(model, [Job(a, b, "cross_entropy", {}, backward=True) for a, b in zip(adapters, batches, strict=True)])
+    examples = [ex for b in batches for ex in b]
+    seg = [0, sum(len(ex) for ex in batches[0]), sum(len(ex) for ex in examples)]
+    lora = LoraBatch(seg, [0, 1], twins)
+    h = model.hidden(Packed.from_sequences([ex.tokens for ex in examples]), lora)
+    lp = model.target_logprobs(h, torch.cat([ex.targets for ex in examples]), lora)
+    (-(torch.cat([ex.inputs["weights"] for ex in examples]) * lp).sum()).backward()
+    for a, t in zip(adapters, twins, strict=True):
+        for name, p in a.named_parameters().items():
+            assert torch.equal(p.grad, t.named_parameters()[name].grad), name
+
 
 def test_fresh_adapter_equals_base_model(model: Decoder) -> None:
     lora = LoraWeights.init(model.cfg, LoraSpec(rank=8), seed=3)

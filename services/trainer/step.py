@@ -71,7 +71,18 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
     lora = LoraBatch(seg, list(range(len(jobs))), [j.weights for j in jobs], invariant=model.invariant,
                      triton=model.sgmv)
     h = model.hidden(batch, lora)
-    lp = model.target_logprobs(h, torch.cat([ex.targets for ex in examples]), lora)
+    targets = torch.cat([ex.targets for ex in examples])
+    # Cross-entropy's gradient with respect to the logprobs, -weights, is known before they are: the LM head
+    # then runs forward and backward chunk by chunk in one pass (no recompute). Other losses need the logprobs
+    # first, so their chunks are recomputed in backward.
+    fused = backward and all(j.custom is None and j.loss_fn == "cross_entropy" for j in jobs) \
+        and len({id(j.weights) for j in jobs}) == len(jobs)
+    head_grads: dict[torch.Tensor, torch.Tensor] = {}
+    if fused:
+        grad_lp = torch.cat([-ex.inputs["weights"] for ex in examples])
+        lp, grad_h, head_grads = model.target_logprobs_backward(h, targets, lora, grad_lp)
+    else:
+        lp = model.target_logprobs(h, targets, lora)
     host = lp.detach().cpu()
     total: torch.Tensor | None = None
     offset = 0
@@ -101,5 +112,26 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
                                         "is not applied (check the inputs and the adapter's weights)")
             continue
         total = loss if total is None else total + loss
-    if backward and total is not None:
+    if fused:
+        _backward_fused(h, grad_h, head_grads, jobs, results, seg)
+    elif backward and total is not None:
         total.backward()
+
+
+def _backward_fused(h: torch.Tensor, grad_h: torch.Tensor, head_grads: dict[torch.Tensor, torch.Tensor],
+                    jobs: list[Job], results: list[JobResult], seg: list[int]) -> None:
+    """The rest of a fused pass's backward: a failed job's rows and head gradients are dropped (it fails
+    alone, applying nothing), the head gradients of the others accumulate into ``.grad``, and ``grad_h``
+    flows back through the layers."""
+    failed = [i for i, res in enumerate(results) if res.error is not None]
+    if len(failed) == len(jobs):
+        return
+    for i in failed:
+        grad_h[seg[i]:seg[i + 1]] = 0
+        for p in jobs[i].weights.parameters():
+            head_grads.pop(p, None)
+    with torch.no_grad():
+        for p, g in head_grads.items():
+            p.grad = g if p.grad is None else p.grad + g
+    if h.requires_grad:  # false when the adapters train the LM head alone
+        h.backward(grad_h)
