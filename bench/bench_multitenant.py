@@ -45,14 +45,15 @@ RANK = 16
 
 
 def train_flops_per_token(cfg: ModelConfig, rank: int, length: int) -> float:
-    """FLOPs of one trained token: base forward, dX backward and the LM head's recompute; LoRA (rank ``rank``
-    on every target and the head) forward, dX, dW and head recompute; causal attention at ``length``."""
+    """FLOPs of one cross-entropy-trained token: base forward and dX backward (a cross-entropy pass does not
+    recompute the LM head); LoRA (rank ``rank`` on every target and the head) forward, dX and dW; causal
+    attention at ``length``."""
     lin = cfg.num_layers * sum(i * o for i, o in (module_shape(cfg, t) for t in ATTN_TARGETS + MLP_TARGETS))
     head = cfg.hidden_size * cfg.vocab_size
     lora = cfg.num_layers * sum(rank * (i + o) for i, o in (module_shape(cfg, t) for t in ATTN_TARGETS + MLP_TARGETS))
     lora_head = rank * (cfg.hidden_size + cfg.vocab_size)
     attention = cfg.num_layers * 4 * (length / 2) * cfg.num_heads * cfg.head_dim * 3
-    return 2 * (2 * lin + 3 * head) + 2 * (3 * lora + 4 * lora_head) + attention
+    return 2 * 2 * (lin + head) + 2 * 3 * (lora + lora_head) + attention
 
 
 def batch(n: int, length: int, seed: int) -> list[lathe.Datum]:
