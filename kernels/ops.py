@@ -169,20 +169,21 @@ def row_groups(rows: int, tiles: tuple[int, ...]) -> list[tuple[int, int, int]]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool,
-           tiles: tuple[int, ...] = (ROW_TILE,)) -> torch.Tensor:
+           tiles: tuple[int, ...] = (ROW_TILE,), grad_tiles: tuple[int, ...] = (ROW_TILE,)) -> torch.Tensor:
     """y = x @ weight.T + bias; x [..., K], weight [N, K], bias [N] or None -> y [..., N].
 
     Invariant mode flattens the leading dims to M rows, cuts them into ``row_groups(M, tiles)`` and runs
     ``tiled_matmul`` on each group with its tile height; the bias is added after. Mixing heights keeps a
     row's bits only where every height gives the reference tile's bits: the self-check picks the ladder
-    (``tiles``) per machine and verifies that. Differentiable in both modes: in invariant mode backward
-    runs in ``ROW_TILE`` tiles whatever the forward's ladder (``_InvariantLinear``).
+    (``tiles``) per machine and verifies that. Differentiable in both modes: in invariant mode backward's
+    dX = dY @ weight runs over its own ladder, ``grad_tiles``, admitted by bits on the transposed products
+    (``_InvariantLinear``).
     """
     if not invariant:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        y = _InvariantLinear.apply(rows, weight, tiles)
+        y = _InvariantLinear.apply(rows, weight, tiles, grad_tiles)
     else:
         y = _tiled_linear(rows, weight, tiles)
     if bias is not None:
@@ -198,23 +199,26 @@ def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ..
 
 
 class _InvariantLinear(torch.autograd.Function):
-    """``_tiled_linear`` under autograd. The forward's ladder gives a row the reference tile's bits, but its
-    backward products would not share them: a row's dX would depend on the tile height the batch size chose
-    for it (measured on an AVX-512 Xeon: a tenant's gradient changed with its batch mates). So backward runs
-    dX = dY @ weight in ``ROW_TILE`` tiles, whose rows depend on their own values alone; and only x and the
-    weight are saved, not the forward's padded tiles."""
+    """``_tiled_linear`` under autograd. The forward's ladder gives a row the reference tile's bits, but the
+    same heights in backward need not share bits: a row's dX would depend on the tile height its batch's size
+    chose (measured on an AVX-512 Xeon: a tenant's gradient changed with its batch mates). So backward runs
+    dX = dY @ weight over ``grad_tiles``, a ladder whose heights the pool admits by bits on the transposed
+    products (``ROW_TILE`` alone unless a pool chose more); and only x and the weight are saved, not the
+    forward's padded tiles."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...],  # noqa: ANN001
+                grad_tiles: tuple[int, ...]) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
+        ctx.grad_tiles = grad_tiles
         return _tiled_linear(rows, weight, tiles)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
         rows, weight = ctx.saved_tensors
-        dx = tiled_matmul(grad, weight) if ctx.needs_input_grad[0] else None
+        dx = _tiled_linear(grad, weight.t(), ctx.grad_tiles) if ctx.needs_input_grad[0] else None
         dw = grad.t() @ rows if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bool) -> torch.Tensor:

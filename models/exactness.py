@@ -117,14 +117,18 @@ class PoolExactness:
     ops (``--no-invariant``) is not exact by construction: it records that without running the check.
     """
 
-    def __init__(self, pool: str, invariant: bool, publish: Callable[[str, bool], None] | None = None) -> None:
+    def __init__(self, pool: str, invariant: bool, publish: Callable[[str, bool], None] | None = None, *,
+                 backward: bool = False) -> None:
         self.pool, self.invariant, self.publish = pool, invariant, publish
+        self.backward = backward  # a training pool: also choose the linears' backward ladder
         self.reports: dict[str, ExactnessReport] = {}
 
     def check(self, name: str, model: Decoder) -> ExactnessReport:
         if self.invariant:
             threads = default_threads(model)
             model.row_tiles = choose_row_tiles(_model_weights(model), threads)
+            if self.backward:
+                model.grad_tiles = choose_row_tiles(_backward_weights(model), threads)
             cfg = model.cfg
             model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                                       model.device, threads)
@@ -167,7 +171,8 @@ class PoolExactness:
 
 def tiles(model: Decoder) -> dict[str, object]:
     """The tile sizes the invariant ops use on ``model`` (part of the fingerprint)."""
-    return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.row_tiles), "attn_row_tile": ops.ATTN_ROW_TILE,
+    return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.row_tiles), "grad_row_tiles": list(model.grad_tiles),
+            "attn_row_tile": ops.ATTN_ROW_TILE,
             "attn_row_tiles": list(model.attn_tiles), "key_chunk": ops.KEY_CHUNK,
             "col_block_bytes": ops.COL_BLOCK_BYTES}
 
@@ -192,6 +197,14 @@ def _model_weights(model: Decoder) -> list[torch.Tensor]:
         weight = model.w[f"model.layers.0.{block}.{target}.weight"]
         shapes.setdefault(tuple(weight.shape), weight)
     return [*shapes.values(), model.lm_head[:HEAD_ROWS]]
+
+
+def _backward_weights(model: Decoder) -> list[torch.Tensor]:
+    """The operands of the linears' backward products, dX = dY @ W, as ``[K, N]`` weights (what
+    ``choose_row_tiles`` takes): each distinct layer shape, and the whole LM head (its backward reduces over
+    the vocabulary, so a slice would not have its shapes)."""
+    layers = _model_weights(model)[:-1]
+    return [w.t() for w in (*layers, model.lm_head)]
 
 
 def _same_as_reference(weight: torch.Tensor, tile: int, pool: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout
+from lathe.models.exactness import choose_row_tiles
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 
 KEYS = {(0, "q_proj"): (96, 96), (0, "down_proj"): (1536, 96), (-1, "lm_head"): (96, 49152)}
@@ -125,17 +126,22 @@ def test_tile_layout_pads_each_segment_and_unpads_back() -> None:
     assert not back[5:9].any() and not back[30:].any()
 
 
-def test_invariant_linear_gradients_do_not_depend_on_the_tile_ladder_the_batch_chose() -> None:
-    """A row's dX alone (4-row tiles) equals its dX in a 160-row batch (64- and 16-row tiles)."""
+@pytest.mark.parametrize("backward", ["reference", "chosen"])
+def test_invariant_linear_gradients_do_not_depend_on_the_tile_ladder_the_batch_chose(threads: int,
+                                                                                     backward: str) -> None:
+    """A row's dX alone equals its dX in a 160-row batch, whose forward cuts 64-, 16- and 4-row tiles: with the
+    reference backward tile, and with the backward ladder ``choose_row_tiles`` admits for the transposed
+    products on this machine (what a trainer pool runs)."""
     gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(576, 1536, generator=gen)
+    weight = torch.randn(576, 1536, generator=gen).t().contiguous().t()  # column-major, as the decoder stores it
     x, g = torch.randn(160, 1536, generator=gen), torch.randn(160, 576, generator=gen)
     ladder = (4, 16, 64)
+    grad_tiles = (ops.ROW_TILE,) if backward == "reference" else choose_row_tiles([weight.t()], [threads])
     full = x.clone().requires_grad_()
-    ops.linear(full, weight, invariant=True, tiles=ladder).backward(g)
-    for a, b in ((0, 1), (3, 10), (100, 160)):
+    ops.linear(full, weight, invariant=True, tiles=ladder, grad_tiles=grad_tiles).backward(g)
+    for a, b in ((0, 1), (3, 10), (100, 160), (1, 130)):
         part = x[a:b].clone().requires_grad_()
-        ops.linear(part, weight, invariant=True, tiles=ladder).backward(g[a:b])
+        ops.linear(part, weight, invariant=True, tiles=ladder, grad_tiles=grad_tiles).backward(g[a:b])
         assert torch.equal(part.grad, full.grad[a:b]), (a, b)
     ref = x.double().requires_grad_()
     (ref @ weight.double().t()).backward(g.double())

@@ -180,7 +180,8 @@ class TrainerEngine:
         self._bases: dict[str, Decoder] = {}
         self._base_lock = threading.Lock()  # one load (and self-check) per base model, warm-up included
         self.exactness = PoolExactness("trainer", cfg.invariant,
-                                       lambda name, exact: self.metrics.exactness.labels(model=name).set(exact))
+                                       lambda name, exact: self.metrics.exactness.labels(model=name).set(exact),
+                                       backward=True)
         self._models: dict[str, _Model] = {}
         pages = DirPages(Path(cfg.page_store) if cfg.page_store else cfg.cache_root / "paged")
         self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.base(name).cfg,
