@@ -3,16 +3,17 @@
     lora_grouped(x, layout, a, b, scale) -> y
       x: [T, I]; layout: segments (s0, s1, j) of rows, each padded to whole tiles of ``layout.tile`` rows
       a[j]: [r, I], b[j]: [O, r] (one rank per call); scale[j]: float
-      y[s0:s1] = (x[s0:s1] @ a[j].T) @ b[j].T * scale[j]   for each segment; rows in no segment: 0
+      y[s0:s1] = ((x[s0:s1] @ a[j].T) * scale[j]) @ b[j].T   for each segment; rows in no segment: 0
                                                                              -> y: [T, O] (fp32 or wider)
 
 Every product has the shape the per-segment reference (``LoraBatch.delta_per_segment``: ``ops.linear`` on
 each segment alone) gives it: ``[tile, I] @ [I, r]`` per tile for the shrink, ``[tile, r] @ [r, <= block]``
 per tile and column block for the expand, the same weight layouts (transposed views), the same column
-blocks, and the scale applied after the expand. Products of one rank go through one ``ops._bmm`` per
-product kind, whatever the number of segments (a tile's weight is its adapter's: stacked when they are
-small, a view of the one adapter when the batch has one, one product per segment when stacking would copy
-more than ``STACK_BYTES``), so a row's bits equal the reference's. The pool's self-check verifies that on
+blocks, and the scale applied to the shrink's ``[T, r]`` result (r values a row, not O), before the
+expand. Products of one rank go through one ``ops._bmm`` per product kind, whatever the number of segments
+(a tile's weight is its adapter's: stacked when they are small, a view of the one adapter when the batch
+has one, one product per segment when stacking would copy more than ``STACK_BYTES``), so a row's bits
+equal the reference's. The pool's self-check verifies that on
 its machine (``lathe.models.exactness``).
 
 Backward is written out (a ``torch.autograd.Function``) so that it, too, costs a few products per target
@@ -65,8 +66,17 @@ class TileLayout:
         """Whether every row of x lies in a segment (then ``src`` is ``arange(rows)``)."""
         return self.src.shape[0] == self.rows
 
+    @property
+    def single(self) -> bool:
+        """One segment holding every row: padding is zero rows at the end, and unpadding a view."""
+        return len(self.runs) == 1 and self.full
+
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, W] -> [tiles, tile, W]: each segment's rows in its own tiles, the rest zero."""
+        if self.single:
+            extra = self.tiles * self.tile - self.rows
+            padded = torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
+            return padded.reshape(self.tiles, self.tile, x.shape[1])
         out = x.new_zeros(self.tiles * self.tile, x.shape[1])
         out.index_copy_(0, self.dest, x if self.full else x.index_select(0, self.src))
         return out.view(self.tiles, self.tile, x.shape[1])
@@ -74,6 +84,8 @@ class TileLayout:
     def unpad(self, t: torch.Tensor) -> torch.Tensor:
         """[tiles, tile, W] -> [rows, W]: the inverse of ``pad`` (rows in no segment get 0)."""
         flat = t.reshape(self.tiles * self.tile, t.shape[2])
+        if self.single:
+            return flat[: self.rows]
         picked = flat.index_select(0, self.dest)
         if self.full:
             return picked
@@ -119,32 +131,32 @@ class _GroupedLora(torch.autograd.Function):
         wide = torch.promote_types(x.dtype, torch.float32)
         a, b = [m.to(wide) for m in weights[:n]], [m.to(wide) for m in weights[n:]]
         xt = layout.pad(x.to(wide))
-        v = _products(xt, a, layout, transpose=True)  # [tiles, tile, r]
-        rank, out_features = a[0].shape[0], b[0].shape[0]
-        blocks = _col_blocks(out_features, rank, b[0].element_size())
-        parts = [_products(v, [m[c0:c1] for m in b], layout, transpose=True) for c0, c1 in blocks]
-        yt = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         scale = torch.tensor([scales[slot] for t0, t1, slot in layout.runs for _ in range(t1 - t0)], dtype=wide,
                              device=x.device).view(-1, 1, 1)
-        yt = yt * scale
-        ctx.save_for_backward(xt, v, scale, *a, *b)
+        vs = _products(xt, a, layout, transpose=True).mul_(scale)  # [tiles, tile, r]: the scaled shrink
+        rank, out_features = a[0].shape[0], b[0].shape[0]
+        blocks = _col_blocks(out_features, rank, b[0].element_size())
+        parts = [_products(vs, [m[c0:c1] for m in b], layout, transpose=True) for c0, c1 in blocks]
+        yt = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        ctx.save_for_backward(xt, vs, scale, *a, *b)
         ctx.layout, ctx.n, ctx.blocks, ctx.x_dtype = layout, n, blocks, x.dtype
         ctx.w_dtypes = [m.dtype for m in weights]
         return layout.unpad(yt)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        xt, v, scale, *weights = ctx.saved_tensors
+        xt, vs, scale, *weights = ctx.saved_tensors
         layout, n = ctx.layout, ctx.n
         a, b = weights[:n], weights[n:]
-        gt = layout.pad(grad.to(v.dtype)) * scale  # [tiles, tile, O]
-        dv = None
+        gt = layout.pad(grad.to(vs.dtype))  # [tiles, tile, O]
+        dvs = None
         grad_b: list[list[torch.Tensor]] = []
         for c0, c1 in ctx.blocks:
             g = gt[:, :, c0:c1]
             part = _products(g, [m[c0:c1] for m in b], layout, transpose=False)  # [tiles, tile, r]
-            dv = part if dv is None else dv + part
-            grad_b.append(layout.per_segment_sum(ops._bmm(g.transpose(1, 2), v)))  # [blk, r] per segment
+            dvs = part if dvs is None else dvs + part
+            grad_b.append(layout.per_segment_sum(ops._bmm(g.transpose(1, 2), vs)))  # [blk, r] per segment
+        dv = dvs.mul_(scale)
         dx = _products(dv, list(a), layout, transpose=False)  # [tiles, tile, I]
         grad_a = layout.per_segment_sum(ops._bmm(dv.transpose(1, 2), xt))  # [r, I] per segment
         da: list[torch.Tensor | None] = [None] * n

@@ -8,7 +8,7 @@ Never touches optimizer state or storage: that is the trainer's and the checkpoi
 
 For target module ``m`` with base weight ``W [O, I]`` the layer computes, per segment ``i``:
 
-    y[seg[i]:seg[i+1]] = x @ W.T + (x @ A[m].T) @ B[m].T * (alpha / rank)      A: [r, I], B: [O, r]
+    y[seg[i]:seg[i+1]] = x @ W.T + ((x @ A[m].T) * (alpha / rank)) @ B[m].T      A: [r, I], B: [O, r]
 
 ``B`` starts at zero, so a fresh adapter equals the base model exactly.
 """
@@ -234,7 +234,7 @@ class LoraBatch:
             xs = x[s0:s1].to(wide)
             if key in w.a:
                 v = ops.linear(xs, w.a[key].to(wide), invariant=self.invariant)
-                parts.append(ops.linear(v, w.b[key].to(wide), invariant=self.invariant) * w.spec.scale)
+                parts.append(ops.linear(v * w.spec.scale, w.b[key].to(wide), invariant=self.invariant))
             else:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
         return torch.cat(parts, dim=0)
