@@ -150,17 +150,19 @@ def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> t
     return y.view(count * tile, n)[:m]
 
 
-def row_groups(rows: int, tiles: tuple[int, ...]) -> list[tuple[int, int, int]]:
+def row_groups(rows: int, tiles: tuple[int, ...], least: int = 1) -> list[tuple[int, int, int]]:
     """How ``linear`` cuts ``rows`` rows over a ladder of tile heights: ``[(start, stop, tile), ...]``.
 
-    Largest tile first, each taking as many whole tiles as fit; the smallest tile takes the rest (its
-    last tile zero-padded). Depends on the row count only; with one tile height it is one group.
+    Largest tile first, each taking as many whole tiles as fit when they are at least ``least`` tiles (a
+    group of fewer would be padded with zero tiles up to the thread count: ``_bmm``); the smallest tile takes
+    the rest (its last tile zero-padded). Depends on the row count and ``least`` only; with one tile height
+    it is one group.
     """
     ladder = sorted(set(tiles), reverse=True)
     groups, start = [], 0
     for tile in ladder[:-1]:
         stop = start + (rows - start) // tile * tile
-        if stop > start:
+        if stop - start >= least * tile:
             groups.append((start, stop, tile))
             start = stop
     if rows > start or not groups:
@@ -194,7 +196,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:
     """rows [M, K] @ weight.T over ``row_groups(M, tiles)`` -> [M, N]."""
     w = weight.t()
-    parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in row_groups(rows.shape[0], tiles)]
+    least = torch.get_num_threads() if rows.device.type == "cpu" else 1
+    parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in row_groups(rows.shape[0], tiles, least)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

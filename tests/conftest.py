@@ -1,5 +1,5 @@
-"""Shared fixtures: a model cache under the repo (or $LATHE_CACHE), the generated tiny models, and the
-embedded stack of real service processes."""
+"""Shared fixtures: a model cache under the repo (or $LATHE_CACHE), the generated tiny models, torch's thread
+count at 1 and 2, and the embedded stack of real service processes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 def cache_root() -> Path:
     return Path(os.environ.get("LATHE_CACHE", REPO / ".cache" / "lathe"))
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The test runs once at 1 and once at 2 torch threads (restored after)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

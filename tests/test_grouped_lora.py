@@ -10,8 +10,6 @@ linear's and attention's own backward passes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -21,14 +19,6 @@ from lathe.models.exactness import choose_row_tiles
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 
 KEYS = {(0, "q_proj"): (96, 96), (0, "down_proj"): (1536, 96), (-1, "lm_head"): (96, 49152)}
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def adapter(rank: int, seed: int, attn: bool = True) -> LoraWeights:

@@ -23,14 +23,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 """Relative tolerance, and absolute tolerance as a fraction of the reference's largest magnitude."""
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def two_threads() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -207,6 +199,12 @@ def test_linear_over_a_tile_ladder_matches_float64_values_and_grads(dtype: torch
 def test_row_groups_cover_the_rows_largest_tiles_first(rows: int, tiles: tuple[int, ...],
                                                         groups: list[tuple[int, int, int]]) -> None:
     assert ops.row_groups(rows, tiles) == groups
+
+
+def test_row_groups_skip_a_height_that_fills_fewer_tiles_than_threads() -> None:
+    """146 rows at 2 threads: one 128-row tile would run beside a zero tile; two 64-row tiles do the work."""
+    assert ops.row_groups(146, (16, 64, 128), least=2) == [(0, 128, 64), (128, 146, 16)]
+    assert ops.row_groups(146, (16, 64, 128)) == [(0, 128, 128), (128, 146, 16)]
 
 
 def test_linear_keeps_leading_dims_and_invariant_rows_match_flat_rows() -> None:
