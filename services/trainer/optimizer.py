@@ -6,14 +6,13 @@
     v      = b2 * v + (1 - b2) * g^2
     p     -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-The same arithmetic, in the same order, as ``torch.optim.AdamW``. Defaults: lr 1e-4, betas 0.9/0.95,
+The arithmetic of ``torch.optim.AdamW`` (its fused kernel). Defaults: lr 1e-4, betas 0.9/0.95,
 eps 1e-12, weight_decay 0, grad_clip_norm 0 (off), as ``lathe.types.AdamParams`` states them. Owns the
 moments; the bank owns the parameters.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,28 +45,22 @@ def grad_norm(params: dict[str, torch.Tensor]) -> float:
 def adamw_step(params: dict[str, torch.Tensor], state: AdamState, hp: AdamParams) -> dict[str, float]:
     """Apply one update to ``params`` from their ``.grad`` (missing grads count as zero), then clear grads.
 
-    Each line is one ``torch._foreach_*`` call over the adapter's tensors: the same kernel per tensor as the
-    per-tensor loop (so the same bits), without a Python round trip per tensor and op.
+    One fused kernel over the adapter's tensors (``torch._fused_adamw_``, what ``torch.optim.AdamW(fused=True)``
+    runs): each element read and written once, about 6x faster than a ``torch._foreach_*`` op per line for a
+    rank-16 SmolLM2 adapter (5.6 vs 32.7 ms). Deterministic, so a replay gives the same bits.
     """
     norm = grad_norm(params)
     clip = hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm else 1.0
     state.step += 1
-    bc1 = 1 - hp.beta1**state.step
-    bc2_sqrt = math.sqrt(1 - hp.beta2**state.step)
     ps = list(params.values())
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-    ms, vs = [state.exp_avg[n] for n in params], [state.exp_avg_sq[n] for n in params]
     if clip != 1.0:
         grads = torch._foreach_mul(grads, clip)
-    if hp.weight_decay != 0:  # a product by 1.0 changes no bit: skipped
-        torch._foreach_mul_(ps, 1 - hp.learning_rate * hp.weight_decay)
-    torch._foreach_lerp_(ms, grads, 1 - hp.beta1)
-    torch._foreach_mul_(vs, hp.beta2)
-    torch._foreach_addcmul_(vs, grads, grads, value=1 - hp.beta2)
-    denom = torch._foreach_sqrt(vs)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, hp.eps)
-    torch._foreach_addcdiv_(ps, ms, denom, value=-hp.learning_rate / bc1)
+    step = torch.tensor(float(state.step), device=ps[0].device) if ps else None
+    if ps:
+        torch._fused_adamw_(ps, grads, [state.exp_avg[n] for n in params], [state.exp_avg_sq[n] for n in params], [],
+                            [step] * len(ps), amsgrad=False, lr=hp.learning_rate, beta1=hp.beta1, beta2=hp.beta2,
+                            weight_decay=hp.weight_decay, eps=hp.eps, maximize=False)
     for p in ps:
         p.grad = None
     return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate, "step:max": float(state.step)}
