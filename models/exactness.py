@@ -39,7 +39,6 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -48,6 +47,7 @@ import torch
 from lathe.kernels import ops
 from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraBatch, LoraSpec, LoraWeights, module_shape
+from lathe.models.pool import on_passing_thread
 
 BATCH_ROWS = (1, 3, 13, 17, 64, 300)
 """Row counts of the batches each op's rows are compared in (the issue's awkward sizes)."""
@@ -157,8 +157,7 @@ class PoolExactness:
         # On a thread of its own: the check sets torch's thread count, which on the calling (compute) thread
         # would resize its OpenMP team and leave the old team's kernel-library buffers behind (measured: +0.8 GB
         # peak RSS in a SmolLM2 SFT step).
-        with ThreadPoolExecutor(1, thread_name_prefix=f"lathe-{self.pool}-exactness") as checker:
-            checker.submit(add_rank_checks, report, model, new).result()
+        on_passing_thread(add_rank_checks, report, model, new, name=f"lathe-{self.pool}-exactness")
         print(f"lathe.{self.pool} {name}: LoRA ranks {new} checked: {report.summary()}", file=sys.stderr, flush=True)
         self._publish(name, report)
         return report

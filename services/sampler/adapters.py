@@ -26,6 +26,7 @@ from safetensors.torch import load as st_load
 from lathe.errors import FailedPrecondition, InvalidArgument
 from lathe.models.config import ModelConfig
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, LoraWeights
+from lathe.models.pool import on_passing_thread
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -122,7 +123,7 @@ class AdapterCache:
         if not owner:
             return pending.result()
         try:
-            weights = self._fetch(key, cfg, dtype, base_model, device)
+            weights = on_passing_thread(self._fetch, key, cfg, dtype, base_model, device, name="sampler-adapter")
         except BaseException as e:
             with self._lock:
                 del self._loading[key]

@@ -58,7 +58,7 @@ from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, Resour
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
-from lathe.models.pool import check_device, default_device
+from lathe.models.pool import check_device, default_device, on_passing_thread
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
@@ -222,33 +222,37 @@ class SamplerEngine:
     # ---- models ----
 
     def base(self, name: str) -> _Base:
-        """The served base model ``name``, loaded on first use (``NotFound`` when not served)."""
+        """The served base model ``name``, loaded on first use (``NotFound`` when not served), on a passing thread
+        (``on_passing_thread``: no thread but the scheduler's keeps OpenMP workers)."""
         with self._base_lock:
             if name not in self._bases:
-                try:
-                    entry = self.catalog.resolve(name)
-                except KeyError:
-                    raise NotFound(f"base_model {name!r} is not served by this sampler") from None
-                model = Decoder.from_dir(entry.path, dtype=self.dtype, device=self.cfg.device,
-                                         invariant=self.cfg.invariant)
-                model.sgmv = self.cfg.sgmv
-                self.exactness.check(name, model)
-                tok_file = Path(entry.path) / "tokenizer.json"
-                cfg = model.cfg
-                limits = ModelLimits(
-                    name=name, vocab_size=cfg.vocab_size, eos_ids=cfg.eos_token_ids,
-                    max_context=min(entry.max_context_length or cfg.max_position_embeddings,
-                                    cfg.max_position_embeddings),
-                    tokenizer=Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None,
-                )
-                kv = KVPool.for_model(model, self.cfg.pool_blocks)
-                bgmv, graphs = self.cfg.decode_bgmv, self.cfg.cuda_graphs and model.device.type == "cuda"
-                slots = None if bgmv == "off" else SlotPool(model.cfg, self.cfg.adapter_slots, self.cfg.slot_rank,
-                                                            model.dtype, model.device, bgmv)
-                runner = DecodeRunner(model, kv, slots, GraphConfig(self.cfg.graph_buckets, capture=graphs)) \
-                    if slots is not None or graphs else None
-                self._bases[name] = _Base(model, limits, kv, slots, runner)
+                self._bases[name] = on_passing_thread(self._load, name, name="sampler-load-model")
             return self._bases[name]
+
+    def _load(self, name: str) -> _Base:
+        try:
+            entry = self.catalog.resolve(name)
+        except KeyError:
+            raise NotFound(f"base_model {name!r} is not served by this sampler") from None
+        model = Decoder.from_dir(entry.path, dtype=self.dtype, device=self.cfg.device,
+                                 invariant=self.cfg.invariant)
+        model.sgmv = self.cfg.sgmv
+        self.exactness.check(name, model)
+        tok_file = Path(entry.path) / "tokenizer.json"
+        cfg = model.cfg
+        limits = ModelLimits(
+            name=name, vocab_size=cfg.vocab_size, eos_ids=cfg.eos_token_ids,
+            max_context=min(entry.max_context_length or cfg.max_position_embeddings,
+                            cfg.max_position_embeddings),
+            tokenizer=Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None,
+        )
+        kv = KVPool.for_model(model, self.cfg.pool_blocks)
+        bgmv, graphs = self.cfg.decode_bgmv, self.cfg.cuda_graphs and model.device.type == "cuda"
+        slots = None if bgmv == "off" else SlotPool(model.cfg, self.cfg.adapter_slots, self.cfg.slot_rank,
+                                                    model.dtype, model.device, bgmv)
+        runner = DecodeRunner(model, kv, slots, GraphConfig(self.cfg.graph_buckets, capture=graphs)) \
+            if slots is not None or graphs else None
+        return _Base(model, limits, kv, slots, runner)
 
     @property
     def alive(self) -> bool:

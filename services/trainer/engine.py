@@ -67,7 +67,7 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraSpec, default_seed
-from lathe.models.pool import check_device, default_device
+from lathe.models.pool import check_device, default_device, on_passing_thread
 from lathe.trainer import shard
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
 from lathe.trainer.custom_loss import reduce_metrics
@@ -198,20 +198,24 @@ class TrainerEngine:
     # ---- base models and adapters ----
 
     def base(self, name: str) -> Decoder:
-        """The served base model ``name``, loaded (and self-checked) once, on first use or at warm-up."""
+        """The served base model ``name``, loaded (and self-checked) once, on first use or at warm-up, on a
+        passing thread (``on_passing_thread``: no thread but the cycle's keeps OpenMP workers)."""
         with self._base_lock:
             if name not in self._bases:
-                try:
-                    entry = self.catalog.resolve(name)
-                except KeyError as e:
-                    raise NotFound(str(e.args[0]) if e.args else f"unknown base model {name!r}") from None
-                model = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype], device=self.cfg.device,
-                                         invariant=self.cfg.invariant,
-                                         checkpoint_layers=self.cfg.activation_checkpointing)
-                model.sgmv = self.cfg.sgmv
-                self.exactness.check(name, model)
-                self._bases[name] = model
+                self._bases[name] = on_passing_thread(self._load, name, name="trainer-load")
             return self._bases[name]
+
+    def _load(self, name: str) -> Decoder:
+        try:
+            entry = self.catalog.resolve(name)
+        except KeyError as e:
+            raise NotFound(str(e.args[0]) if e.args else f"unknown base model {name!r}") from None
+        model = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype], device=self.cfg.device,
+                                 invariant=self.cfg.invariant,
+                                 checkpoint_layers=self.cfg.activation_checkpointing)
+        model.sgmv = self.cfg.sgmv
+        self.exactness.check(name, model)
+        return model
 
     @property
     def alive(self) -> bool:
@@ -238,7 +242,11 @@ class TrainerEngine:
         ])
 
     def create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
-        """Create (or, for a repeat of the same request, return) the adapter of a training run."""
+        """Create (or, for a repeat of the same request, return) the adapter of a training run; its tensors are
+        made on a passing thread (``on_passing_thread``), never on the caller's."""
+        return on_passing_thread(self._create_adapter, req, name="trainer-create")
+
+    def _create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
         self._check_alive()
         with self._lock:
             if req.model_id in self._models:
