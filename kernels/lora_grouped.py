@@ -39,7 +39,10 @@ class TileLayout:
     """Where the rows of a batch's segments sit once each segment is padded to whole tiles.
 
     ``src [R]``: the rows of x that lie in a segment, ascending; ``dest [R]``: each one's row in the padded
-    ``[tiles * tile]`` layout; ``runs``: ``(first tile, end tile, slot)`` per segment, in row order.
+    ``[tiles * tile]`` layout; ``runs``: ``(first tile, end tile, slot)`` per segment, in row order;
+    ``aligned``: every row of x lies in a segment and ``dest == src`` (each segment starts on a tile boundary:
+    one segment, or segments of whole tiles but the last, as a cycle of 32-token tenants packs), so padding is
+    zero rows at the end and unpadding a view, with no gathers.
     """
 
     rows: int
@@ -48,32 +51,30 @@ class TileLayout:
     src: torch.Tensor
     dest: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
+    aligned: bool
 
     @classmethod
     def build(cls, rows: int, segments: list[tuple[int, int, int]], tile: int, device: torch.device) -> TileLayout:
         """``segments``: ``(s0, s1, slot)`` with s0 < s1, ascending and disjoint, within ``rows``."""
         src, dest, runs, tiles = [], [], [], 0
+        aligned = sum(s1 - s0 for s0, s1, _ in segments) == rows
         for s0, s1, slot in segments:
             n = -(-(s1 - s0) // tile)
+            aligned = aligned and s0 == tiles * tile
             src.append(torch.arange(s0, s1))
             dest.append(torch.arange(tiles * tile, tiles * tile + s1 - s0))
             runs.append((tiles, tiles + n, slot))
             tiles += n
-        return cls(rows, tile, tiles, torch.cat(src).to(device), torch.cat(dest).to(device), tuple(runs))
+        return cls(rows, tile, tiles, torch.cat(src).to(device), torch.cat(dest).to(device), tuple(runs), aligned)
 
     @property
     def full(self) -> bool:
         """Whether every row of x lies in a segment (then ``src`` is ``arange(rows)``)."""
         return self.src.shape[0] == self.rows
 
-    @property
-    def single(self) -> bool:
-        """One segment holding every row: padding is zero rows at the end, and unpadding a view."""
-        return len(self.runs) == 1 and self.full
-
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, W] -> [tiles, tile, W]: each segment's rows in its own tiles, the rest zero."""
-        if self.single:
+        if self.aligned:
             extra = self.tiles * self.tile - self.rows
             padded = torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
             return padded.reshape(self.tiles, self.tile, x.shape[1])
@@ -84,7 +85,7 @@ class TileLayout:
     def unpad(self, t: torch.Tensor) -> torch.Tensor:
         """[tiles, tile, W] -> [rows, W]: the inverse of ``pad`` (rows in no segment get 0)."""
         flat = t.reshape(self.tiles * self.tile, t.shape[2])
-        if self.single:
+        if self.aligned:
             return flat[: self.rows]
         picked = flat.index_select(0, self.dest)
         if self.full:

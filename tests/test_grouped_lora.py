@@ -116,6 +116,32 @@ def test_tile_layout_pads_each_segment_and_unpads_back() -> None:
     assert not back[5:9].any() and not back[30:].any()
 
 
+def test_segments_on_tile_boundaries_pad_without_gathers_and_keep_the_bits(threads: int) -> None:
+    """A cycle of 32-token tenants packs segments that start on tile boundaries: the layout is ``aligned`` (no
+    gathers), and its forward and gradients are bitwise those of the same rows in a layout that needs gathers."""
+    assert TileLayout.build(37, [(0, 32, 0), (32, 37, 1)], 16, torch.device("cpu")).aligned
+    assert not TileLayout.build(37, [(0, 5, 0), (5, 37, 1)], 16, torch.device("cpu")).aligned
+    assert not TileLayout.build(40, [(0, 32, 0)], 16, torch.device("cpu")).aligned  # rows in no segment
+    adapters = [adapter(8, s) for s in (1, 2, 3)]
+    gen = torch.Generator().manual_seed(4)
+    for key, (width, out) in KEYS.items():
+        x = torch.randn(69, width, generator=gen)
+        g = torch.randn(69, out, generator=gen)
+        aligned, gathered = LoraBatch(layout([32, 32, 5]), [0, 1, 2], adapters), \
+            LoraBatch(layout([5, 32, 32]), [2, 0, 1], adapters)
+        order = torch.cat([torch.arange(5, 69), torch.arange(0, 5)])  # the same rows, the short segment first
+        xa, xg = x.clone().requires_grad_(), x[order.argsort()].clone().requires_grad_()
+        ya, yg = aligned.delta(key, xa), gathered.delta(key, xg)
+        assert aligned._layout(key, 8, xa)[0].aligned and not gathered._layout(key, 8, xg)[0].aligned
+        assert torch.equal(ya, yg[order]), key
+        params = [t for w in adapters for t in (w.a[key], w.b[key])]
+        da, dg = (torch.autograd.grad(y, [xx, *params], gg) for y, xx, gg in
+                  ((ya, xa, g), (yg, xg, g[order.argsort()])))
+        assert torch.equal(da[0], dg[0][order]), key
+        for a, b in zip(da[1:], dg[1:], strict=True):
+            assert torch.equal(a, b), key
+
+
 @pytest.mark.parametrize("backward", ["reference", "chosen"])
 def test_invariant_linear_gradients_do_not_depend_on_the_tile_ladder_the_batch_chose(threads: int,
                                                                                      backward: str) -> None:
