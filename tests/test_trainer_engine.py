@@ -448,3 +448,40 @@ def test_each_adapter_rank_is_self_checked_before_its_first_pass(engine: Trainer
     assert report.ranks == [4, 8, 12] and report.exact
     assert any("lora expand 12->" in c.name for c in report.checks)
     assert engine.metrics.exactness.labels(model=BASE)._value.get() == 1.0
+
+
+def test_a_cycle_waits_for_the_runs_of_the_last_one_to_rejoin(model_cache: Path, tiny_dir: Path) -> None:
+    """Clients answered by the same cycle resubmit milliseconds apart; the next cycle waits (a bounded share of
+    the last one) for every run of the last cycle, so the first to resubmit does not take a cycle alone."""
+    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_fraction=1e6, rejoin_max_s=60.0)
+    eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache))
+    for m in ("a", "b"):
+        create(eng, m)
+    first = [submit(eng, op) for m in ("a", "b") for op in (fb(m, 1, batch(1)), opt(m, 2))]
+    eng.start()  # both runs' first operations were queued before the loop: one cycle
+    try:
+        assert len({f.result(timeout=60).receipt.cycle for f in first}) == 1
+        early = [submit(eng, op) for op in (fb("a", 3, batch(2)), opt("a", 4))]
+        late = [submit(eng, op) for op in (fb("b", 3, batch(3)), opt("b", 4))]
+        cycles = {f.result(timeout=60).receipt.cycle for f in early + late}
+        assert cycles == {2}, cycles
+    finally:
+        eng.stop()
+
+
+def test_a_run_that_does_not_rejoin_delays_the_next_cycle_a_bounded_time(model_cache: Path, tiny_dir: Path) -> None:
+    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_fraction=1e6, rejoin_max_s=0.2)
+    eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache))
+    for m in ("a", "b"):
+        create(eng, m)
+    first = [submit(eng, op) for m in ("a", "b") for op in (fb(m, 1, batch(1)), opt(m, 2))]
+    eng.start()
+    try:
+        for f in first:
+            f.result(timeout=60)
+        alone = [submit(eng, op) for op in (fb("a", 3, batch(2)), opt("a", 4))]  # "b" never sends another
+        assert [f.result(timeout=60).receipt.cycle for f in alone] == [2, 2]
+    finally:
+        eng.stop()
+    with pytest.raises(ValueError, match="rejoin_fraction"):
+        TrainerConfig(rejoin_fraction=-1.0)

@@ -121,6 +121,8 @@ class TrainerConfig:
     max_queue_per_tenant: int = 1024  # operations waiting, one tenant's runs together
     max_resident_adapters: int = 256
     cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
+    rejoin_fraction: float = 0.05  # a cycle waits up to this share of the last one for that one's runs to rejoin
+    rejoin_max_s: float = 0.1  # and never longer than this (0: no wait)
     max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
     page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
     order_wait_s: float = 300.0  # operations waiting this long for a seq_id that has not arrived fail
@@ -132,6 +134,9 @@ class TrainerConfig:
         check_device(self.device)
         if not self.order_wait_s > 0:
             raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
+        if not (self.rejoin_fraction >= 0 and self.rejoin_max_s >= 0):
+            raise ValueError(f"rejoin_fraction and rejoin_max_s must be >= 0, got {self.rejoin_fraction} and "
+                             f"{self.rejoin_max_s}")
 
 
 @dataclass(slots=True)
@@ -194,6 +199,8 @@ class TrainerEngine:
         self._creates: list[Create] = []  # runs created since the last plan went out (a pool's leader only)
         self._lost: RankLost | None = None  # why the pool broke, once it did
         self._last_beat = time.monotonic()  # when the leader last broadcast a plan
+        self._rejoin: set[str] = set()  # runs of the last cycle, which the next one waits for (``_gather``)
+        self._rejoin_until = 0.0  # until when
 
     # ---- base models and adapters ----
 
@@ -416,9 +423,7 @@ class TrainerEngine:
                     while not self._stopping and not self._ready() and not self._beat_due():
                         self._lock.wait(timeout=_sooner(wait_s, self._beat_left()))
                         wait_s = self._expire(time.monotonic())
-                    deadline = time.monotonic() + self.cfg.cycle_gather_s
-                    while not self._stopping and self._awaiting_step() and time.monotonic() < deadline:
-                        self._lock.wait(timeout=deadline - time.monotonic())
+                    self._gather(time.monotonic() + self.cfg.cycle_gather_s)
                     if self._stopping:
                         return
                 try:
@@ -492,6 +497,30 @@ class TrainerEngine:
                 _fail(item, FailedPrecondition(reason))
         return soonest
 
+    def _gather(self, step_deadline: float) -> None:
+        """Something is ready; wait (caller holds the lock) while a forward_backward at a queue's head waits for
+        its optim_step (until ``step_deadline``) or a run of the last cycle has not sent its next operation yet
+        (until ``_rejoin_until``, a few percent of that cycle: clients answered together resubmit within
+        milliseconds, and a cycle that starts with the first of them alone leaves the rest to a second cycle
+        that shares nothing with it)."""
+        while not self._stopping:
+            now = time.monotonic()
+            left = max(step_deadline - now if self._awaiting_step() else 0.0,
+                       self._rejoin_until - now if self._awaiting_rejoin() else 0.0)
+            if left <= 0:
+                return
+            self._lock.wait(timeout=left)
+
+    def _awaiting_rejoin(self) -> bool:
+        """Is a run of the last cycle idle while the next cycle still has room for it?"""
+        idle = [r for r in self._rejoin
+                if (m := self._models.get(r)) is not None and m.partial is None and m.seq.peek() is None]
+        if not idle:
+            return False
+        limit = self.cfg.max_runs_per_cycle
+        ready = sum(m.partial is not None or m.seq.peek() is not None for m in self._models.values())
+        return not limit or ready < limit
+
     def _awaiting_step(self) -> bool:
         """Is a forward_backward at the head of a queue whose next operation has not arrived yet?
 
@@ -556,8 +585,12 @@ class TrainerEngine:
         except RankLost as e:
             self._lose_pool(works, e)
             raise
-        self.metrics.record_cycle(seconds=time.monotonic() - start, tokens=tokens, capacity=self.cfg.cycle_tokens,
+        end = time.monotonic()
+        self.metrics.record_cycle(seconds=end - start, tokens=tokens, capacity=self.cfg.cycle_tokens,
                                   runs=len(works), tenants=len({w.run.tenant for w in works}), queued=queued)
+        with self._lock:
+            self._rejoin = {w.run.model_id for w in works}
+            self._rejoin_until = end + min(self.cfg.rejoin_max_s, self.cfg.rejoin_fraction * (end - start))
         return len(works)
 
     def _execute(self, works: list[Work], cycle: int, start: float) -> int:
