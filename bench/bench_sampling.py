@@ -32,6 +32,7 @@ import torch
 
 from lathe.models.config import ModelConfig
 from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.pool import on_passing_thread
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.trainer.bank import Adapter
 from lathe.trainer.optimizer import AdamState
@@ -199,8 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     path = model_dir(args)
     cfg = ModelConfig.from_dir(path)
-    files = {f"tinker://bench-{i}/sampler_weights/s": sampler_files(random_adapter(cfg, args.rank, 100 + i))
-             for i in range(args.adapters)}
+    # made on a passing thread, so that the main thread keeps no OpenMP team beside the engines' (lathe.models.pool)
+    files = on_passing_thread(lambda: {f"tinker://bench-{i}/sampler_weights/s":
+                                       sampler_files(random_adapter(cfg, args.rank, 100 + i))
+                                       for i in range(args.adapters)})
     paths = [list(files)[i % args.adapters] for i in range(args.sequences)]
     names = [f"a{i % args.adapters}" for i in range(args.sequences)]
     gen = torch.Generator().manual_seed(0)
@@ -208,19 +211,20 @@ def main(argv: list[str] | None = None) -> None:
     n, r = args.new_tokens, args.repeats
     rows: list[tuple[str, str, float, str]] = []
 
-    engines = {inv: lathe_engine(path, cfg, args.dtype, inv, files, args.sequences) for inv in (True, False)}
-    try:
-        lathe_tokens = lathe_generate(engines[True], prompts, paths, n)
-        t_batch = median_time(lambda: lathe_generate(engines[True], prompts, paths, n), r)
-        t_batch_plain = median_time(lambda: lathe_generate(engines[False], prompts, paths, n), r)
-        t_one = {(inv, k): median_time(lambda k=k, inv=inv: lathe_generate(engines[inv], prompts[:1], paths[:1], k), r)
-                 for inv in (True, False) for k in (1, 1 + n)}
-        step = {}
-        for inv, eng in engines.items():
+    # One engine alive at a time, as in a sampler process: two scheduler threads would each keep an OpenMP team,
+    # and with more OpenMP workers than cores libgomp stops spinning and every small op pays a wake-up.
+    t_batch, t_one, step = {}, {}, {}
+    for inv in (True, False):
+        eng = lathe_engine(path, cfg, args.dtype, inv, files, args.sequences)
+        try:
+            if inv:
+                lathe_tokens = lathe_generate(eng, prompts, paths, n)
+            t_batch[inv] = median_time(lambda eng=eng: lathe_generate(eng, prompts, paths, n), r)
+            t_one |= {(inv, k): median_time(lambda k=k, eng=eng: lathe_generate(eng, prompts[:1], paths[:1], k), r)
+                      for k in (1, 1 + n)}
             t = {k: median_time(lambda k=k, eng=eng: lathe_generate(eng, prompts, paths, k), r) for k in (1, n)}
             step[inv] = (t[n] - t[1]) / (n - 1)
-    finally:
-        for eng in engines.values():
+        finally:
             eng.stop()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,12 +234,12 @@ def main(argv: list[str] | None = None) -> None:
         h_one = {k: median_time(lambda k=k: hf_generate(model, prompts[:1], names[:1], k), r) for k in (1, 1 + n)}
 
     total = args.sequences * n
-    lathe_tps, hf_tps = total / t_batch, total / h_batch
+    lathe_tps, hf_tps = total / t_batch[True], total / h_batch
     lathe_lat, hf_lat = (t_one[True, 1 + n] - t_one[True, 1]) / n, (h_one[1 + n] - h_one[1]) / n
     plain_lat = (t_one[False, 1 + n] - t_one[False, 1]) / n
     rows += [
         ("batch throughput", "lathe", lathe_tps, "tokens/s"),
-        ("batch throughput", "lathe plain ops", total / t_batch_plain, "tokens/s"),
+        ("batch throughput", "lathe plain ops", total / t_batch[False], "tokens/s"),
         ("batch throughput", "transformers+peft", hf_tps, "tokens/s"),
         ("single-sequence decode", "lathe", lathe_lat * 1e3, "ms/token"),
         ("single-sequence decode", "lathe plain ops", plain_lat * 1e3, "ms/token"),

@@ -108,7 +108,7 @@ def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, t
 
     The weight operand keeps the layout the reference reads (a transposed view when ``transpose``): a
     view expanded over the tiles when every run has one slot, stacked copies when small, else one product
-    per run.
+    per run, written into its rows of the result.
     """
     def op(m: torch.Tensor) -> torch.Tensor:
         return m.t() if transpose else m
@@ -121,8 +121,11 @@ def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, t
     if tiles * mats[0].numel() * mats[0].element_size() <= STACK_BYTES:
         stacked = torch.stack([mats[slot] for t0, t1, slot in layout.runs for _ in range(t1 - t0)])
         return ops._bmm(lhs, stacked.transpose(1, 2) if transpose else stacked)
-    return torch.cat([ops._bmm(lhs[t0:t1], op(mats[slot]).expand(t1 - t0, *op(mats[slot]).shape))
-                      for t0, t1, slot in layout.runs])
+    out = lhs.new_empty(tiles, lhs.shape[1], op(mats[0]).shape[1])
+    for t0, t1, slot in layout.runs:  # each run's products written in place: no [tiles, m, n] concatenation
+        w = op(mats[slot])
+        ops._bmm(lhs[t0:t1], w.expand(t1 - t0, *w.shape), out=out[t0:t1])
+    return out
 
 
 class _GroupedLora(torch.autograd.Function):

@@ -108,8 +108,9 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if target == rows else F.pad(x, (0, 0, 0, target - rows))
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """c[i] = a[i] @ b[i] for a [B, M, K], b [B, K, N] -> c [B, M, N], every product run by one thread.
+def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """c[i] = a[i] @ b[i] for a [B, M, K], b [B, K, N] -> c [B, M, N], every product run by one thread; written
+    into ``out`` (a contiguous [B, M, N]) when given.
 
     On CPU the batch is padded with zero products up to torch's thread count. MKL runs a batch of at
     least as many products as threads one product per thread, but splits a product across threads when
@@ -124,11 +125,12 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return invariant_bmm(a, b)
     n, want = a.shape[0], torch.get_num_threads()
     if n == 0 or n >= want:
-        return torch.bmm(a, b)
+        return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
     a = F.pad(a, (0, 0, 0, 0, 0, want - n))
     shared = b.shape[0] == 1 or b.stride(0) == 0  # one operand for every product: still a view
     b = b[:1].expand(want, *b.shape[1:]) if shared else F.pad(b, (0, 0, 0, 0, 0, want - n))
-    return torch.bmm(a, b)[:n]
+    c = torch.bmm(a, b)[:n]
+    return c if out is None else out.copy_(c)
 
 
 def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> torch.Tensor:
