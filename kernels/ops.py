@@ -122,14 +122,15 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
     if a.is_cuda:
         from lathe.kernels.invariant_triton import invariant_bmm
 
-        return invariant_bmm(a, b)
-    n, want = a.shape[0], torch.get_num_threads()
-    if n == 0 or n >= want:
-        return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
-    a = F.pad(a, (0, 0, 0, 0, 0, want - n))
-    shared = b.shape[0] == 1 or b.stride(0) == 0  # one operand for every product: still a view
-    b = b[:1].expand(want, *b.shape[1:]) if shared else F.pad(b, (0, 0, 0, 0, 0, want - n))
-    c = torch.bmm(a, b)[:n]
+        c = invariant_bmm(a, b)
+    else:
+        n, want = a.shape[0], torch.get_num_threads()
+        if n == 0 or n >= want:
+            return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
+        a = F.pad(a, (0, 0, 0, 0, 0, want - n))
+        shared = b.shape[0] == 1 or b.stride(0) == 0  # one operand for every product: still a view
+        b = b[:1].expand(want, *b.shape[1:]) if shared else F.pad(b, (0, 0, 0, 0, 0, want - n))
+        c = torch.bmm(a, b)[:n]
     return c if out is None else out.copy_(c)
 
 

@@ -178,3 +178,16 @@ def test_invariant_attention_keeps_its_forward_bits_under_autograd_and_its_gradi
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def test_bmm_into_out_has_the_bits_of_bmm(threads: int) -> None:
+    """``ops._bmm(..., out=)`` (how per-run products land in their rows) writes what ``ops._bmm`` returns, for
+    batches below the thread count (padded with zero products) and above it."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(96, 49152, generator=gen)
+    for n in (1, 3):
+        a = torch.randn(n, 16, 96, generator=gen)
+        out = torch.full((n + 1, 16, 49152), float("nan"))
+        got = ops._bmm(a, w.expand(n, *w.shape), out=out[1:])
+        assert got.data_ptr() == out[1:].data_ptr()
+        assert torch.equal(out[1:], ops._bmm(a, w.expand(n, *w.shape))) and out[0].isnan().all()

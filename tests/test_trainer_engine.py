@@ -453,7 +453,8 @@ def test_each_adapter_rank_is_self_checked_before_its_first_pass(engine: Trainer
 def test_a_cycle_waits_for_the_runs_of_the_last_one_to_rejoin(model_cache: Path, tiny_dir: Path) -> None:
     """Clients answered by the same cycle resubmit milliseconds apart; the next cycle waits (a bounded share of
     the last one) for every run of the last cycle, so the first to resubmit does not take a cycle alone."""
-    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_fraction=1e6, rejoin_max_s=60.0)
+    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_fraction=1e6, rejoin_max_s=60.0,
+                        cycle_gather_s=60.0)  # windows no machine is slow enough to miss
     eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache))
     for m in ("a", "b"):
         create(eng, m)
@@ -470,7 +471,10 @@ def test_a_cycle_waits_for_the_runs_of_the_last_one_to_rejoin(model_cache: Path,
 
 
 def test_a_run_that_does_not_rejoin_delays_the_next_cycle_a_bounded_time(model_cache: Path, tiny_dir: Path) -> None:
-    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_fraction=1e6, rejoin_max_s=0.2)
+    # cycle_gather_s: each forward_backward waits for its optim_step however slow the machine, so only the
+    # rejoin window decides the cycles
+    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_fraction=1e6, rejoin_max_s=0.2,
+                        cycle_gather_s=60.0)
     eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache))
     for m in ("a", "b"):
         create(eng, m)
