@@ -513,9 +513,8 @@ class TrainerEngine:
 
     def _awaiting_rejoin(self) -> bool:
         """Is a run of the last cycle idle while the next cycle still has room for it?"""
-        idle = [r for r in self._rejoin
-                if (m := self._models.get(r)) is not None and m.partial is None and m.seq.peek() is None]
-        if not idle:
+        if not any((m := self._models.get(r)) is not None and m.partial is None and m.seq.peek() is None
+                   for r in self._rejoin):
             return False
         limit = self.cfg.max_runs_per_cycle
         ready = sum(m.partial is not None or m.seq.peek() is not None for m in self._models.values())
