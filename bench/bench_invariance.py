@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from machine import cpu_line
 
 from lathe.kernels import ops
-from lathe.models.exactness import HEAD_ROWS, choose_attention_tiles, choose_row_tiles
+from lathe.models.exactness import choose_attention_tiles, choose_row_tiles, head_block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Mode = tuple[bool, tuple[int, ...], tuple[int, ...]]
@@ -94,7 +94,7 @@ class Layer:
 
     def weights(self) -> list[torch.Tensor]:
         """The weights a pool's ``choose_row_tiles`` tries: each distinct linear shape and the LM head's start."""
-        return [w.detach() for w in (self.q, self.k, self.gate, self.down, self.head[:HEAD_ROWS])]
+        return [w.detach() for w in (self.q, self.k, self.gate, self.down, head_block(self.head))]
 
     def forward(
         self,

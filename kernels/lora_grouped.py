@@ -97,12 +97,6 @@ class TileLayout:
         return [t[t0:t1].sum(0) for t0, t1, _ in self.runs]
 
 
-def _col_blocks(out_features: int, rank: int, element_size: int) -> list[tuple[int, int]]:
-    """The expand's column blocks: ``ops.tiled_matmul``'s for a ``[rank, out_features]`` weight."""
-    block = max(ops.KEY_CHUNK, ops.COL_BLOCK_BYTES // (rank * element_size) // ops.KEY_CHUNK * ops.KEY_CHUNK)
-    return [(c, min(c + block, out_features)) for c in range(0, out_features, block)]
-
-
 def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, transpose: bool) -> torch.Tensor:
     """``lhs[t] @ op(mats[slot of tile t])`` for every tile; op is ``.T`` when ``transpose``; lhs [tiles, m, k].
 
@@ -139,7 +133,7 @@ class _GroupedLora(torch.autograd.Function):
                              device=x.device).view(-1, 1, 1)
         vs = _products(xt, a, layout, transpose=True).mul_(scale)  # [tiles, tile, r]: the scaled shrink
         rank, out_features = a[0].shape[0], b[0].shape[0]
-        blocks = _col_blocks(out_features, rank, b[0].element_size())
+        blocks = ops.col_blocks(rank, out_features, b[0].element_size())
         parts = [_products(vs, [m[c0:c1] for m in b], layout, transpose=True) for c0, c1 in blocks]
         yt = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         ctx.save_for_backward(xt, vs, scale, *a, *b)

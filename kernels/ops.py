@@ -35,9 +35,10 @@ choose a shape: every matmul is cut into tiles of fixed shape and the tiles go t
 matmul (``torch.bmm`` with the shared operand expanded, never copied, padded with zero products to at
 least as many products as threads, so that each product runs on one thread), so the library sees the same
 problem whatever the batch and the thread count, and a row's bits depend only on its own values:
-- ``linear``: rows in tiles of ``ROW_TILE`` (zero-padded), the weight's columns in blocks of at most
-  ``COL_BLOCK_BYTES`` (a block stays in cache while every tile reads it; the blocks depend only on the
-  weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``. A pool may pass a
+- ``linear``: rows in tiles of ``ROW_TILE`` (zero-padded), the weight's columns in blocks (``col_blocks``:
+  at most ``COL_BLOCK_BYTES``, so a block stays in cache while every tile reads it, and a weight narrower
+  than that in two halves, so a lone tile's two products keep two threads busy; the blocks depend only on
+  the weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``. A pool may pass a
   ladder of tile heights (``tiles``): rows are then cut largest tile first (``row_groups``), which keeps a
   row's bits only because the pool's self-check admitted each height to the ladder after finding its rows
   bitwise equal to the ``ROW_TILE`` tile's on that machine (larger tiles re-pack each weight block less
@@ -83,6 +84,10 @@ rows bitwise equal to the reference tile's on that machine (``lathe.models.exact
 
 COL_BLOCK_BYTES = 1 << 22
 """Most bytes of weight one ``linear`` product reads; wider weights are cut into column blocks."""
+
+SPLIT_WIDTH = 256
+"""Fewest columns of each half when ``col_blocks`` halves a weight narrower than its byte cap (a LoRA shrink,
+at most ``MAX_RANK`` wide, is never halved)."""
 
 ATTN_ROW_TILE = 4
 """Query rows (a GQA group's heads, then the next query's) per attention product in invariant mode: the
@@ -134,12 +139,36 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
     return c if out is None else out.copy_(c)
 
 
+def col_cap(k: int, element_size: int) -> int:
+    """Most columns of one block of a weight with ``k`` rows: a multiple of ``KEY_CHUNK`` holding at most
+    ``COL_BLOCK_BYTES`` (at least ``KEY_CHUNK``)."""
+    return max(KEY_CHUNK, COL_BLOCK_BYTES // (k * element_size) // KEY_CHUNK * KEY_CHUNK)
+
+
+def col_blocks(k: int, n: int, element_size: int) -> list[tuple[int, int]]:
+    """The column blocks ``[(c0, c1), ...]`` of a ``[K, N]`` weight in invariant products; they depend on the
+    weight's shape and dtype alone.
+
+    A weight at least ``col_cap`` columns wide is cut into blocks of that width (they depend on K alone, so
+    its first ``col_cap`` columns, as a weight, have its first block); a narrower one into two halves of at
+    least ``SPLIT_WIDTH`` columns (a multiple of 16) where it has them, else it is one block.
+    """
+    cap = col_cap(k, element_size)
+    if n >= cap:
+        width = cap
+    else:
+        half = -(-n // 32) * 16
+        width = half if half >= SPLIT_WIDTH else n
+    return [(c, min(c + width, n)) for c in range(0, n, width)]
+
+
 def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> torch.Tensor:
     """y = x @ w with every product of one fixed shape; x [M, K], w [K, N] -> y [M, N].
 
-    x's rows are zero-padded to whole tiles of ``tile`` rows and w's columns cut into blocks of at
-    most ``COL_BLOCK_BYTES``; per block, one ``bmm`` over all tiles with w's block expanded (a view):
-    each product is ``[tile, K] @ [K, block]``, so row i's bits depend on row i alone.
+    x's rows are zero-padded to whole tiles of ``tile`` rows and w's columns cut into ``col_blocks``; per
+    block, one ``bmm`` over all tiles with w's block expanded (a view): each product is
+    ``[tile, K] @ [K, block]``, so row i's bits depend on row i alone. A lone tile runs the same products
+    in one ``bmm`` over the blocks instead (``_lone_tile``).
     """
     if x.is_cuda:  # the Triton kernel is invariant over any row count: no tiles needed
         return _bmm(x[None], w[None])[0]
@@ -147,10 +176,28 @@ def tiled_matmul(x: torch.Tensor, w: torch.Tensor, *, tile: int = ROW_TILE) -> t
     n = w.shape[1]
     tiles = _pad_rows(x, tile).view(-1, tile, k)
     count = tiles.shape[0]
-    block = max(KEY_CHUNK, COL_BLOCK_BYTES // (k * w.element_size()) // KEY_CHUNK * KEY_CHUNK)
-    parts = [_bmm(tiles, w[:, c : c + block].expand(count, k, min(block, n - c))) for c in range(0, n, block)]
+    blocks = col_blocks(k, n, w.element_size())
+    if count == 1 and len(blocks) > 1:
+        return _lone_tile(tiles[0], w, blocks)[:m]
+    parts = [_bmm(tiles, w[:, c0:c1].expand(count, k, c1 - c0)) for c0, c1 in blocks]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y.view(count * tile, n)[:m]
+
+
+def _lone_tile(t: torch.Tensor, w: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor:
+    """t [tile, K] @ w [K, N] -> [tile, N] as ``tiled_matmul``'s products for one tile: the same
+    ``[tile, K] @ [K, block]`` products with the same operand layouts, but the blocks of equal width in ONE
+    ``bmm`` (the tile expanded over them, the blocks a view of w), a product per thread, where a ``bmm`` per
+    block would run each product on one thread beside zero padding."""
+    tile, k = t.shape
+    width = blocks[0][1] - blocks[0][0]
+    even = sum(c1 - c0 == width for c0, c1 in blocks)
+    y = _bmm(t.expand(even, tile, k), w[:, : even * width].unflatten(1, (even, width)).permute(1, 0, 2))
+    y = y.permute(1, 0, 2).reshape(tile, even * width)
+    if even == len(blocks):
+        return y
+    c0 = even * width  # the narrower last block
+    return torch.cat([y, _bmm(t[None], w[None, :, c0:])[0]], dim=1)
 
 
 def row_groups(rows: int, tiles: tuple[int, ...], least: int = 1) -> list[tuple[int, int, int]]:

@@ -183,19 +183,22 @@ def default_threads(model: Decoder) -> list[int]:
     return [torch.get_num_threads()]
 
 
-HEAD_ROWS = 1024
-"""Vocabulary rows of the LM head that ``choose_row_tiles`` tries (its products have the full head's shapes:
-column blocks depend on K alone); the self-check then runs the whole head with the chosen ladder."""
+def head_block(head: torch.Tensor) -> torch.Tensor:
+    """The LM head's ``[V, K]`` weight cut to its first column block of products (its first ``ops.col_cap`` rows,
+    or all of a head narrower than that): a slice whose products have the whole head's shapes, which
+    ``choose_row_tiles`` tries instead of the whole vocabulary."""
+    return head[:ops.col_cap(head.shape[1], head.element_size())]
 
 
 def _model_weights(model: Decoder) -> list[torch.Tensor]:
-    """One ``[N, K]`` base weight per distinct shape of layer 0, and the first ``HEAD_ROWS`` of the LM head."""
+    """One ``[N, K]`` base weight per distinct shape of layer 0, and the LM head's ``head_block`` (the self-check
+    then runs the whole head with the chosen ladder)."""
     shapes: dict[tuple[int, int], torch.Tensor] = {}
     for target in ATTN_TARGETS + MLP_TARGETS:
         block = "self_attn" if target in ATTN_TARGETS else "mlp"
         weight = model.w[f"model.layers.0.{block}.{target}.weight"]
         shapes.setdefault(tuple(weight.shape), weight)
-    return [*shapes.values(), model.lm_head[:HEAD_ROWS]]
+    return [*shapes.values(), head_block(model.lm_head)]
 
 
 def _backward_weights(model: Decoder) -> list[torch.Tensor]:

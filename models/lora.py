@@ -188,14 +188,16 @@ class LoraBatch:
         Computed in fp32 (fp64 for fp64 activations) whatever the base dtype: the precision policy keeps
         LoRA weights, their products and gradients in fp32 under a bf16 base; the caller rounds once.
         Invariant mode runs every segment of one rank through one grouped shrink and expand
-        (``lathe.kernels.lora_grouped``), with the bits of ``delta_per_segment``.
+        (``lathe.kernels.lora_grouped``), with the bits of ``delta_per_segment``; a batch of one segment out of
+        autograd (a decode step of one adapter) runs ``delta_per_segment`` itself: the same products in fewer
+        ops.
         """
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
             return None
         if self.triton:
             return self._delta_sgmv(key, x, holders[0].b[key].shape[0])
-        if not self.invariant:
+        if not self.invariant or (len(self._segments) == 1 and not torch.is_grad_enabled()):
             return self.delta_per_segment(key, x)
         out = None
         for rank in sorted({w.spec.rank for w in holders}):
@@ -237,7 +239,7 @@ class LoraBatch:
                 parts.append(ops.linear(v * w.spec.scale, w.b[key].to(wide), invariant=self.invariant))
             else:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
-        return torch.cat(parts, dim=0)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def _delta_sgmv(self, key: Key, x: torch.Tensor, out_features: int) -> torch.Tensor:
         """The same correction through one SGMV shrink and one expand over all segments.

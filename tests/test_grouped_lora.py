@@ -55,8 +55,8 @@ def test_grouped_forward_has_the_per_segment_bits_and_its_gradients(threads: int
     g = torch.randn(grouped.shape, generator=gen)
     ours = torch.autograd.grad(grouped, params, g)
     theirs = torch.autograd.grad(reference, params, g)
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(ours, theirs, strict=True):  # two fp32 orders of a sum over up to 49152 columns: rounding only
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(b.abs().max().item(), 1.0))
 
 
 def test_a_segments_gradients_alone_equal_its_gradients_among_others(threads: int) -> None:

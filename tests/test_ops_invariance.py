@@ -207,6 +207,44 @@ def test_row_groups_skip_a_height_that_fills_fewer_tiles_than_threads() -> None:
     assert ops.row_groups(146, (16, 64, 128)) == [(0, 128, 128), (128, 146, 16)]
 
 
+@pytest.mark.parametrize(("k", "n", "size", "blocks"), [
+    (576, 576, 4, [(0, 288), (288, 576)]),  # narrower than its cap: two halves
+    (1536, 576, 4, [(0, 288), (288, 576)]),
+    (32, 1536, 4, [(0, 768), (768, 1536)]),  # a LoRA expand
+    (576, 192, 4, [(0, 192)]),  # halves would be under SPLIT_WIDTH
+    (576, 32, 4, [(0, 32)]),  # a LoRA shrink is never halved
+    (576, 600, 4, [(0, 304), (304, 600)]),  # halves round up to 16 columns
+    (576, 1792, 4, [(0, 1792)]),  # exactly its cap: the first block of a wider weight
+    (576, 49152, 2, [(c, min(c + 3584, 49152)) for c in range(0, 49152, 3584)]),  # bf16: twice the columns
+])
+def test_col_blocks_halve_narrow_weights_and_cap_wide_ones(k: int, n: int, size: int,
+                                                            blocks: list[tuple[int, int]]) -> None:
+    assert ops.col_blocks(k, n, size) == blocks
+    assert all((c1 - c0) * k * size <= ops.COL_BLOCK_BYTES for c0, c1 in blocks)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "n"), [(576, 576), (576, 600), (2048, 1300)])
+def test_a_lone_tile_has_the_bits_of_the_same_rows_among_other_tiles(threads: int, dtype: torch.dtype, k: int,
+                                                                      n: int) -> None:
+    """One tile runs its column blocks in one bmm (equal halves; a narrower last block; blocks of the byte cap
+    and a remainder), many tiles loop over the blocks: the products, and so the bits, are the same."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(40, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    assert len(ops.col_blocks(k, n, w.element_size())) > 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = ops.tiled_matmul(x, w.t(), tile=16)
+        for r0, r1 in ((0, 1), (5, 16), (16, 20)):
+            assert torch.equal(ops.tiled_matmul(x[r0:r1], w.t(), tile=16), batch[r0:r1])
+    finally:
+        torch.set_num_threads(before)
+    ref = x.double() @ w.double().t()
+    torch.testing.assert_close(batch.double(), ref, rtol=TOL[dtype], atol=TOL[dtype] * ref.abs().max().item())
+
+
 def test_linear_keeps_leading_dims_and_invariant_rows_match_flat_rows() -> None:
     gen = torch.Generator().manual_seed(6)
     x, weight = torch.randn(2, 3, 5, 64, generator=gen), torch.randn(24, 64, generator=gen)
