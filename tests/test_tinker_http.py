@@ -19,6 +19,7 @@ from lathe.errors import InvalidArgument
 from lathe.gateway.tinker_proto import (
     forward_backward_from_proto,
     forward_backward_output_to_proto,
+    parse_forward_backward,
     sample_response_to_proto,
 )
 from lathe.stack import Stack
@@ -66,8 +67,8 @@ def test_a_request_encoded_by_the_sdk_decodes_to_the_same_arrays() -> None:
                         loss_fn_inputs={"target_tokens": list(range(2, 42)), "weights": sparse})
     sdk_req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
         data=[datum], loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.7}), model_id="m", seq_id=4)
-    req = forward_backward_from_proto(request_conv.forward_backward_request_to_proto(sdk_req).SerializeToString(),
-                                      1 << 20)
+    req = forward_backward_from_proto(parse_forward_backward(
+        request_conv.forward_backward_request_to_proto(sdk_req).SerializeToString()), 1 << 20, 1 << 20)
     assert (req.model_id, req.seq_id, req.loss_fn, dict(req.loss_fn_config)) == ("m", 4, "ppo",
                                                                                  {"clip_low_threshold": 0.7})
     assert list(req.data[0].model_input.chunks[0].tokens) == list(range(1, 41))
@@ -82,11 +83,11 @@ def test_text_loss_config_and_non_text_chunks_are_refused_by_name() -> None:
     msg = ours.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="ppo")
     msg.loss_fn_config_v2["clip_low_threshold"].text = "low"
     with pytest.raises(InvalidArgument, match=r"loss_fn_config\['clip_low_threshold'\]"):
-        forward_backward_from_proto(msg.SerializeToString(), 1 << 20)
+        forward_backward_from_proto(msg, 1 << 20, 1 << 20)
     msg = ours.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
     msg.data.add().model_input.add().image.data = b"png"
     with pytest.raises(InvalidArgument, match=r"data\[0\]\.model_input\[0\] is a image chunk"):
-        forward_backward_from_proto(msg.SerializeToString(), 1 << 20)
+        forward_backward_from_proto(msg, 1 << 20, 1 << 20)
 
 
 _TARGET_RUNS = [types.PromptProvenanceSpan(sequence_id="r:0", offset=1, length=2),
@@ -111,9 +112,9 @@ def test_stable_reinforce_datums_must_name_their_sampled_sequences(input_runs: l
             seq_id=1)).SerializeToString()
         if error and loss_fn == "stable_reinforce":
             with pytest.raises(InvalidArgument, match=error):
-                forward_backward_from_proto(body, 1 << 20)
+                forward_backward_from_proto(parse_forward_backward(body), 1 << 20, 1 << 20)
         else:
-            decoded = forward_backward_from_proto(body, 1 << 20).data[0]
+            decoded = forward_backward_from_proto(parse_forward_backward(body), 1 << 20, 1 << 20).data[0]
             assert decoded.loss_fn_inputs.keys() == datum.loss_fn_inputs.keys()
 
 

@@ -3,7 +3,8 @@
 Both doors serve one ``GatewayCore`` in one event loop. With ``--http-port`` the HTTP door starts first and
 prints ``lathe.gateway http listening on HOST:PORT``; then the gRPC door prints the gateway's ready line
 ``lathe.gateway listening on HOST:PORT``. The ``--max-*`` flags set what one request may ask for
-(``limits.DoorLimits``; a gRPC message and an HTTP body alike are capped at ``--max-message-bytes``).
+(``limits.DoorLimits``; a gRPC message and an HTTP body alike are capped at ``--max-message-bytes``) and what
+decoding one HTTP body may cost (``limits.HttpLimits``).
 API keys come from ``--api-keys-file`` (``auth.ApiKeys``; without one, open mode on loopback only, said on
 stderr at start); ``--tls-cert`` and ``--tls-key`` put both doors behind TLS (``tls.TlsFiles``). The internal
 services are called with the stack's shared secret (``lathe.internal_auth``). Per-tenant quotas come from
@@ -34,10 +35,10 @@ from .calls import CallPolicy
 from .core import GatewayCore
 from .discovery import DIRECTORIES, DiscoveryConfig, make_directory
 from .http_server import HttpServer
-from .limits import DoorLimits
+from .limits import DoorLimits, HttpLimits
 from .metrics import GatewayMetrics
 from .quotas import QuotaConfig, Quotas
-from .server import GatewayServicer
+from .server import GatewayServicer, RequireApiKey
 from .store import ControlStore, StoreConfig
 from .tinker_http import PREFIX, TinkerHttpDoor
 from .tls import TlsFiles
@@ -60,9 +61,10 @@ async def serve(args: argparse.Namespace) -> None:
               f"give --api-keys-file or {KEYS_FILE_ENV} to name tenants)", file=sys.stderr, flush=True)
     tls = TlsFiles.from_args(args.tls_cert, args.tls_key)
     limits = DoorLimits(**{f.name: getattr(args, f.name) for f in fields(DoorLimits)})
+    http_limits = HttpLimits(**{f.name: getattr(args, f.name) for f in fields(HttpLimits)})
     quotas = Quotas(QuotaConfig.from_file(args.quotas))
     store = ControlStore(StoreConfig(args.db, retention_s=args.ledger_retention_s, keep_done=args.ledger_keep))
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(tenant_labels=args.metrics_tenant_labels)
     probes = Probes("lathe.v1.Gateway", "lathe_gateway", ready=lambda: _store_answers(store),
                     registry=metrics.registry)
     pools = make_directory(DiscoveryConfig(args.discovery, args.trainer, args.sampler, args.discovery_namespace,
@@ -78,7 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
         serve_metrics("lathe.gateway", probes.registry, args.host, args.metrics_port)
     http, door, files_url = None, None, ""
     if args.http_port >= 0:
-        door = TinkerHttpDoor(core, keys)
+        door = TinkerHttpDoor(core, keys, http_limits=http_limits)
         http = await HttpServer.start(door.app(), args.host, args.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
         files_url = (args.http_public_url or f"{'https' if tls else 'http'}://{args.host}:{http.port}") + PREFIX
@@ -94,6 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
     await serve_until_stopped("lathe.gateway", args.host, args.port,
                               lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server),
                               on_stop=stop, max_receive_bytes=limits.max_message_bytes,
+                              interceptors=[RequireApiKey(keys)],
                               credentials=tls.grpc_credentials() if tls else None, probes=probes)
 
 
@@ -132,8 +135,11 @@ def main() -> None:
                     help="how long an idempotent internal call waits for its service to come back "
                          "(default %(default)s)")
     add_metrics_port(ap)
+    ap.add_argument("--metrics-tenant-labels", type=int, default=0,
+                    help="name this many tenants in the usage metrics' tenant label (default 0: every tenant is "
+                         "'other')")
     ap.add_argument("--quotas", default="", help="per-tenant quotas, a JSON or .toml file (quotas.QuotaConfig)")
-    for f in fields(DoorLimits):
+    for f in (*fields(DoorLimits), *fields(HttpLimits)):
         ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
                         help=f"request limit (default {f.default})")
     asyncio.run(serve(ap.parse_args()))

@@ -36,19 +36,36 @@ session's next number otherwise; a repeated creation answers the first one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import math
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
-from lathe.errors import Cancelled, FailedPrecondition, Internal, InvalidArgument, LatheError, NotFound
+from lathe.errors import (
+    Cancelled,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    LatheError,
+    NotFound,
+    PermissionDenied,
+)
 from lathe.internal_auth import internal_aio_channel
 from lathe.serving import CHANNEL_OPTIONS
-from lathe.types import CHECKPOINT_TYPES, EPHEMERAL_TTL_S, MAX_TTL_S, OPTIMIZERS, check_no_project, recovery_path
+from lathe.types import (
+    CHECKPOINT_TYPES,
+    EPHEMERAL_TTL_S,
+    MAX_TTL_S,
+    OPTIMIZERS,
+    RECOVERY_KIND,
+    check_no_project,
+    recovery_path,
+)
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
@@ -75,6 +92,17 @@ REBUILD_ATTEMPTS = 3  # an operation finding its run gone from the trainer rebui
 CAPABILITIES_TTL_S = 30.0
 PURGE_EVERY_S = 60.0  # how often finished operations past the retention are deleted from the ledger
 MAX_DISPLAY_NAME = 256  # characters of a session's display name (its column's width)
+
+
+def _not_reserved(path: str, action: str) -> None:
+    """Refuse a tenant's ``action`` on a trainer's recovery snapshot (``tinker://<run>/recovery/latest``): that kind
+    is reserved to the trainer, which alone writes it and sets its expiry; a copy would be a checkpoint that no
+    listing shows and no byte quota counts, and a deletion or a new TTL would lose the run's recovery. Read from
+    the path alone, before any lookup, so the answer is the same whoever owns the run."""
+    parts = path.removeprefix("tinker://").split("/")
+    if len(parts) == 3 and parts[1] == RECOVERY_KIND:
+        raise PermissionDenied(f"checkpoint {path!r} is a recovery snapshot: kind {RECOVERY_KIND!r} is reserved to "
+                               f"the trainer, and its checkpoints cannot be {action}")
 
 
 class GatewayCore:
@@ -416,11 +444,8 @@ class GatewayCore:
         known = self._by_seq.get((model_id, seq_id))
         if known is not None:
             return pb.SubmitResponse(request_id=known, model_id=model_id)
-        try:
+        with self.refusing(tenant, model_id, seq_id):
             check_op(op)
-        except InvalidArgument as e:  # deterministic: the client moves on to the next seq_id, so the trainer must too
-            self._skip(run, seq_id, e)
-            raise
         self.quotas.admit_op(tenant, self.futures.pending(tenant), op)
         self.backpressure.admit(run.base_model, tenant, model_id, seq_id)
         entry = self.futures.create(tenant)
@@ -433,7 +458,22 @@ class GatewayCore:
             self._spawn(entry, self._remember(entry, (model_id, seq_id), work(run, trainer_op)))
         return pb.SubmitResponse(request_id=holder, model_id=model_id)
 
-    def _skip(self, run: Run, seq_id: int, refused: InvalidArgument) -> None:
+    @contextlib.contextmanager
+    def refusing(self, tenant: str, model_id: str, seq_id: int) -> Iterator[None]:
+        """Around the checks of an ordered operation before it is submitted (a door decoding its body, ``_submit``
+        checking its parameters): a client error raised there, which a retry would meet again, passes over its
+        ``seq_id`` on the trainer (``_skip``), since the client moves on to the next one. Only for the tenant's own
+        run and a ``seq_id`` not already taken; admission and transport errors are not client errors of this kind
+        (the client retries them under the same ``seq_id``)."""
+        try:
+            yield
+        except (InvalidArgument, NotFound, FailedPrecondition) as e:
+            run = self.find_run(tenant, model_id)
+            if run is not None and seq_id >= 1 and (model_id, seq_id) not in self._by_seq:
+                self._skip(run, seq_id, e)
+            raise
+
+    def _skip(self, run: Run, seq_id: int, refused: LatheError) -> None:
         """Tell the trainer that ``seq_id`` was refused here, so the run's later seq_ids need not wait for it.
         Best effort: should it not get through, they fail after the trainer's ``order_wait_s`` instead."""
         async def send() -> None:
@@ -687,6 +727,7 @@ class GatewayCore:
         ])
 
     async def delete_checkpoint(self, tenant: str, path: str) -> None:
+        _not_reserved(path, "deleted")
         await self._call(self.checkpoints.Delete, cpb.CheckpointRef(tenant=tenant, path=path), idempotent=False)
 
     async def copy_checkpoint(self, tenant: str, source: str, ttl_seconds: int | None, idempotency_key: str | None,
@@ -695,6 +736,7 @@ class GatewayCore:
         ``ttl_seconds`` (None: never). It goes under run ``"{session_id}:train:{model_seq_id}"`` (a slot no run
         holds) when the session is given, else under a run id of its own derived from ``idempotency_key``; no run
         is registered (the copy cannot be trained on)."""
+        _not_reserved(source, "copied")
         if ttl_seconds is not None and not 1 <= ttl_seconds <= MAX_TTL_S:
             raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [1, {MAX_TTL_S}], or null for no expiry")
         if session_id is None:
@@ -714,6 +756,7 @@ class GatewayCore:
 
     async def set_checkpoint_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> None:
         """The caller's checkpoint at ``path`` expires ``ttl_seconds`` from now (None: never)."""
+        _not_reserved(path, "given another TTL")
         if ttl_seconds is not None and not 0 < ttl_seconds <= MAX_TTL_S:
             raise InvalidArgument(f"ttl_seconds = {ttl_seconds} must be in [1, {MAX_TTL_S}], or null to remove the "
                                   "expiration")
@@ -721,6 +764,7 @@ class GatewayCore:
                                                                    ttl_seconds=ttl_seconds or 0))
 
     async def set_checkpoint_public(self, tenant: str, path: str, public: bool) -> None:
+        _not_reserved(path, "published")
         await self._call(self.checkpoints.SetPublic, cpb.SetPublicRequest(tenant=tenant, path=path, public=public),
                          idempotent=False)
 

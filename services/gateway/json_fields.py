@@ -3,8 +3,11 @@
 A body that is not a JSON object, a missing required field or a field of the wrong type is an
 ``InvalidArgument`` whose message names the field by its full path (``sampling_params.top_k``), so every
 handler checks its input the same way and none writes error text of its own. ``null`` counts as absent,
-as in Tinker's pydantic models; unknown fields are ignored (newer SDKs add fields). Values must also fit
-the messages they go into: integers in 64 (or the given) bits, finite numbers, strings that are UTF-8.
+as in Tinker's pydantic models, except for a number its SDK type requires (``nullable=False``): the SDK writes
+NaN and the infinities as ``null``, so there ``null`` is a non-finite number, refused. Unknown fields are
+ignored (newer SDKs add fields). Values must also fit the messages they go into: integers in 64 (or the
+given) bits, finite numbers, strings that are UTF-8. A body is parsed only if it holds no more values than
+the caller allows, counted before any Python list of them exists.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ class Fields:
         self._where = where
 
     @classmethod
-    def parse(cls, body: bytes) -> Fields:
+    def parse(cls, body: bytes, max_values: int) -> Fields:
+        """The body's JSON object, if it holds at most ``max_values`` list items and object members, which are at
+        most one more than its commas (a comma inside a string counts too, erring on the safe side)."""
+        values = body.count(b",") + 1
+        if values > max_values:
+            raise InvalidArgument(f"the request body holds up to {values} JSON values (one more than its commas), "
+                                  f"over the limit of {max_values} (max_request_tokens)")
         try:
             return cls(json.loads(body or b"{}"))
         except ValueError as e:  # not UTF-8, not JSON, or an integer of more digits than Python converts
@@ -43,12 +52,18 @@ class Fields:
     def path(self, name: str) -> str:
         return f"{self._where}.{name}" if self._where else name
 
-    def get(self, name: str, kind: type, default: Any = _REQUIRED, *, int_max: int = INT64_MAX) -> Any:
+    def get(self, name: str, kind: type, default: Any = _REQUIRED, *, int_max: int = INT64_MAX,
+            nullable: bool = True) -> Any:
         """The value of ``name``, checked to be a ``kind`` (an int is also a float, a bool is no number,
         ``object`` takes anything); ``default`` when it is absent, which is an error if no default is given.
         An int must lie in ``[-int_max - 1, int_max]`` (``INT32_MAX`` for an int32 field), a float be finite,
-        a string be encodable as UTF-8 (JSON can carry lone surrogates; protobuf strings cannot)."""
+        a string be encodable as UTF-8 (JSON can carry lone surrogates; protobuf strings cannot).
+        ``nullable=False``: an explicit ``null`` is refused instead of taken as absent (a number the SDK's type
+        requires, whose ``null`` is how the SDK writes NaN or an infinity)."""
         value = self._data.get(name)
+        if value is None and not nullable and name in self._data:
+            raise InvalidArgument(f"{self.path(name)} = null must be a finite number (the tinker SDK sends NaN and "
+                                  "infinities as null)")
         if value is None:
             if default is _REQUIRED:
                 raise InvalidArgument(f"{self.path(name)} is required")

@@ -5,18 +5,34 @@ Both doors share these checks (``GatewayCore`` calls them), so a request too lar
 densified tensor or a queued operation exists. The gRPC door also caps a message at ``max_message_bytes``
 (grpcio refuses larger ones with RESOURCE_EXHAUSTED) and the HTTP door a body (413). The limits are
 reported in ``get_server_capabilities``.
+
+``HttpLimits`` bound what decoding one HTTP body may cost the gateway before any of these checks can run: how far
+a compressed body may inflate, how many tokens a body may carry before they become Python lists, and how many
+large bodies are read and decoded at once (``tinker_http``). They are the HTTP door's own, not reported.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from lathe.errors import InvalidArgument
+from lathe.errors import InvalidArgument, ResourceExhausted
 from lathe.types import MAX_TTL_S
 from lathe.v1 import lathe_pb2 as pb
 from lathe.wire import optim_params_from_proto, tensor_from_proto
+
+SMALL_BODY_BYTES = 1 << 20  # an uncompressed body up to this size is decoded without a place in the DecodeGate
+DECODE_WAIT_S = 5.0
+
+
+def _check_positive(limits: DoorLimits | HttpLimits) -> None:
+    for name, value in asdict(limits).items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +45,7 @@ class DoorLimits:
     max_tensor_elements: int = 16 << 20  # as many values as a full message holds float32s
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        _check_positive(self)
 
     def proto(self) -> pb.RequestLimits:
         return pb.RequestLimits(**asdict(self))
@@ -70,6 +84,51 @@ class DoorLimits:
             if len(s) > self.max_stop_chars:
                 raise InvalidArgument(f"params.stop_strings[{j}] has {len(s)} characters, over the limit of "
                                       f"{self.max_stop_chars}")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """``max_inflated_bytes``: what a ``Content-Encoding: zstd`` body may decompress to (its sender pays only for
+    the compressed bytes, so this is far below ``max_message_bytes``; the SDK's forward_backward chunks are at
+    most 5 MB before compression). ``max_request_tokens``: the values a body may carry before they become Python
+    lists: a forward_backward body's token ids, counted from their byte lengths, and a JSON body's list items and
+    object members, at most one more than its commas (an asample prompt's tokens are most of them).
+    ``max_concurrent_decodes``: compressed bodies and bodies over ``SMALL_BODY_BYTES`` being read and decoded at
+    once (``DecodeGate``)."""
+
+    max_inflated_bytes: int = 16 << 20
+    max_request_tokens: int = 1 << 20
+    max_concurrent_decodes: int = 4
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+
+
+class DecodeGate:
+    """At most ``slots`` large request bodies read and decoded at once; one more waits up to ``wait_s`` for a place,
+    then is refused (``ResourceExhausted`` with a retry-after: the SDK comes back)."""
+
+    def __init__(self, slots: int, wait_s: float = DECODE_WAIT_S) -> None:
+        self.slots, self.wait_s = slots, wait_s
+        self._free = asyncio.Semaphore(slots)
+
+    @contextlib.asynccontextmanager
+    async def place(self, needed: bool) -> AsyncIterator[None]:
+        """Hold a place while the body is read and decoded (a small one, not ``needed``, takes none)."""
+        if not needed:
+            yield
+            return
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await self._free.acquire()
+        except TimeoutError:
+            raise ResourceExhausted(f"max_concurrent_decodes = {self.slots}: that many large request bodies "
+                                    f"(compressed, or over {SMALL_BODY_BYTES} bytes) are being decoded, and this "
+                                    f"one waited {self.wait_s:.0f} s for a place", retry_after_s=1.0) from None
+        try:
+            yield
+        finally:
+            self._free.release()
 
 
 def check_op(op: dict[str, object]) -> None:

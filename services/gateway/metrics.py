@@ -8,7 +8,9 @@ where the gRPC door's calls are counted too (``lathe_gateway_grpc_*``, by ``lath
   handler's name (a fixed set), ``status`` the HTTP status code.
 - usage, recorded as each operation's result is recorded (``finished``): ``lathe_gateway_operations_total``
   ``{tenant,op,outcome}`` and ``lathe_gateway_tenant_tokens_total{tenant,op}`` (the tokens of its receipt).
-  Tenants are a bounded label set (``lathe.probes.TenantLabels``: past the cap they count as "other").
+  Tenants are a bounded label set (``lathe.probes.TenantLabels``: past the cap they count as "other"), and by
+  default an empty one (``tenant_labels`` 0, ``--metrics-tenant-labels``): every tenant is "other", since tenant
+  names and their usage are the operator's customers' data, not the scraper's.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from starlette.responses import Response
 from lathe.probes import LATENCY_BUCKETS, TenantLabels
 from lathe.v1 import lathe_pb2 as pb
 
-MAX_TENANT_LABELS = 50
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, max_tenants: int = MAX_TENANT_LABELS) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, tenant_labels: int = 0) -> None:
+        """``tenant_labels``: how many tenants (the first seen) are named in the usage metrics' ``tenant`` label."""
         self.registry = r = registry if registry is not None else CollectorRegistry()
-        self.tenant = TenantLabels(max_tenants)
+        self.tenant = TenantLabels(tenant_labels)
         self.http_requests = Counter("lathe_gateway_http_requests", "Tinker HTTP requests by route and status",
                                      ["route", "status"], registry=r)
         self.http_seconds = Histogram("lathe_gateway_http_request_seconds", "Tinker HTTP request latency by route",

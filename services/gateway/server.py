@@ -1,7 +1,9 @@
 """The gRPC front door: ``lathe.v1.Gateway`` calls -> ``GatewayCore`` calls.
 
-Authentication: the ``x-api-key`` metadata entry, mapped to a tenant by ``ApiKeys``. Core errors
-become gRPC status codes (``lathe.errors``); no handler writes error text of its own.
+Authentication: the ``x-api-key`` metadata entry, mapped to a tenant by ``ApiKeys``, checked twice: by
+``RequireApiKey`` before the request is received (a stranger's message is never read, let alone parsed), then by each
+handler, which needs the tenant. Core errors become gRPC status codes (``lathe.errors``); no handler writes error
+text of its own.
 
 Each registry call is the HTTP door's, through the same core call (sessions, search, storage usage, weights info,
 copies, TTL, publishing). External weights go through the HTTP door's ``downloads.Downloads`` (the same staging
@@ -12,13 +14,14 @@ HTTP door this door refuses them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any
 
 import grpc
 
-from lathe.errors import FailedPrecondition, InvalidArgument, LatheError
+from lathe.errors import FailedPrecondition, InvalidArgument, LatheError, Unauthenticated
+from lathe.internal_auth import OPEN_PREFIX
 from lathe.types import ParsedCheckpointTinkerPath
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import lathe_pb2 as pb
@@ -33,11 +36,39 @@ from .session_search import FINISH_REASONS, SessionQuery, session_status
 Handler = Callable[[Any, str, Any], Awaitable[Any]]
 
 
-def _api_key(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
+def _api_key(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
         if key == "x-api-key":
-            return value
+            return value if isinstance(value, str) else None
     return None
+
+
+class RequireApiKey(grpc.aio.ServerInterceptor):
+    """Refuses a call whose ``x-api-key`` names no tenant before its request is received.
+
+    grpc receives a unary request in full (up to the server's one ``max_receive_message_length``, the door's
+    ``max_message_bytes``) before any handler runs, so refusing in the handler would still take in a stranger's
+    64 MiB. The refusal here is a handler that takes its request as a stream and ends the call before reading a
+    message: the bytes stay in the transport's flow-control window and the stream is reset. The health service
+    (``lathe.internal_auth.OPEN_PREFIX``) takes no key."""
+
+    def __init__(self, keys: ApiKeys) -> None:
+        self.keys = keys
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIX):
+            return handler
+        try:
+            self.keys.tenant(_api_key(details.invocation_metadata))
+        except Unauthenticated as e:
+            return grpc.stream_unary_rpc_method_handler(functools.partial(_refuse, e))
+        return handler
+
+
+async def _refuse(error: LatheError, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    await context.abort(error.status, error.message)
 
 
 def authed(fn: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
@@ -46,7 +77,7 @@ def authed(fn: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaita
     @functools.wraps(fn)
     async def wrapper(self: GatewayServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await fn(self, request, self.keys.tenant(_api_key(context)))
+            return await fn(self, request, self.keys.tenant(_api_key(context.invocation_metadata())))
         except LatheError as e:
             await context.abort(e.status, e.message)
 
@@ -163,10 +194,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     @authed
     async def SaveWeightsExternal(self, request: pb.SaveWeightsExternalRequest, tenant: str) -> pb.SubmitResponse:
         """A sampler snapshot of the run, turned into ``tinker://<run>/external_weights/<name>`` when its future
-        is retrieved (``RetrieveFuture``), as on the HTTP door."""
-        self._downloads()
-        note = export_note(list(request.age_encryption_recipients) or None, request.name,
-                           _optional(request, "ttl_seconds"))
+        is retrieved (``RetrieveFuture``), as on the HTTP door; refused here, it passes over its ``seq_id``."""
+        with self.core.refusing(tenant, request.model_id, request.seq_id):
+            self._downloads()
+            note = export_note(list(request.age_encryption_recipients) or None, request.name,
+                               _optional(request, "ttl_seconds"))
         return await self.core.submit(tenant, request.model_id, request.seq_id,
                                       save=Downloads.staging_save(request.model_id, request.seq_id, note))
 

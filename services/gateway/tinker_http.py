@@ -9,9 +9,13 @@ sampling outputs, JSON otherwise), ``{"type": "try_again"}`` when nothing came w
 of the tenant's own quotas holds new work back (``GatewayCore.queue_state``). ``/retrieve_futures`` long-polls a
 sampling client's completion queue (``completions``), which the SDK then fetches one by one. A rejected call answers
 the core error's HTTP status with the same ``{"error", "category"}`` body, never an empty one (429 with ``retry-after``
-when waiting helps). A body longer than the core's ``limits.max_message_bytes`` is refused with 413 before it is
-read to its end; a ``Content-Encoding: zstd`` body (the SDK's compressed forward_backward) is refused the same
-way when it would decompress past that limit.
+when waiting helps). The key is checked before the body is read. A body longer than the core's
+``limits.max_message_bytes`` is refused with 413 before it is read to its end; a ``Content-Encoding: zstd`` body
+(the SDK's compressed forward_backward) is inflated a piece at a time and refused with 413 as soon as it passes
+``HttpLimits.max_inflated_bytes``; a body holding more than ``max_request_tokens`` values is refused before they
+become Python lists; and only ``max_concurrent_decodes`` large or compressed bodies are decoded at once
+(``limits.DecodeGate``). An ordered operation refused while its body is decoded still passes over its ``seq_id``
+(``GatewayCore.refusing``), so the run's next operations are not held up behind it.
 
 State of its own: only what an HTTP request said that its result does not carry (the layout of a sample's sparse
 ``target_prompt_logprobs``), kept by request id for the latest requests; a gateway restart forgets it, and the
@@ -20,11 +24,12 @@ result is then answered dense.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +52,13 @@ from .custom_losses import CustomLosses
 from .downloads import FILES_ROUTE, Downloads, UrlSigner, export_note
 from .futures import KEEP_DONE
 from .json_fields import INT32_MAX, Fields
+from .limits import SMALL_BODY_BYTES, DecodeGate, HttpLimits
 from .session_search import SessionQuery
 from .tinker_proto import (
     PROTO_CONTENT_TYPE,
     forward_backward_from_proto,
     forward_backward_output_to_proto,
+    parse_forward_backward,
     sample_response_to_proto,
 )
 
@@ -60,6 +67,7 @@ CLIENT_CONFIG = {"use_pyqwest_transport": False, "pjwt_auth_enabled": False, "pr
                  "sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
                  "custom_loss_server_side": True}
 DYNAMIC_CONFIG = {"sample_cancel_enabled": True}
+INFLATE_PIECE_BYTES = 1 << 20  # a zstd body is inflated this much at a time
 POLL_MARGIN_S = 15.0  # a long-poll ends this long before the client's read timeout (its x-stainless header)
 
 Handler = Callable[[Request, str], Awaitable[Response | dict[str, Any]]]
@@ -100,9 +108,12 @@ def _query_int(request: Request, name: str, default: int) -> int:
 class TinkerHttpDoor:
     """The ``/api/v1`` routes over one core; ``app()`` is the ASGI application to serve."""
 
-    def __init__(self, core: GatewayCore, keys: ApiKeys, url_signer: UrlSigner | None = None) -> None:
+    def __init__(self, core: GatewayCore, keys: ApiKeys, url_signer: UrlSigner | None = None,
+                 http_limits: HttpLimits | None = None) -> None:
         self.core = core
         self.keys = keys
+        self.http_limits = http_limits or HttpLimits()
+        self.gate = DecodeGate(self.http_limits.max_concurrent_decodes)
         self.downloads = Downloads(core.checkpoints, url_signer,
                                    quota=lambda tenant: core.quotas.of(tenant).max_checkpoint_bytes)
         self._notes: OrderedDict[str, _Note] = OrderedDict()
@@ -175,36 +186,50 @@ class TinkerHttpDoor:
 
         return endpoint
 
-    async def _body(self, request: Request) -> bytes:
-        """The request body, read no further than the size limit, and decompressed no further either when it
-        comes ``Content-Encoding: zstd``."""
+    @contextlib.asynccontextmanager
+    async def _body(self, request: Request) -> AsyncIterator[bytes]:
+        """The request body while it is decoded: read no further than ``max_message_bytes``, a zstd one inflated
+        no further than ``max_inflated_bytes``, a large or compressed one holding a place in the decode gate."""
         cap = self.core.limits.max_message_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > cap:
+        known = declared.isascii() and declared.isdigit()
+        if known and int(declared) > cap:
             raise RequestTooLarge(f"the request body has {declared} bytes, over the limit of {cap} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise RequestTooLarge(f"the request body is over the limit of {cap} bytes")
-            chunks.append(chunk)
-        body = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity")
-        if encoding == "identity":
-            return body
-        if encoding != "zstd":
+        if encoding not in ("identity", "zstd"):
             raise InvalidArgument(f"Content-Encoding {encoding!r} is not accepted; send 'zstd' or 'identity'")
+        async with self.gate.place(encoding == "zstd" or not known or int(declared) > SMALL_BODY_BYTES):
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise RequestTooLarge(f"the request body is over the limit of {cap} bytes")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            yield body if encoding == "identity" else self._inflate(body)
+
+    def _inflate(self, body: bytes) -> bytes:
+        """A zstd body decompressed piece by piece, refused as soon as it passes ``max_inflated_bytes``."""
+        limit, pieces, size = self.http_limits.max_inflated_bytes, [], 0
         try:
             with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
-                plain = reader.read(cap + 1)
+                while piece := reader.read(INFLATE_PIECE_BYTES):
+                    size += len(piece)
+                    if size > limit:
+                        raise RequestTooLarge(f"the zstd request body ({len(body)} bytes) decompresses to over the "
+                                              f"limit of {limit} bytes (max_inflated_bytes)")
+                    pieces.append(piece)
         except zstandard.ZstdError as e:
             raise InvalidArgument(f"the zstd request body does not decompress: {e}") from None
-        if len(plain) > cap:
-            raise RequestTooLarge(f"the zstd request body decompresses to over the limit of {cap} bytes")
-        return plain
+        return b"".join(pieces)
 
     async def _fields(self, request: Request) -> Fields:
-        return Fields.parse(await self._body(request))
+        async with self._body(request) as body:
+            return Fields.parse(body, self.http_limits.max_request_tokens)
+
+    def _refusing(self, tenant: str, f: Fields) -> contextlib.AbstractContextManager[None]:
+        """``GatewayCore.refusing`` for the ordered operation whose body is ``f`` (its ids must read)."""
+        return self.core.refusing(tenant, f.get("model_id", str), f.get("seq_id", int))
 
     def _note(self, request_id: str, note: _Note) -> None:
         self._notes[request_id] = note
@@ -294,9 +319,13 @@ class TinkerHttpDoor:
         if not content_type.startswith(PROTO_CONTENT_TYPE):
             raise InvalidArgument(f"forward_backward takes a {PROTO_CONTENT_TYPE} body (tinker_public."
                                   f"ForwardBackwardRequest), not {content_type or 'no Content-Type'!r}")
-        req = forward_backward_from_proto(await self._body(request), self.core.limits.max_tensor_elements)
-        if req.loss_fn == "custom":
-            self.custom_losses.resolve(tenant, req)
+        async with self._body(request) as body:
+            msg = parse_forward_backward(body)
+            with self.core.refusing(tenant, msg.model_id, msg.seq_id):
+                req = forward_backward_from_proto(msg, self.core.limits.max_tensor_elements,
+                                                  self.http_limits.max_request_tokens)
+                if req.loss_fn == "custom":
+                    self.custom_losses.resolve(tenant, req)
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
 
     async def create_custom_loss(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -312,45 +341,60 @@ class TinkerHttpDoor:
         return {"request_id": self.core.answered(tenant, result), "model_id": None}
 
     async def optim_step(self, request: Request, tenant: str) -> dict[str, Any]:
-        req = tj.optim_step(await self._fields(request))
+        f = await self._fields(request)
+        with self._refusing(tenant, f):
+            req = tj.optim_step(f)
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, optim_step=req))
 
     async def save_weights(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
-        req = pb.SaveRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), name=f.get("path", str),
-                             kind="weights", ttl_seconds=f.get("ttl_seconds", int, 0),
-                             overwrite=f.get("overwrite", bool, False), user_metadata=f.strings("user_metadata"))
+        with self._refusing(tenant, f):
+            req = pb.SaveRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int),
+                                 name=f.get("path", str), kind="weights", ttl_seconds=f.get("ttl_seconds", int, 0),
+                                 overwrite=f.get("overwrite", bool, False), user_metadata=f.strings("user_metadata"))
         return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, save=req))
 
     async def save_weights_for_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
         """Named: a sampler checkpoint. Unnamed (``save_weights_and_get_sampling_client``): an ephemeral
         one, answered with the sampling session bound to it."""
         f = await self._fields(request)
-        model_id, seq_id, name = f.get("model_id", str), f.get("seq_id", int), f.get("path", str, "")
+        model_id, seq_id = f.get("model_id", str), f.get("seq_id", int)
+        with self._refusing(tenant, f):
+            name = f.get("path", str, "")
+            if name:
+                req = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=name, kind="sampler_weights",
+                                     ttl_seconds=f.get("ttl_seconds", int, 0),
+                                     user_metadata=f.strings("user_metadata"))
+            else:
+                sampling_seq_id = f.get("sampling_session_seq_id", int)
         if name:
-            req = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=name, kind="sampler_weights",
-                                 ttl_seconds=f.get("ttl_seconds", int, 0), user_metadata=f.strings("user_metadata"))
             return self._future(await self.core.submit(tenant, model_id, seq_id, save=req))
-        return self._future(self.core.save_for_sampling(tenant, model_id, seq_id,
-                                                        f.get("sampling_session_seq_id", int)))
+        return self._future(self.core.save_for_sampling(tenant, model_id, seq_id, sampling_seq_id))
 
     async def load_weights(self, request: Request, tenant: str) -> dict[str, Any]:
         """With ``session_id``: a new training run loaded from ``path`` (create_training_client_from_state*).
         Otherwise the legacy form: a load into ``model_id`` at ``seq_id`` (load_state*)."""
         f = await self._fields(request)
-        if f.get("weights_access_token", str, None) is not None:
-            raise InvalidArgument("weights_access_token is not supported: load checkpoints of your own account")
-        path, with_optimizer = f.get("path", str), f.get("optimizer", bool)
         if f.get("session_id", str, None) is None:
-            req = pb.LoadRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), path=path,
-                                 with_optimizer=with_optimizer)
+            with self._refusing(tenant, f):
+                path, with_optimizer = self._load_source(f)
+                req = pb.LoadRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), path=path,
+                                     with_optimizer=with_optimizer)
             return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, load=req))
+        path, with_optimizer = self._load_source(f)
         return self._future(await self.core.create_model_from_state(
             tenant, pb.CreateModelFromStateRequest(session_id=f.get("session_id", str), path=path,
                                                    with_optimizer=with_optimizer,
                                                    user_metadata=f.strings("user_metadata"),
                                                    optimizer=tj.optimizer_family(f, "optimizer_config")),
             model_seq_id=f.get("model_seq_id", int), base_model=f.get("base_model", str, "")))
+
+    @staticmethod
+    def _load_source(f: Fields) -> tuple[str, bool]:
+        """A ``/load_weights`` body's ``path`` and ``optimizer`` (a checkpoint of another account is refused)."""
+        if f.get("weights_access_token", str, None) is not None:
+            raise InvalidArgument("weights_access_token is not supported: load checkpoints of your own account")
+        return f.get("path", str), f.get("optimizer", bool)
 
     # ---- sampling ----
 
@@ -500,8 +544,10 @@ class TinkerHttpDoor:
         """A sampler snapshot of the run, turned into ``tinker://<run>/external_weights/<name>`` when its future
         is retrieved."""
         f = await self._fields(request)
-        model_id, seq_id, name = f.get("model_id", str), f.get("seq_id", int), f.get("path", str)
-        note = export_note(f.get("age_encryption_recipients", list, None), name, f.get("ttl_seconds", int, None))
+        model_id, seq_id = f.get("model_id", str), f.get("seq_id", int)
+        with self._refusing(tenant, f):
+            note = export_note(f.get("age_encryption_recipients", list, None), f.get("path", str),
+                               f.get("ttl_seconds", int, None))
         sub = await self.core.submit(tenant, model_id, seq_id, save=Downloads.staging_save(model_id, seq_id, note))
         return self._future(sub)
 

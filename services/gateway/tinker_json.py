@@ -45,13 +45,19 @@ def lora_config(f: Fields) -> pb.LoraConfig:
                          train_unembed=f.get("train_unembed", bool, d.train_unembed))
 
 
+def _number(f: Fields, name: str, default: float) -> float:
+    """A number the SDK's type requires: absent takes ``default``; ``null`` (the SDK's NaN or infinity) is refused."""
+    return f.get(name, float, default, nullable=False)
+
+
 def adam_params(f: Fields) -> pb.AdamParams:
-    """Tinker's ``adam_params``; an absent field takes the SDK type's default (``lathe.types.AdamParams``)."""
+    """Tinker's ``adam_params``; an absent field takes the SDK type's default (``lathe.types.AdamParams``), and an
+    explicit ``null`` (NaN or an infinity in the SDK) is refused by name."""
     d = AdamParams()
-    return pb.AdamParams(learning_rate=f.get("learning_rate", float, d.learning_rate),
-                         beta1=f.get("beta1", float, d.beta1), beta2=f.get("beta2", float, d.beta2),
-                         eps=f.get("eps", float, d.eps), weight_decay=f.get("weight_decay", float, d.weight_decay),
-                         grad_clip_norm=f.get("grad_clip_norm", float, d.grad_clip_norm))
+    return pb.AdamParams(learning_rate=_number(f, "learning_rate", d.learning_rate),
+                         beta1=_number(f, "beta1", d.beta1), beta2=_number(f, "beta2", d.beta2),
+                         eps=_number(f, "eps", d.eps), weight_decay=_number(f, "weight_decay", d.weight_decay),
+                         grad_clip_norm=_number(f, "grad_clip_norm", d.grad_clip_norm))
 
 
 def optimizer_family(f: Fields, name: str) -> str:
@@ -75,9 +81,9 @@ def optim_step(f: Fields) -> pb.OptimStepRequest:
         req.adam_params.CopyFrom(adam_params(g))
         return req
     d = DimuonParams(learning_rate=0.0)
-    req.dimuon_params.CopyFrom(pb.DimuonParams(learning_rate=g.get("learning_rate", float),
-                                               grad_clip_norm=g.get("grad_clip_norm", float, d.grad_clip_norm),
-                                               beta1=g.get("beta1", float, d.beta1)))
+    req.dimuon_params.CopyFrom(pb.DimuonParams(learning_rate=g.get("learning_rate", float, nullable=False),
+                                               grad_clip_norm=_number(g, "grad_clip_norm", d.grad_clip_norm),
+                                               beta1=_number(g, "beta1", d.beta1)))
     return req
 
 
@@ -102,8 +108,8 @@ def _sampling_params(f: Fields) -> pb.SamplingParams:
     if not (stop is None or isinstance(stop, str | list)):
         raise InvalidArgument(f"{f.path('stop')} must be a string, a list of strings or a list of token ids")
     params = SamplingParams(max_tokens=f.get("max_tokens", int, None, int_max=INT32_MAX),
-                            seed=f.get("seed", int, None), stop=stop, temperature=f.get("temperature", float, 1.0),
-                            top_k=f.get("top_k", int, -1, int_max=INT32_MAX), top_p=f.get("top_p", float, 1.0))
+                            seed=f.get("seed", int, None), stop=stop, temperature=_number(f, "temperature", 1.0),
+                            top_k=f.get("top_k", int, -1, int_max=INT32_MAX), top_p=_number(f, "top_p", 1.0))
     try:
         return wire.sampling_params_to_proto(params)
     except ValueError as e:

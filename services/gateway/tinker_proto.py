@@ -8,7 +8,9 @@ per-datum ``logprobs`` become one batched ``ArrayRecord``, and a sampler result 
 answered in its own layout). Every array is raw little-endian bytes;
 anything the door cannot serve is an ``InvalidArgument`` naming the field. Shapes are checked before any
 array is built (no negative dimension, at most ``MAX_DIMS``), and a request's tensors may hold at most
-``max_elements`` values once dense: a sparse tensor of shape ``[1, 10**10]`` is refused, not densified.
+``max_elements`` values once dense: a sparse tensor of shape ``[1, 10**10]`` is refused, not densified; its
+token ids are counted from their byte lengths before they become a list. The body is parsed first
+(``parse_forward_backward``), so a door knows the ``model_id`` and ``seq_id`` of a request it then refuses.
 """
 
 from __future__ import annotations
@@ -143,14 +145,24 @@ def _check_provenance(d: tp.Datum, n_tokens: int, where: str) -> None:
                  f"{where}.loss_fn_input_spans")
 
 
-def forward_backward_from_proto(body: bytes, max_elements: int) -> pb.ForwardBackwardRequest:
-    """Decode a ``/forward_backward`` body for ``GatewayCore.submit``; its tensors may hold at most
-    ``max_elements`` values once dense."""
+def parse_forward_backward(body: bytes) -> tp.ForwardBackwardRequest:
+    """A ``/forward_backward`` body as Tinker's message (``forward_backward_from_proto`` checks and converts it)."""
     req = tp.ForwardBackwardRequest()
     try:
         req.ParseFromString(body)
     except DecodeError as e:
         raise InvalidArgument(f"the request body is not a valid tinker_public.ForwardBackwardRequest: {e}") from None
+    return req
+
+
+def forward_backward_from_proto(req: tp.ForwardBackwardRequest, max_elements: int, max_tokens: int
+                                ) -> pb.ForwardBackwardRequest:
+    """The core's request for ``GatewayCore.submit``: its tensors may hold at most ``max_elements`` values once
+    dense, and its model inputs at most ``max_tokens`` token ids, counted before any list of them is built."""
+    tokens = sum(len(c.encoded_text.tokens) // 4 for d in req.data for c in d.model_input)
+    if tokens > max_tokens:
+        raise InvalidArgument(f"the request's model inputs hold {tokens} token ids, over the limit of {max_tokens} "
+                              "(max_request_tokens)")
     data = []
     budget = _Budget(max_elements)
     for i, d in enumerate(req.data):
