@@ -10,6 +10,7 @@ each installing its pyproject extra, non-root, starting a module that exists.
 
 from __future__ import annotations
 
+import base64
 import functools
 import re
 import shutil
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from lathe.gateway.auth import ApiKeys
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "lathe"
@@ -137,8 +140,12 @@ def test_only_the_gateway_is_open_and_only_checkpoints_reaches_the_store() -> No
 
     open_ports = {name: {p["port"] for rule in spec["ingress"] if "from" not in rule for p in rule["ports"]}
                   for name, spec in policies.items()}
-    assert open_ports["gateway"] == {"grpc", "http", "metrics"}
+    assert open_ports["gateway"] == {"grpc", "http"}
     assert all(ports <= {"metrics"} for name, ports in open_ports.items() if name != "gateway")
+    # the gateway's metrics (usage by tenant) only from the monitoring namespace
+    assert [(rule["from"], rule["ports"]) for rule in policies["gateway"]["ingress"] if "from" in rule] == [
+        ([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+         [{"port": "metrics"}])]
     assert callers(policies["minio"]) == {"checkpoints"}
     assert callers(policies["postgres"]) == {"gateway"}
     assert callers(policies["checkpoints"]) == {"gateway", "trainer", "sampler"}
@@ -191,6 +198,33 @@ def test_services_probe_grpc_health_and_are_scraped() -> None:
         assert annotations["prometheus.io/port"] == str(metrics_port)
 
 
+def test_the_gateway_metrics_port_is_cluster_internal_and_names_no_tenant_by_default(tmp_path: Path) -> None:
+    objs = objects()
+    doors = one(objs, "Service", f"{RELEASE}-lathe-gateway")
+    assert {p["name"] for p in doors["spec"]["ports"]} == {"grpc", "http"}
+    assert "lathe.dev/scrape" not in doors["metadata"]["labels"]
+    metrics = one(objs, "Service", f"{RELEASE}-lathe-gateway-metrics")
+    assert metrics["spec"]["type"] == "ClusterIP" and metrics["metadata"]["labels"]["lathe.dev/scrape"] == "true"
+    assert [(p["name"], p["port"]) for p in metrics["spec"]["ports"]] == [("metrics", 9090)]
+
+    def tenant_labels(values: str) -> list[str]:
+        w = one(objects(values), "Deployment", f"{RELEASE}-lathe-gateway")
+        return [a for a in w["spec"]["template"]["spec"]["containers"][0]["args"] if "tenant-labels" in a]
+
+    assert tenant_labels("") == ["--metrics-tenant-labels=0"]
+    on = tmp_path / "tenants.yaml"
+    on.write_text("gateway:\n  metricsTenantLabels: 50\n")
+    assert tenant_labels(str(on)) == ["--metrics-tenant-labels=50"]
+
+
+def test_the_generated_api_key_has_the_tinker_form_the_http_door_takes() -> None:
+    secret = one(objects(), "Secret", f"{RELEASE}-lathe-api-keys")
+    line = base64.b64decode(secret["data"]["api-keys"]).decode()
+    assert re.fullmatch(r"tml-[A-Za-z0-9]{40}=default\n", line), line
+    keys = ApiKeys.parse(line)
+    assert keys.tinker_tenant(line.partition("=")[0]) == "default"
+
+
 def test_dashboards_and_alert_rules_ship_as_the_chart_files() -> None:
     objs = objects(str(MULTIPOOL))
     dashboards = {}
@@ -207,7 +241,7 @@ def test_dashboards_and_alert_rules_ship_as_the_chart_files() -> None:
                and o["metadata"]["labels"].get("lathe.dev/scrape") == "true"]
     assert monitor["spec"]["selector"]["matchLabels"]["lathe.dev/scrape"] == "true"
     assert sorted(scraped) == sorted(f"{RELEASE}-lathe-{n}" for n in (
-        "gateway", "checkpoints", "llama-8b-ranks", "llama-8b-sampler", "qwen3-32b-ranks", "qwen3-32b-sampler"))
+        "gateway-metrics", "checkpoints", "llama-8b-ranks", "llama-8b-sampler", "qwen3-32b-ranks", "qwen3-32b-sampler"))
     assert not [o for o in objects() if o["kind"] in ("PrometheusRule", "ServiceMonitor")]  # CRDs: opt-in
 
 
