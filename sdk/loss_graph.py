@@ -1,30 +1,42 @@
-"""Custom loss graphs (tinker's ``create_custom_loss``) as checked data: the vocabulary and the limits.
+"""Custom loss graphs (tinker's ``create_custom_loss``) as checked data: the vocabulary, the limits, the shapes.
 
 A client traces its per-datum loss ``fn(logprobs, *inputs) -> (loss, metrics)`` with ``torch.fx`` and sends the
 nodes as JSON (tinker's ``CustomLossGraph``, format 1). ``check_graph`` turns that JSON into a ``LossGraph``
 or refuses it with ``InvalidArgument`` naming the node and what is wrong with it. Who uses it: the Tinker HTTP
 door when a loss is created (so a bad graph fails at ``create_custom_loss``, not at the first step) and the
 trainer (``lathe.trainer.custom_loss``) before it evaluates a graph. This module never imports torch: it owns
-the names a graph may call (``FUNCTIONS``, ``METHODS``, with the keyword arguments each accepts) and the
-trainer owns what each name computes; a test keeps the two tables equal.
+the names a graph may call (``FUNCTIONS``, ``METHODS``: the ``Signature`` of each, what every argument may be
+and the rule of its result's shape) and the trainer owns what each name computes; a test keeps the two tables
+equal.
 
 What a graph may be:
 
     nodes      at most MAX_NODES, names unique; placeholders first, one per declared input, in order
     ops        placeholder | call_function (a FUNCTIONS target) | call_method (a METHODS name) | output (last)
-    arguments  earlier nodes ({"ref": name}), numbers (and {"float": "inf" | "-inf" | "nan"}), booleans, None,
-               lists and tuples of these, slices and Ellipsis (indexing); no strings, dtypes or devices
+    arguments  as the target's Signature says, per parameter: an earlier node ({"ref": name}), a number (ints of
+               at most MAX_INT in magnitude, floats, {"float": "inf" | "-inf" | "nan"}, booleans), None, a dim
+               (ints), a flag, or getitem's index (ints, None, slices, Ellipsis, one list of ints); every call
+               takes a node among its positional arguments, so nothing is ever computed on plain Python values
+               (no ``3 ** 10**12``, no ``[0] * 10**9``); no strings, dtypes, devices or node indices
     depth      the longest chain of calls from an input to the output is at most MAX_DEPTH
     output     (loss, {metric: node}) with metric keys custom/<name>:sum or custom/<name>:mean
     inputs     logprobs first, with rank 1 ([T]: Lathe's trainer computes the target tokens' logprobs only);
                then at most MAX_INPUTS - 1 loss_fn_inputs keys of rank 0 (scalar), 1 ([T]) or 2 ([T, K])
+
+What a graph computes for one datum is sized before it runs: ``infer_shapes`` gives every node's shape from
+the datum's input shapes, and refuses a node of more than MAX_NODE_ELEMENTS elements (e.g. ``[T, 1] * [1, T]``
+chained into ``[T, T, K]``), a loss that is not a scalar and a metric that is not a single value, naming the
+node. Every call is elementwise, a reduction, a softmax or an index: its work is linear in the elements of its
+arguments and result, so bounding elements bounds time (the trainer's budgets: ``lathe.trainer.custom_loss``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,44 +46,94 @@ MAX_NODES = 512
 MAX_DEPTH = 128
 MAX_INPUTS = 16  # logprobs included (tinker's own limit)
 MAX_GRAPH_BYTES = 256 * 1024
+MAX_NODE_ELEMENTS = 2**24  # the most elements one node's tensor may hold (64 MiB in fp32)
+MAX_INT = 2**31 - 1  # the largest integer argument, in magnitude (floats are bounded by their type)
 
-_REDUCE = frozenset({"dim", "keepdim"})
-_CLAMP = frozenset({"min", "max"})
-# call_function targets (as tinker's SDK names them on the wire) -> the keyword arguments each accepts
-FUNCTIONS: dict[str, frozenset[str]] = {
-    **{f"operator.{op}": frozenset() for op in (
-        "add", "sub", "mul", "truediv", "neg", "pow", "abs", "getitem", "gt", "ge", "lt", "le", "eq", "ne")},
-    **{f"torch.{fn}": frozenset() for fn in (
-        "exp", "log", "log1p", "expm1", "abs", "sqrt", "square", "sigmoid", "tanh", "minimum", "maximum", "where",
-        "neg")},
+# The kinds of argument a call may pass, by parameter
+NODE = "node"  # an earlier node ({"ref": name}): a tensor
+OPERAND = "operand"  # a node or a number
+BOUND = "bound"  # a node, a number or None (clamp's min and max)
+NUMBER = "number"  # a number
+DIM = "dim"  # None, an int or a list / tuple of ints
+FLAG = "flag"  # a boolean
+INDEX = "index"  # getitem's index: an int, None, a slice, Ellipsis or a list of ints, or a tuple of these
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What a call may pass and what shape it makes.
+
+    ``params``: (name, kind) of each positional parameter, in order; the first ``required`` must be given and
+    those in ``keywords`` may be given by name instead. ``shape`` names the rule of its result's shape
+    (``infer_shapes``): "same" (the first argument's), "broadcast" (of every node and number it takes),
+    "reduce" (over ``dim``, all dimensions when None or empty, kept as 1 with ``keepdim``), "reduce_dims" (the
+    same, ``dim`` required), "softmax" (the input's, ``dim`` checked) or "index" (getitem's basic indexing, and
+    one list of ints beside slices, None and Ellipsis)."""
+
+    params: tuple[tuple[str, str], ...]
+    required: int
+    shape: str
+    keywords: frozenset[str] = frozenset()
+
+
+def _sig(shape: str, *params: tuple[str, str], required: int = 1, keywords: tuple[str, ...] = ()) -> Signature:
+    return Signature(params, required, shape, frozenset(keywords))
+
+
+_UNARY = _sig("same", ("input", NODE))
+_BINARY = _sig("broadcast", ("input", OPERAND), ("other", OPERAND), required=2)
+_REDUCE = _sig("reduce", ("input", NODE), ("dim", DIM), ("keepdim", FLAG), keywords=("dim", "keepdim"))
+_LOGSUMEXP = _sig("reduce_dims", ("input", NODE), ("dim", DIM), ("keepdim", FLAG), keywords=("dim", "keepdim"))
+_SOFTMAX = _sig("softmax", ("input", NODE), ("dim", DIM), keywords=("dim",))
+_CLAMP = _sig("broadcast", ("input", NODE), ("min", BOUND), ("max", BOUND), keywords=("min", "max"))
+# call_function targets (as tinker's SDK names them on the wire) -> what each may be passed
+FUNCTIONS: dict[str, Signature] = {
+    **{f"operator.{op}": _BINARY for op in ("add", "sub", "mul", "truediv", "pow", "gt", "ge", "lt", "le", "eq",
+                                            "ne")},
+    "operator.neg": _UNARY,
+    "operator.abs": _UNARY,
+    "operator.getitem": _sig("index", ("input", NODE), ("index", INDEX), required=2),
+    **{f"torch.{fn}": _UNARY for fn in (
+        "exp", "log", "log1p", "expm1", "abs", "sqrt", "square", "sigmoid", "tanh", "neg", "relu")},
+    "torch.minimum": _sig("broadcast", ("input", NODE), ("other", NODE), required=2),
+    "torch.maximum": _sig("broadcast", ("input", NODE), ("other", NODE), required=2),
+    "torch.where": _sig("broadcast", ("condition", NODE), ("input", OPERAND), ("other", OPERAND), required=3),
     "torch.clamp": _CLAMP,
     "torch.sum": _REDUCE,
     "torch.mean": _REDUCE,
-    "torch.logsumexp": _REDUCE,
-    "torch.softmax": frozenset({"dim"}),
-    "torch.log_softmax": frozenset({"dim"}),
-    "torch._C._nn.log_sigmoid": frozenset(),  # torch.nn.functional.logsigmoid
-    "torch._C._nn.softplus": frozenset({"beta", "threshold"}),  # torch.nn.functional.softplus
-    "torch.relu": frozenset(),
+    "torch.logsumexp": _LOGSUMEXP,
+    "torch.softmax": _SOFTMAX,
+    "torch.log_softmax": _SOFTMAX,
+    "torch._C._nn.log_sigmoid": _UNARY,  # torch.nn.functional.logsigmoid
+    "torch._C._nn.softplus": _sig("same", ("input", NODE), ("beta", NUMBER), ("threshold", NUMBER),
+                                  keywords=("beta", "threshold")),  # torch.nn.functional.softplus
 }
-# call_method names (torch.Tensor methods) -> the keyword arguments each accepts
-METHODS: dict[str, frozenset[str]] = {
-    **{m: frozenset() for m in (
+# call_method names (torch.Tensor methods; the tensor is args[0]) -> what each may be passed
+METHODS: dict[str, Signature] = {
+    **{m: _UNARY for m in (
         "exp", "log", "log1p", "expm1", "abs", "sqrt", "square", "sigmoid", "tanh", "neg", "relu", "detach",
-        "float", "pow")},
+        "float")},
+    "pow": _sig("broadcast", ("input", NODE), ("exponent", OPERAND), required=2),
     "clamp": _CLAMP,
     "clip": _CLAMP,
     "sum": _REDUCE,
     "mean": _REDUCE,
-    "logsumexp": _REDUCE,
-    "softmax": frozenset({"dim"}),
-    "log_softmax": frozenset({"dim"}),
+    "logsumexp": _LOGSUMEXP,
+    "softmax": _SOFTMAX,
+    "log_softmax": _SOFTMAX,
 }
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
 _SPECIAL_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number or boolean, or a special float ({"float": "inf" | "-inf" | "nan"})."""
+    return isinstance(value, bool | int | float) or (
+        isinstance(value, dict) and len(value) == 1 and isinstance(value.get("float"), str)
+        and value["float"] in _SPECIAL_FLOATS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +201,7 @@ def check_graph(name: str, inputs: list[tuple[str, int]], graph_json: str) -> Lo
                               f"{MAX_GRAPH_BYTES}")
     try:
         graph = json.loads(graph_json)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested too deep to read
         raise InvalidArgument(f"custom loss {name!r}: the graph is not JSON: {e}") from None
     if not isinstance(graph, dict) or graph.get("format", 1) != 1 or not isinstance(graph.get("nodes"), list):
         raise InvalidArgument(f"custom loss {name!r}: the graph must be {{\"format\": 1, \"nodes\": [...]}}")
@@ -202,46 +264,96 @@ class _Checker:
             kind = "function" if op == "call_function" else "tensor method"
             raise InvalidArgument(f"{where}: {kind} {target[:80]!r} is not one a custom loss may call (allowed: "
                                   f"{', '.join(sorted(table))})")
+        sig = table[target]
         args, kwargs = raw.get("args", []), raw.get("kwargs", {})
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise InvalidArgument(f"{where}: args must be a list and kwargs an object")
-        unknown = sorted(set(kwargs) - table[target])
+        unknown = sorted(set(kwargs) - sig.keywords)
         if unknown:
             raise InvalidArgument(f"{where}: {target} takes no keyword argument(s) {unknown} here (accepted: "
-                                  f"{sorted(table[target])})")
+                                  f"{sorted(sig.keywords)})")
+        if not sig.required <= len(args) <= len(sig.params):
+            raise InvalidArgument(f"{where}: {target} takes {sig.required} to {len(sig.params)} positional "
+                                  f"arguments, got {len(args)}")
+        twice = sorted(k for k in kwargs if any(name == k for name, _ in sig.params[:len(args)]))
+        if twice:
+            raise InvalidArgument(f"{where}: {target} is given {twice} both by position and by keyword")
         refs: list[str] = []
-        node = Node(node_name, op, target, tuple(self._arg(where, a, refs) for a in args),
-                    {k: self._arg(where, v, refs) for k, v in kwargs.items()})
-        if op == "call_method" and not (node.args and isinstance(node.args[0], Ref)):
-            raise InvalidArgument(f"{where}: method {target} must be called on a node")
+        kinds = dict(sig.params)
+        node = Node(node_name, op, target,
+                    tuple(self._arg(f"{where}: argument {i} ({name}) of {target}", kind, a, refs)
+                          for i, ((name, kind), a) in enumerate(zip(sig.params[:len(args)], args, strict=True))),
+                    {k: self._arg(f"{where}: keyword {k!r} of {target}", kinds[k], v, refs)
+                     for k, v in kwargs.items()})
+        if not any(isinstance(a, Ref) for a in node.args):
+            raise InvalidArgument(f"{where}: {target} needs a node among its positional arguments; on plain "
+                                  f"numbers ({json.dumps(args)[:80]}) it would compute outside torch, unbounded")
         self.depth[node_name] = 1 + max((self.depth[r] for r in refs), default=0)
         if self.depth[node_name] > MAX_DEPTH:
             raise InvalidArgument(f"{where}: the graph is deeper than {MAX_DEPTH} calls here")
         return node
 
-    def _arg(self, where: str, value: Any, refs: list[str]) -> Any:
-        if value is None or isinstance(value, bool | int | float):
+    def _arg(self, where: str, kind: str, value: Any, refs: list[str]) -> Any:
+        """``value`` decoded as an argument of ``kind``; ``where`` names the node and the argument."""
+        if kind in (NODE, OPERAND, BOUND) and isinstance(value, dict) and "ref" in value:
+            return self._ref(where, value, refs)
+        if kind in (OPERAND, BOUND, NUMBER) and _is_number(value):
+            return self._number(where, value)
+        if kind in (BOUND, DIM, INDEX) and value is None:
+            return None
+        if kind == FLAG and isinstance(value, bool):
             return value
+        is_tuple = isinstance(value, dict) and set(value) == {"tuple"} and isinstance(value["tuple"], list)
+        if kind == DIM and isinstance(value, int) and not isinstance(value, bool):
+            return self._int(where, value)
+        if kind == DIM and (isinstance(value, list) or is_tuple):
+            ints = [self._int(where, v) for v in (value if isinstance(value, list) else value["tuple"])]
+            return ints if isinstance(value, list) else tuple(ints)
+        if kind == INDEX:
+            return tuple(self._index(where, v) for v in value["tuple"]) if is_tuple else self._index(where, value)
+        expected = {NODE: "a node", OPERAND: "a node or a number", BOUND: "a node, a number or None",
+                    NUMBER: "a number", DIM: "None, an int or a list of ints", FLAG: "true or false",
+                    INDEX: "an int, None, a slice, Ellipsis, a list of ints or a tuple of these"}[kind]
+        raise InvalidArgument(f"{where} is {json.dumps(value)[:80]}; it must be {expected}")
+
+    def _ref(self, where: str, value: dict[str, Any], refs: list[str]) -> Ref:
+        inner = value["ref"]
+        if len(value) != 1 or not isinstance(inner, str) or inner not in self.depth:
+            raise InvalidArgument(f"{where} refers to {str(inner)[:80]!r}, which is no earlier node")
+        refs.append(inner)
+        return Ref(inner)
+
+    @staticmethod
+    def _number(where: str, value: Any) -> bool | int | float:
+        if isinstance(value, dict):
+            return _SPECIAL_FLOATS[value["float"]]
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise InvalidArgument(f"{where} is {str(value)[:40]}, outside the integers a custom loss may pass "
+                                  f"(at most {MAX_INT} in magnitude); pass a float for a larger number")
+        return value
+
+    def _int(self, where: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidArgument(f"{where} holds {json.dumps(value)[:80]}; it must be an int")
+        return self._number(where, value)
+
+    def _index(self, where: str, value: Any) -> Any:
+        """One element of getitem's index: an int, None, a slice, Ellipsis or a list of ints (never a node:
+        the shape of ``x[mask]`` depends on the data)."""
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return self._int(where, value)
         if isinstance(value, list):
-            return [self._arg(where, v, refs) for v in value]
+            return [self._int(where, v) for v in value]
         if isinstance(value, dict) and len(value) == 1:
             ((kind, inner),) = value.items()
-            if kind == "ref" and isinstance(inner, str):
-                if inner not in self.depth:
-                    raise InvalidArgument(f"{where}: argument refers to {inner[:80]!r}, which is no earlier node")
-                refs.append(inner)
-                return Ref(inner)
-            if kind == "tuple" and isinstance(inner, list):
-                return tuple(self._arg(where, v, refs) for v in inner)
-            if kind == "slice" and isinstance(inner, list) and len(inner) == 3 and all(
-                    v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in inner):
-                return slice(*inner)
+            if kind == "slice" and isinstance(inner, list) and len(inner) == 3:
+                return slice(*(None if v is None else self._int(where, v) for v in inner))
             if kind == "ellipsis" and inner is True:
                 return Ellipsis
-            if kind == "float" and inner in _SPECIAL_FLOATS:
-                return _SPECIAL_FLOATS[inner]
-        raise InvalidArgument(f"{where}: argument {json.dumps(value)[:80]} is not one a custom loss may pass "
-                              "(nodes, numbers, booleans, None, lists, tuples, slices and Ellipsis)")
+        raise InvalidArgument(f"{where} holds {json.dumps(value)[:80]}; an index element must be an int, None, a "
+                              "slice, Ellipsis or a list of ints (not a node: use torch.where for a mask)")
 
     def _output(self, where: str, raw: dict[str, Any]) -> tuple[str, dict[str, str]]:
         args = raw.get("args")
@@ -252,13 +364,145 @@ class _Checker:
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], dict)
                 and isinstance(pair[1].get("dict"), dict)):
             raise shape_error
-        refs: list[str] = []
-        loss = self._arg(where, pair[0], refs)
-        metrics = {k: self._arg(where, v, refs) for k, v in pair[1]["dict"].items()}
-        if not isinstance(loss, Ref) or not all(isinstance(v, Ref) for v in metrics.values()):
+        values = [pair[0], *pair[1]["dict"].values()]
+        if not all(isinstance(v, dict) and "ref" in v for v in values):
             raise shape_error
+        refs: list[str] = []
+        loss = self._ref(where, pair[0], refs)
+        metrics = {k: self._ref(f"{where}: metric {k[:80]!r}", v, refs) for k, v in pair[1]["dict"].items()}
         bad = [k for k in metrics if not _METRIC_KEY.fullmatch(k)]
         if bad:
             raise InvalidArgument(f"{where}: metric {bad[0][:80]!r} must be named custom/<name>:sum or "
                                   "custom/<name>:mean")
         return loss.name, {k: v.name for k, v in metrics.items()}
+
+
+Shape = tuple[int, ...]
+
+
+class _ShapeError(Exception):
+    """A call whose arguments' shapes do not fit its rule (the message says how)."""
+
+
+def infer_shapes(graph: LossGraph, inputs: Sequence[Shape]) -> dict[str, Shape]:
+    """The shape of every node of ``graph`` for one datum whose inputs (logprobs first, in ``graph.inputs``
+    order) have the shapes ``inputs``, by the rules of ``Signature.shape``, before anything is computed.
+
+    Raises ``InvalidArgument`` naming the first node whose arguments do not fit (a broadcast, a dim or an
+    index out of range), whose tensor would hold more than ``MAX_NODE_ELEMENTS`` elements, or, at the end, a
+    loss that is not a scalar or a metric that is not a single value."""
+    shapes = dict(zip(graph.params, inputs, strict=True))
+    for node in graph.calls:
+        sig = (FUNCTIONS if node.op == "call_function" else METHODS)[node.target]
+        bound = {**{name: a for (name, _), a in zip(sig.params, node.args, strict=False)}, **node.kwargs}
+        try:
+            shape = _RULES[sig.shape](bound, shapes)
+        except _ShapeError as e:
+            raise InvalidArgument(f"custom loss {graph.name!r}: node {node.name} ({node.target}) cannot be computed "
+                                  f"for inputs of shapes {[list(s) for s in inputs]}: {e}") from None
+        if math.prod(shape) > MAX_NODE_ELEMENTS:
+            raise InvalidArgument(f"custom loss {graph.name!r}: node {node.name} ({node.target}) would make a "
+                                  f"tensor of shape {list(shape)} ({math.prod(shape)} elements, "
+                                  f"{4 * math.prod(shape)} bytes in fp32), over the limit of {MAX_NODE_ELEMENTS} "
+                                  "elements per node")
+        shapes[node.name] = shape
+    if shapes[graph.loss] != ():
+        raise InvalidArgument(f"custom loss {graph.name!r} must return a scalar loss, got {shapes[graph.loss]} from "
+                              f"node {graph.loss}")
+    for key, name in graph.metrics.items():
+        if math.prod(shapes[name]) != 1:
+            raise InvalidArgument(f"custom loss {graph.name!r}: metric {key!r} (node {name}) is not a scalar: "
+                                  f"shape {list(shapes[name])}")
+    return shapes
+
+
+def _shape(value: Any, shapes: dict[str, Shape]) -> Shape:
+    return shapes[value.name] if isinstance(value, Ref) else ()
+
+
+def _same(bound: dict[str, Any], shapes: dict[str, Shape]) -> Shape:
+    return _shape(bound["input"], shapes)
+
+
+def _broadcast(bound: dict[str, Any], shapes: dict[str, Shape]) -> Shape:
+    operands = [_shape(v, shapes) for v in bound.values() if v is not None]
+    out: list[int] = []
+    for dims in itertools.zip_longest(*(reversed(s) for s in operands), fillvalue=1):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            raise _ShapeError(f"shapes {[list(s) for s in operands]} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(reversed(out))
+
+
+def _dim(d: int, ndim: int) -> int:
+    """``d`` as a dimension of a tensor of ``ndim`` dimensions (a scalar has dimension 0 and -1, as in torch)."""
+    n = max(ndim, 1)
+    if not -n <= d < n:
+        raise _ShapeError(f"dim {d} is out of range for {ndim} dimensions")
+    return d % n
+
+
+def _reduce(bound: dict[str, Any], shapes: dict[str, Shape]) -> Shape:
+    x, dim, keep = _shape(bound["input"], shapes), bound.get("dim"), bound.get("keepdim", False)
+    dims = [] if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    picked = [_dim(d, len(x)) for d in dims]
+    if len(set(picked)) != len(picked):
+        raise _ShapeError(f"dim {dims} names a dimension twice")
+    if not x:
+        return ()
+    reduced = set(picked) if picked else set(range(len(x)))
+    return tuple(1 if i in reduced else n for i, n in enumerate(x) if keep or i not in reduced)
+
+
+def _reduce_dims(bound: dict[str, Any], shapes: dict[str, Shape]) -> Shape:
+    if bound.get("dim") in (None, [], ()):
+        raise _ShapeError("dim must name at least one dimension")
+    return _reduce(bound, shapes)
+
+
+def _softmax(bound: dict[str, Any], shapes: dict[str, Shape]) -> Shape:
+    x, dim = _shape(bound["input"], shapes), bound.get("dim")
+    if not isinstance(dim, int):
+        raise _ShapeError(f"dim must be an int, got {dim!r}")
+    _dim(dim, len(x))
+    return x
+
+
+def _index(bound: dict[str, Any], shapes: dict[str, Shape]) -> Shape:
+    x, index = _shape(bound["input"], shapes), bound["index"]
+    items = list(index) if isinstance(index, tuple) else [index]
+    lists = sum(isinstance(i, list) for i in items)
+    if lists > 1 or (lists and any(isinstance(i, int) for i in items)):
+        raise _ShapeError("an index may hold one list of ints, beside slices, None and Ellipsis only")
+    if items.count(Ellipsis) > 1:
+        raise _ShapeError("an index may hold one Ellipsis")
+    taken = sum(i is not None and i is not Ellipsis for i in items)
+    if taken > len(x):
+        raise _ShapeError(f"{taken} indices for a tensor of {len(x)} dimensions")
+    if Ellipsis not in items:
+        items.append(Ellipsis)
+    at = items.index(Ellipsis)
+    items[at:at + 1] = [slice(None)] * (len(x) - taken)
+    out: list[int] = []
+    dims = iter(x)
+    for item in items:
+        if item is None:
+            out.append(1)
+            continue
+        size = next(dims)
+        if isinstance(item, slice):
+            if item.step is not None and item.step <= 0:
+                raise _ShapeError(f"slice step {item.step} must be greater than zero")
+            out.append(len(range(*item.indices(size))))
+            continue
+        bad = [i for i in (item if isinstance(item, list) else [item]) if not -size <= i < size]
+        if bad:
+            raise _ShapeError(f"index {bad[0]} is out of range for a dimension of size {size}")
+        if isinstance(item, list):
+            out.append(len(item))
+    return tuple(out)
+
+
+_RULES = {"same": _same, "broadcast": _broadcast, "reduce": _reduce, "reduce_dims": _reduce_dims,
+          "softmax": _softmax, "index": _index}

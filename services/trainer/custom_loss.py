@@ -11,19 +11,34 @@ Each call node is evaluated once, in order, on the trainer's device and in fp32 
 numbers, so torch's type promotion keeps fp32). A job's loss is the sum of its datums' losses (as for the
 built-in losses); its metrics are summed over datums and ``reduce_metrics`` divides the ``:mean`` ones by the
 number of datums, as tinker's SDK combines them client-side.
+
+Budgets, all checked before anything is computed (``plan`` for a job's datums, then each call per datum): every
+node's shape comes from ``lathe.loss_graph.infer_shapes`` (at most ``MAX_NODE_ELEMENTS`` elements per node);
+over a job's datums, the nodes' elements (which autograd keeps until the backward) add up to at most
+``MAX_LOSS_ELEMENTS`` and the node evaluations to at most ``MAX_LOSS_CALLS``. Every call is a torch op on a
+tensor of known size, linear in its elements, so these bound a job's time and memory; no Python arithmetic
+runs on client values (the checker sees to it). Whatever a node raises (a torch error, MemoryError, ...)
+fails its job with ``InvalidArgument`` naming the node; a result whose shape is not the inferred one fails it
+with ``Internal``.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from lathe.errors import InvalidArgument
-from lathe.loss_graph import FUNCTIONS, LossGraph, Ref
+from lathe.errors import Internal, InvalidArgument
+from lathe.loss_graph import FUNCTIONS, LossGraph, Ref, Shape, infer_shapes
+
+MAX_LOSS_ELEMENTS = 2**26  # elements of all nodes over a job's datums (256 MiB in fp32)
+MAX_LOSS_CALLS = 2**15  # node evaluations over a job's datums (datums x calls)
+_CACHED_SHAPES = 256  # input shapes whose node shapes a CustomLoss remembers
 
 FUNCTION_IMPLS: dict[str, Any] = {
     **{name: getattr(operator, name.removeprefix("operator.")) for name in FUNCTIONS
@@ -50,10 +65,42 @@ class CustomLoss:
     """A checked graph, callable per datum (see the module docstring)."""
 
     graph: LossGraph
+    _shapes: dict[tuple[Shape, ...], dict[str, Shape]] = field(default_factory=dict, compare=False, repr=False)
+
+    def shapes(self, length: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, Shape]:
+        """Every node's shape for a datum of ``length`` target tokens with these ``inputs`` (remembered)."""
+        key = ((length,), *(tuple(inputs[n].shape) for n in self.graph.input_names))
+        found = self._shapes.get(key)
+        if found is None:
+            if len(self._shapes) >= _CACHED_SHAPES:
+                self._shapes.clear()
+            found = self._shapes[key] = infer_shapes(self.graph, key)
+        return found
+
+    def plan(self, datums: Sequence[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
+        """Refuse a job whose datums ``(length, inputs)`` would take this loss over a budget, naming the datum
+        and node or the budget, before any of them is evaluated."""
+        g, elements = self.graph, 0
+        calls = len(datums) * len(g.calls)
+        if calls > MAX_LOSS_CALLS:
+            raise InvalidArgument(f"custom loss {g.name!r}: {len(datums)} datums x {len(g.calls)} calls = {calls} "
+                                  f"node evaluations, over the limit of {MAX_LOSS_CALLS} per pass (a cycle's "
+                                  "share of a request); send fewer datums per request")
+        for i, (length, inputs) in enumerate(datums):
+            try:
+                shapes = self.shapes(length, inputs)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"datum {i}: {e.message}") from None
+            elements += sum(math.prod(shapes[node.name]) for node in g.calls)
+            if elements > MAX_LOSS_ELEMENTS:
+                raise InvalidArgument(f"custom loss {g.name!r}: datums 0-{i} make {elements} elements in its "
+                                      f"nodes, over the limit of {MAX_LOSS_ELEMENTS} per pass (a cycle's share of "
+                                      "a request); send fewer or shorter datums per request")
 
     def __call__(self, lp: torch.Tensor, inputs: dict[str, torch.Tensor]
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         g = self.graph
+        shapes = self.shapes(len(lp), inputs)
         env = dict(zip(g.params, [lp, *(inputs[n] for n in g.input_names)], strict=True))
         for node in g.calls:
             args = _resolve(node.args, env)
@@ -63,20 +110,15 @@ class CustomLoss:
                     out = FUNCTION_IMPLS[node.target](*args, **kwargs)
                 else:
                     out = getattr(args[0], node.target)(*args[1:], **kwargs)
-            except (RuntimeError, TypeError, IndexError, ValueError) as e:
-                raise InvalidArgument(f"custom loss {g.name!r}: node {node.name} ({node.target}) failed: {e}") from None
+            except Exception as e:  # noqa: BLE001 - whatever a node raises fails this loss alone, named
+                raise InvalidArgument(f"custom loss {g.name!r}: node {node.name} ({node.target}) failed: "
+                                      f"{type(e).__name__}: {e}") from None
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != shapes[node.name]:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise Internal(f"custom loss {g.name!r}: node {node.name} ({node.target}) made {got}, not the "
+                               f"inferred shape {shapes[node.name]}")
             env[node.name] = out
-        loss = env[g.loss]
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise InvalidArgument(f"custom loss {g.name!r} must return a scalar loss, got {shape} from node {g.loss}")
-        metrics = {}
-        for key, name in g.metrics.items():
-            value = env[name]
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise InvalidArgument(f"custom loss {g.name!r}: metric {key!r} (node {name}) is not a scalar")
-            metrics[key] = value.detach().reshape(())
-        return loss, metrics
+        return env[g.loss], {key: env[name].detach().reshape(()) for key, name in g.metrics.items()}
 
 
 def reduce_metrics(sums: dict[str, float], datums: int) -> dict[str, float]:
