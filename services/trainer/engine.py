@@ -41,6 +41,7 @@ and the pool re-forms; docs/distributed.md). An idle leader broadcasts an empty 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import threading
@@ -690,13 +691,9 @@ class TrainerEngine:
             model = self.base(base)
             self.exactness.check_ranks(base, model, {j.weights.spec.rank for j in jobs})
 
-            def run(some: list[Job], model: Decoder = model) -> list[JobResult]:
-                try:
-                    return run_jobs(model, some)
-                except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving
-                    return [JobResult(error=Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}")) for _ in some]
-
-            results = run(jobs) if self.group is None else shard.run_sharded(self.group, jobs, run)
+            # run_jobs never raises: a job that fails, fails alone (its cycle-mates' results are their own)
+            results = run_jobs(model, jobs) if self.group is None else \
+                shard.run_sharded(self.group, jobs, functools.partial(run_jobs, model))
             for w, res in zip(part, results, strict=True):
                 self._absorb(w, res, cycle, start)
         return tokens

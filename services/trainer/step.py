@@ -5,8 +5,14 @@ tokens into one flat batch with one LoRA segment per job, runs the base model on
 logprobs back per datum, computes each job's own loss, and backpropagates the sum of the
 forward_backward jobs' losses: each adapter's ``.grad`` receives exactly its own job's gradient
 (adapters share no parameters), accumulating onto what earlier cycles left there. Forward-only jobs
-run in a separate pass without autograd. A job whose loss is not finite (or whose custom loss fails on
-a datum) fails alone; a custom loss's per-datum metrics are summed into its ``JobResult.metric_sums``.
+run in a separate pass without autograd. A custom loss's per-datum metrics are summed into its
+``JobResult.metric_sums``.
+
+One job never fails another. A job whose loss raises (a custom loss over its budgets or failing at a node,
+any exception of a built-in loss) or is not finite fails alone, and the others' losses and gradients are
+those of a pass without it. The gradients of a pass are computed first and added into ``.grad`` last, so a
+pass that raises anyway (in the backward of a custom loss, out of memory) changes nothing; its jobs are then
+run again in halves until the job that raises is alone (``_isolated``).
 
 Examples arrive as CPU tensors; the pass runs on the model's device (inputs are moved there) and each
 result's logprobs come back on the CPU.
@@ -15,11 +21,12 @@ result's logprobs come back on the CPU.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from lathe.errors import InvalidArgument, LatheError
+from lathe.errors import Internal, InvalidArgument, LatheError
 from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import LoraBatch, LoraWeights
 from lathe.trainer.custom_loss import CustomLoss
@@ -50,19 +57,33 @@ class JobResult:
 
 
 def run_jobs(model: Decoder, jobs: list[Job]) -> list[JobResult]:
-    """Results in the order of ``jobs``."""
+    """Results in the order of ``jobs``. Never raises: whatever goes wrong fails the job(s) it belongs to."""
     results = [JobResult() for _ in jobs]
-    grad_idx = [i for i, j in enumerate(jobs) if j.backward]
-    fwd_idx = [i for i, j in enumerate(jobs) if not j.backward]
-    if grad_idx:
-        _pass(model, [jobs[i] for i in grad_idx], [results[i] for i in grad_idx], backward=True)
-    if fwd_idx:
-        with torch.no_grad():
-            _pass(model, [jobs[i] for i in fwd_idx], [results[i] for i in fwd_idx], backward=False)
+    for backward in (True, False):
+        idx = [i for i, j in enumerate(jobs) if j.backward == backward]
+        if idx:
+            for i, res in zip(idx, _isolated(model, [jobs[i] for i in idx], backward), strict=True):
+                results[i] = res
     return results
 
 
-def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward: bool) -> None:
+def _isolated(model: Decoder, jobs: list[Job], backward: bool) -> list[JobResult]:
+    """``_pass`` over ``jobs``; should it raise (an exception no job's own loss caught, e.g. in the backward of a
+    custom loss, or out of memory), it has added no gradient, so each half is run again on its own, down to
+    the job that fails alone. The others get the results of a pass without it: the same bits, as every op is
+    batch-invariant."""
+    try:
+        with torch.enable_grad() if backward else torch.no_grad():
+            return _pass(model, jobs, backward=backward)
+    except Exception as e:  # noqa: BLE001 - narrowed down to the job that raises it
+        if len(jobs) == 1:
+            return [JobResult(error=Internal(f"{_named(jobs[0])}: the pass failed: {type(e).__name__}: {e}"))]
+        half = len(jobs) // 2
+        return _isolated(model, jobs[:half], backward) + _isolated(model, jobs[half:], backward)
+
+
+def _pass(model: Decoder, jobs: list[Job], *, backward: bool) -> list[JobResult]:
+    results = [JobResult() for _ in jobs]
     examples = [ex for j in jobs for ex in j.examples]
     batch = Packed.from_sequences([ex.tokens for ex in examples])
     seg = [0]
@@ -85,26 +106,14 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
         lp = model.target_logprobs(h, targets, lora)
     host = lp.detach().cpu()
     total: torch.Tensor | None = None
-    offset = 0
-    for job, res in zip(jobs, results, strict=True):
-        loss = lp.new_zeros(())
-        for ex in job.examples:
-            lp_d = lp[offset:offset + len(ex)]
-            res.logprobs.append(host[offset:offset + len(ex)])
-            offset += len(ex)
-            inputs = {k: v.to(lp.device) for k, v in ex.inputs.items()}
-            if job.custom is None:
-                loss = loss + LOSSES[job.loss_fn].fn(lp_d, inputs, job.loss_cfg)
-                continue
-            try:
-                value, metrics = job.custom(lp_d, inputs)
-            except LatheError as e:
-                res.error = e
-                break
-            loss = loss + value
-            for key, m in metrics.items():
-                res.metric_sums[key] = res.metric_sums.get(key, 0.0) + float(m)
-        if res.error is not None:
+    for job, res, start in zip(jobs, results, seg[:-1], strict=True):
+        try:
+            loss = _job_loss(job, res, lp, host, start)
+        except LatheError as e:
+            res.error = e
+            continue
+        except Exception as e:  # noqa: BLE001 - one job's loss fails that job alone
+            res.error = Internal(f"{_named(job)} failed: {type(e).__name__}: {e}")
             continue
         res.loss = float(loss.detach())
         if not math.isfinite(res.loss):
@@ -114,15 +123,62 @@ def _pass(model: Decoder, jobs: list[Job], results: list[JobResult], *, backward
         total = loss if total is None else total + loss
     if fused:
         _backward_fused(h, grad_h, head_grads, jobs, results, seg)
-    elif backward and total is not None:
-        total.backward()
+    elif backward and total is not None and total.requires_grad:  # a loss may be constant: no gradient at all
+        params = _params([j for j, res in zip(jobs, results, strict=True) if res.error is None])
+        _accumulate(zip(params, torch.autograd.grad(total, params, allow_unused=True), strict=True))
+    return results
+
+
+def _job_loss(job: Job, res: JobResult, lp: torch.Tensor, host: torch.Tensor, start: int) -> torch.Tensor:
+    """The sum of ``job``'s datum losses (its datums' rows start at ``start``); fills in its logprobs and
+    metric sums. A custom loss is sized against its budgets first (``CustomLoss.plan``)."""
+    if job.custom is not None:
+        job.custom.plan([(len(ex), ex.inputs) for ex in job.examples])
+    loss = lp.new_zeros(())
+    offset = start
+    for ex in job.examples:
+        lp_d = lp[offset:offset + len(ex)]
+        res.logprobs.append(host[offset:offset + len(ex)])
+        offset += len(ex)
+        inputs = {k: v.to(lp.device) for k, v in ex.inputs.items()}
+        if job.custom is None:
+            loss = loss + LOSSES[job.loss_fn].fn(lp_d, inputs, job.loss_cfg)
+            continue
+        value, metrics = job.custom(lp_d, inputs)
+        loss = loss + value
+        for key, m in metrics.items():
+            res.metric_sums[key] = res.metric_sums.get(key, 0.0) + float(m)
+    return loss
+
+
+def _named(job: Job) -> str:
+    return f"custom loss {job.custom.graph.name!r}" if job.custom is not None else f"loss {job.loss_fn!r}"
+
+
+def _params(jobs: list[Job]) -> list[torch.Tensor]:
+    """The trainable parameters of ``jobs``' adapters, each once."""
+    return list({id(p): p for j in jobs for p in j.weights.parameters()}.values())
+
+
+def _accumulate(grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Add each gradient into its parameter's ``.grad`` as autograd's backward does (the same sums, a new
+    ``.grad`` laid out like its parameter). Runs only once a pass has computed every gradient, so a pass that
+    raises leaves ``.grad`` as it found it."""
+    with torch.no_grad():
+        for p, g in grads:
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+            else:
+                p.grad.add_(g)
 
 
 def _backward_fused(h: torch.Tensor, grad_h: torch.Tensor, head_grads: dict[torch.Tensor, torch.Tensor],
                     jobs: list[Job], results: list[JobResult], seg: list[int]) -> None:
     """The rest of a fused pass's backward: a failed job's rows and head gradients are dropped (it fails
-    alone, applying nothing), the head gradients of the others accumulate into ``.grad``, and ``grad_h``
-    flows back through the layers."""
+    alone, applying nothing), ``grad_h`` flows back through the layers, and then the head gradients and the
+    layers' of the others accumulate into ``.grad``."""
     failed = [i for i, res in enumerate(results) if res.error is not None]
     if len(failed) == len(jobs):
         return
@@ -130,8 +186,8 @@ def _backward_fused(h: torch.Tensor, grad_h: torch.Tensor, head_grads: dict[torc
         grad_h[seg[i]:seg[i + 1]] = 0
         for p in jobs[i].weights.parameters():
             head_grads.pop(p, None)
-    with torch.no_grad():
-        for p, g in head_grads.items():
-            p.grad = g if p.grad is None else p.grad + g
-    if h.requires_grad:  # false when the adapters train the LM head alone
-        h.backward(grad_h)
+    params = _params([j for i, j in enumerate(jobs) if i not in failed])
+    # h needs no gradient when the adapters train the LM head alone
+    layers = torch.autograd.grad(h, params, grad_h, allow_unused=True) if h.requires_grad else [None] * len(params)
+    _accumulate(head_grads.items())
+    _accumulate(zip(params, layers, strict=True))
