@@ -40,7 +40,7 @@ from lathe.trainer.custom_loss import MAX_LOSS_CALLS, MAX_LOSS_ELEMENTS, CustomL
 from lathe.trainer.engine import TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
 from tests.test_hostile_doors import Grpc, Http, _datum, _tensor
-from tests.test_trainer_engine import _engine, _lp, batch, create, fb, opt, submit, weights
+from tests.test_trainer_engine import _engine, _lp, batch, create, datum, fb, opt, submit, weights
 
 torch.set_num_threads(1)
 INPUTS = [("logprobs", 1), ("w", 2)]
@@ -214,6 +214,31 @@ def test_any_exception_of_a_custom_loss_fails_it_alone_and_its_cycle_mate_gets_i
             assert all(np.array_equal(a, b) for a, b in zip(_lp(mine), _lp(solo), strict=True))
     got_w = weights(eng, f"victim-{case}")
     assert all(torch.equal(got_w[k], v) for k, v in alone["weights"].items())
+
+
+def test_a_cycle_holds_custom_loss_elements_of_all_its_jobs_to_the_budget(
+        engines: tuple[TrainerEngine, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs whose custom losses fit the budget one at a time but not together take two cycles; a
+    built-in loss beside them is not held back."""
+    eng, _ = engines
+    outer = graph(call("a", "operator.getitem", ref("logprobs"), {"tuple": [{"slice": [None, None, None]}, None]}),
+                  call("aa", "operator.mul", ref("a"), ref("logprobs")), call("s", "sum", ref("aa"), op="call_method"),
+                  inputs=[("logprobs", 1)])
+
+    def data() -> list[pb.Datum]:
+        return [datum(list(range(5, 17))) for _ in range(2)]  # 2 x (12 + 144 + 1) = 314 elements
+
+    monkeypatch.setattr(custom_loss, "MAX_LOSS_ELEMENTS", 400)
+    for name in ("outer-a", "outer-b", "plain"):
+        create(eng, name)
+    futs = [submit(eng, _custom_fb("outer-a", 1, outer, data())), submit(eng, _custom_fb("outer-b", 1, outer, data())),
+            submit(eng, fb("plain", 1, batch(5)))]
+    while eng.run_cycle():
+        pass
+    a, b, plain = (f.result() for f in futs)
+    assert [r.WhichOneof("result") for r in (a, b, plain)] == ["forward_backward"] * 3
+    assert a.forward_backward.metrics == b.forward_backward.metrics  # the same loss on the same weights and data
+    assert a.receipt.cycle != b.receipt.cycle and plain.receipt.cycle == min(a.receipt.cycle, b.receipt.cycle)
 
 
 # ---------- through the real doors ----------

@@ -15,15 +15,17 @@ number of datums, as tinker's SDK combines them client-side.
 Budgets, all checked before anything is computed (``plan`` for a job's datums, then each call per datum): every
 node's shape comes from ``lathe.loss_graph.infer_shapes`` (at most ``MAX_NODE_ELEMENTS`` elements per node);
 over a job's datums, the nodes' elements (which autograd keeps until the backward) add up to at most
-``MAX_LOSS_ELEMENTS`` and the node evaluations to at most ``MAX_LOSS_CALLS``. Every call is a torch op on a
-tensor of known size, linear in its elements, so these bound a job's time and memory; no Python arithmetic
-runs on client values (the checker sees to it). Whatever a node raises (a torch error, MemoryError, ...)
-fails its job with ``InvalidArgument`` naming the node; a result whose shape is not the inferred one fails it
-with ``Internal``.
+``MAX_LOSS_ELEMENTS`` and the node evaluations to at most ``MAX_LOSS_CALLS``; the cycle planner
+(``lathe.trainer.cycle``) holds all the jobs of one cycle together to ``MAX_LOSS_ELEMENTS`` too
+(``elements``). Every call is a torch op on a tensor of known size, linear in its elements, so these bound a
+job's time and memory; no Python arithmetic runs on client values (the checker sees to it). Whatever a node
+raises (a torch error, MemoryError, ...) fails its job with ``InvalidArgument`` naming the node; a result whose
+shape is not the inferred one fails it with ``Internal``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from lathe.errors import Internal, InvalidArgument
 from lathe.loss_graph import FUNCTIONS, LossGraph, Ref, Shape, infer_shapes
 
-MAX_LOSS_ELEMENTS = 2**26  # elements of all nodes over a job's datums (256 MiB in fp32)
+MAX_LOSS_ELEMENTS = 2**26  # elements of all nodes over a job's datums, and a cycle's (256 MiB in fp32)
 MAX_LOSS_CALLS = 2**15  # node evaluations over a job's datums (datums x calls)
 _CACHED_SHAPES = 256  # input shapes whose node shapes a CustomLoss remembers
 
@@ -77,6 +79,23 @@ class CustomLoss:
             found = self._shapes[key] = infer_shapes(self.graph, key)
         return found
 
+    def elements(self, datums: Sequence[tuple[int, Mapping[str, torch.Tensor]]]) -> int:
+        """The elements this loss's nodes hold over ``datums`` ``(length, inputs)``, counted up to just past
+        ``MAX_LOSS_ELEMENTS``, for the cycle planner. Datums that ``plan`` refuses count 0 (over the call budget:
+        none is sized; a datum whose shapes are refused): ``plan`` then refuses them by name."""
+        total = 0
+        if len(datums) * len(self.graph.calls) > MAX_LOSS_CALLS:
+            return total
+        for length, inputs in datums:
+            with contextlib.suppress(InvalidArgument):
+                total += self._elements(self.shapes(length, inputs))
+            if total > MAX_LOSS_ELEMENTS:
+                break
+        return total
+
+    def _elements(self, shapes: dict[str, Shape]) -> int:
+        return sum(math.prod(shapes[node.name]) for node in self.graph.calls)
+
     def plan(self, datums: Sequence[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
         """Refuse a job whose datums ``(length, inputs)`` would take this loss over a budget, naming the datum
         and node or the budget, before any of them is evaluated."""
@@ -91,7 +110,7 @@ class CustomLoss:
                 shapes = self.shapes(length, inputs)
             except InvalidArgument as e:
                 raise InvalidArgument(f"datum {i}: {e.message}") from None
-            elements += sum(math.prod(shapes[node.name]) for node in g.calls)
+            elements += self._elements(shapes)
             if elements > MAX_LOSS_ELEMENTS:
                 raise InvalidArgument(f"custom loss {g.name!r}: datums 0-{i} make {elements} elements in its "
                                       f"nodes, over the limit of {MAX_LOSS_ELEMENTS} per pass (a cycle's share of "

@@ -12,6 +12,10 @@ starves behind a large one. For every run the planner takes its next operation i
   returned when the last part is done). When the last part is planned and the run's next operation
   is an optim_step, that step lands in the same cycle.
 
+A cycle also holds at most ``custom_loss.MAX_LOSS_ELEMENTS`` elements of custom-loss nodes, all its jobs together
+(what autograd keeps until the backward): a part whose custom loss would take the cycle past that waits for a
+later cycle, unless it is the cycle's first (it then runs, and the step refuses it by name if it alone is over).
+
 The planner owns no tensors; ``Partial`` carries a split request's progress between cycles. A pool of several
 ranks sends each ``Work`` to its followers as a ``lathe.trainer.plan.Step``.
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lathe.errors import LatheError
+from lathe.trainer import custom_loss
 from lathe.trainer.ops import Example, ForwardBackward, Load, OptimStep, Save
 from lathe.trainer.order import Pending, Sequencer
 
@@ -86,7 +91,7 @@ def plan_cycle(
     share a cycle (1 = one tenant at a time, the unpacked baseline of the benchmarks).
     """
     works: list[Work] = []
-    budget = capacity
+    budget, room = capacity, custom_loss.MAX_LOSS_ELEMENTS
     for run, seq, partial in runs:
         if max_runs and len(works) >= max_runs:
             break
@@ -109,6 +114,12 @@ def plan_cycle(
         end = take_part(partial.examples, partial.done, budget, force=budget == capacity)
         if end == partial.done:
             continue  # no room left in this cycle; the run keeps its request in progress
+        custom = partial.request.custom
+        elements = 0 if custom is None else custom.elements(
+            [(len(ex), ex.inputs) for ex in partial.examples[partial.done:end]])
+        if elements > room and room < custom_loss.MAX_LOSS_ELEMENTS:
+            continue  # its custom loss waits for a cycle with room for it
+        room -= elements
         budget -= sum(len(x) for x in partial.examples[partial.done:end])
         work = Work(run, compute=partial, part=(partial.done, end))
         if work.last_part:
