@@ -71,15 +71,16 @@ def _isolated(model: Decoder, jobs: list[Job], backward: bool) -> list[JobResult
     """``_pass`` over ``jobs``; should it raise (an exception no job's own loss caught, e.g. in the backward of a
     custom loss, or out of memory), it has added no gradient, so each half is run again on its own, down to
     the job that fails alone. The others get the results of a pass without it: the same bits, as every op is
-    batch-invariant."""
+    batch-invariant. (The halves run after the failed pass's frames, and the tensors they hold, are let go.)"""
     try:
         with torch.enable_grad() if backward else torch.no_grad():
             return _pass(model, jobs, backward=backward)
     except Exception as e:  # noqa: BLE001 - narrowed down to the job that raises it
-        if len(jobs) == 1:
-            return [JobResult(error=Internal(f"{_named(jobs[0])}: the pass failed: {type(e).__name__}: {e}"))]
-        half = len(jobs) // 2
-        return _isolated(model, jobs[:half], backward) + _isolated(model, jobs[half:], backward)
+        failure = f"{type(e).__name__}: {e}"
+    if len(jobs) == 1:
+        return [JobResult(error=Internal(f"{_named(jobs[0])}: the pass failed: {failure}"))]
+    half = len(jobs) // 2
+    return _isolated(model, jobs[:half], backward) + _isolated(model, jobs[half:], backward)
 
 
 def _pass(model: Decoder, jobs: list[Job], *, backward: bool) -> list[JobResult]:
