@@ -6,7 +6,8 @@ Each contender runs in its own child process (so each peak RSS is its own) on th
 ``batch`` sequences of ``seq`` tokens, LoRA rank ``rank`` on q/k/v/o/gate/up/down, AdamW, fp32. A step
 is forward + backward + optimizer step. Prints the median step time, tokens/s and peak RSS of each,
 and the ratios the issue asks for: service / in-process (overhead), transformers / Lathe (speed),
-Lathe / transformers (peak memory).
+Lathe / transformers (peak memory). The trainer runs with the allocator settings the stack gives its pools
+(``lathe.stack.POOL_MALLOC``); transformers + peft runs as a user would, and once more with the same settings.
 """
 
 from __future__ import annotations
@@ -153,18 +154,24 @@ def main() -> None:
         child(args)
         return
     model_dir(args.model)  # import once, outside the timed children
+    from lathe.stack import POOL_MALLOC
+
     res = {}
-    for key, mode, extra in (("service", "service", []), ("engine", "engine", []),
-                             ("service+ckpt", "service", ["--ckpt"]), ("hf", "hf", [])):
+    pool = {"GLIBC_TUNABLES": POOL_MALLOC}  # the stack gives its pools these; the in-process engine gets them too
+    for key, mode, extra, env in (("service", "service", [], {}), ("engine", "engine", [], pool),
+                                  ("service+ckpt", "service", ["--ckpt"], {}), ("hf", "hf", [], {}),
+                                  ("hf+malloc", "hf", [], pool)):
         cmd = [sys.executable, __file__, "--mode", mode, *extra, *sys.argv[1:]]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                             env={**os.environ, **env}).stdout.strip().splitlines()[-1]
         res[key] = json.loads(out)
     tokens = args.batch * args.seq
     print(f"SFT step, {args.model}, {args.batch}x{args.seq} tokens, LoRA rank {args.rank} on 7 targets, "
           f"{args.threads} threads, median of {args.steps} steps")
     print(f"{'contender':<34}{'step s':>9}{'tokens/s':>10}{'peak RSS GB':>13}")
     labels = {"service": "Lathe SDK -> gateway -> trainer", "engine": "Lathe trainer engine in-process",
-              "service+ckpt": "  same, activation checkpointing", "hf": "transformers + peft"}
+              "service+ckpt": "  same, activation checkpointing", "hf": "transformers + peft",
+              "hf+malloc": "  same, the pools' allocator settings"}
     med = {m: statistics.median(r["times"]) for m, r in res.items()}
     for mode, r in res.items():
         print(f"{labels[mode]:<34}{med[mode]:>9.3f}{tokens / med[mode]:>10.0f}{r['peak'] / 1e9:>13.2f}")
@@ -174,6 +181,7 @@ def main() -> None:
         print(f"peak memory Lathe trainer ({key}) / transformers: {res[key]['peak'] / res['hf']['peak']:.2f}  "
               "(target <= 0.5)")
     print(f"speed transformers / Lathe with activation checkpointing: {med['hf'] / med['service+ckpt']:.2f}x")
+    print(f"speed transformers with the pools' allocator settings / Lathe: {med['hf+malloc'] / med['service']:.2f}x")
 
 
 if __name__ == "__main__":

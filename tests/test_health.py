@@ -4,6 +4,7 @@ that is still loading its models, is NOT_SERVING."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from lathe.errors import Unavailable
 from lathe.internal_auth import RequireToken
 from lathe.models.catalog import ModelCatalog
 from lathe.probes import LIVENESS, NOT_SERVING, SERVING, Probes, Warmup
-from lathe.stack import Stack, StackConfig
+from lathe.stack import POOL_MALLOC, Stack, StackConfig
 from lathe.trainer import intake
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.server import TrainerServicer
@@ -67,6 +68,20 @@ def test_every_service_answers_serving_once_ready_without_the_secret(live: Stack
     with lathe.ServiceClient(base_url=live.gateway, api_key="tml-health") as sc:
         model = next(m for m in sc.get_server_capabilities().supported_models if m.model_name == BASE)
     assert model.trainer_exactness.checked and model.sampler_exactness.checked
+
+
+def test_pools_start_with_the_pool_allocator_settings_and_the_other_services_without_them(live: Stack) -> None:
+    """The stack hands trainer and sampler glibc's pool settings (one arena, freed memory kept), unless the
+    environment has its own; the torch-free services keep the environment's, and park their OpenMP threads.
+    (Read from what the stack passes: glibc rewrites the copy a process shows in /proc/<pid>/environ.)"""
+    mine = os.environ.get("GLIBC_TUNABLES")
+    for s in live.services:
+        env = live.service_env(s.name)
+        pool = s.name in ("trainer", "sampler")
+        assert env.get("GLIBC_TUNABLES") == ((mine or POOL_MALLOC) if pool else mine), s.name
+        assert env.get("OMP_WAIT_POLICY") == (os.environ.get("OMP_WAIT_POLICY") if pool else
+                                              os.environ.get("OMP_WAIT_POLICY", "PASSIVE")), s.name
+        assert env["LATHE_INTERNAL_TOKEN"] == live.internal_token
 
 
 async def _status(stub: health_pb2_grpc.HealthStub, service: str = "") -> int:

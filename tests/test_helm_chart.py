@@ -105,6 +105,21 @@ def test_each_trainer_rank_gets_its_ordinal_the_world_size_and_rank_0_as_master(
     assert c["image"].endswith("/lathe-trainer:0.1.0")
 
 
+def test_pool_containers_get_the_stacks_allocator_settings_and_an_empty_value_drops_them(tmp_path: Path) -> None:
+    from lathe.stack import POOL_MALLOC
+
+    objs = objects()
+    trainer = one(objs, "StatefulSet", f"{RELEASE}-lathe-smollm2-trainer")["spec"]["template"]["spec"]
+    sampler = one(objs, "Deployment", f"{RELEASE}-lathe-smollm2-sampler")["spec"]["template"]["spec"]
+    for pod in (trainer, sampler):
+        assert env_of(pod["containers"][0])["GLIBC_TUNABLES"] == POOL_MALLOC
+    gateway = one(objs, "Deployment", f"{RELEASE}-lathe-gateway")["spec"]["template"]["spec"]
+    assert "GLIBC_TUNABLES" not in env_of(gateway["containers"][0])
+    values = tmp_path / "values.yaml"
+    values.write_text('poolDefaults:\n  malloc: ""\n')
+    assert "GLIBC_TUNABLES" not in render(str(values))
+
+
 def test_the_gateway_discovers_pools_through_labelled_services_and_may_only_read_endpointslices() -> None:
     objs = objects(str(MULTIPOOL))
     gw = one(objs, "Deployment", f"{RELEASE}-lathe-gateway")

@@ -66,6 +66,14 @@ imagePullSecrets:
 {{- define "lathe.checkpointsAddress" -}}{{ include "lathe.fullname" . }}-checkpoints:{{ .Values.checkpoints.port }}{{- end -}}
 
 {{- /* The shared secret, from the environment (never argv): every Lathe container gets it. */ -}}
+{{/* A pool container's allocator settings (poolDefaults.malloc), or nothing when they are empty. */}}
+{{- define "lathe.poolMalloc" -}}
+{{- with .malloc -}}
+- name: GLIBC_TUNABLES
+  value: {{ . | quote }}
+{{- end -}}
+{{- end -}}
+
 {{- define "lathe.internalTokenEnv" -}}
 - name: LATHE_INTERNAL_TOKEN
   valueFrom:
