@@ -80,7 +80,7 @@ from lathe.trainer.optim_state import check_family, family_of, optim_step
 from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.pages import DirPages
 from lathe.trainer.plan import Create, Files, Plan, Step
-from lathe.trainer.recovery import SnapshotPolicy, seq_file, snapshot_seq
+from lathe.trainer.recovery import Record, SnapshotPolicy
 from lathe.trainer.step import Job, JobResult, run_jobs
 from lathe.types import (
     RECOVERY_KIND,
@@ -92,6 +92,7 @@ from lathe.types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     TensorData,
+    recovery_path,
 )
 from lathe.v1 import lathe_pb2 as pb
 
@@ -148,6 +149,8 @@ class _Model:
     tenant: str
     seq: Sequencer = field(default_factory=Sequencer)
     partial: Partial | None = None
+    snapshot_seq: int = 0  # the seq_id its latest recovery snapshot was taken after
+    snapshot_tried: int = 0  # the seq_id after which one was last due, written or not (``SnapshotPolicy.every_ops``)
 
 
 def _fail(item: Pending, err: LatheError) -> None:
@@ -251,14 +254,22 @@ class TrainerEngine:
 
     def create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
         """Create (or, for a repeat of the same request, return) the adapter of a training run; its tensors are
-        made on a passing thread (``on_passing_thread``), never on the caller's."""
+        made on a passing thread (``on_passing_thread``), never on the caller's.
+
+        With ``req.recover_from`` (a rebuild after a trainer restart) the run is made again from its recovery
+        snapshot and nothing else (``lathe.trainer.recovery``): a fresh run whose state was never snapshotted (it
+        lost nothing the gateway's log does not hold) is made fresh again, as its record says, and a missing
+        snapshot is ``FailedPrecondition`` naming the run, never a fresh adapter in its place. A run that exists here
+        already, rebuilt or not, is left as it is and answered as it is now (``next_seq_id`` included): two
+        gateways that both found it gone rebuild it once."""
         return on_passing_thread(self._create_adapter, req, name="trainer-create")
 
     def _create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
         self._check_alive()
         with self._lock:
-            if req.model_id in self._models:
-                return self._info(self.bank.get(req.model_id))
+            live = self._live(req.model_id)
+        if live is not None:
+            return live
         snapshot = self._snapshot_files(req) if req.recover_from else None
         state = None
         if snapshot is None and req.from_path:
@@ -267,35 +278,57 @@ class TrainerEngine:
 
     def _create(self, req: pb.CreateAdapterRequest, snapshot: Files | None, state: Files | None) -> pb.AdapterInfo:
         """Build run ``req.model_id`` from its recovery ``snapshot``, else the training ``state`` it starts from,
-        else fresh; the same on every rank of a pool (the leader puts it in the followers' next plan)."""
-        if snapshot is not None:  # a recovery: the run as its snapshot left it
-            adapter, next_seq = self._adapter_from_snapshot(req, snapshot), snapshot_seq(snapshot) + 1
+        else fresh; the same on every rank of a pool (the leader puts it in the followers' next plan). A new run's
+        first snapshot is written before it exists here (its creation fails if it cannot be): the state it starts
+        from, or a fresh run's record alone. A run that exists already is answered as it is."""
+        record = Record.read(snapshot) if snapshot is not None else Record(0, state=state is not None)
+        if snapshot is not None and record.state:  # a recovery: the run as its snapshot left it
+            adapter = self._adapter_from_snapshot(req, snapshot)
         elif state is not None:
-            adapter, next_seq = self._adapter_from_state(req, state), 1
-            if self._writes:
-                self._write_snapshot(adapter, 0)  # recovery must not depend on the state it started from
+            adapter = self._adapter_from_state(req, state)
         else:
-            c = req.lora_config
-            try:
-                spec = LoraSpec(rank=c.rank, seed=c.seed if c.HasField("seed") else None, train_attn=c.train_attn,
-                                train_mlp=c.train_mlp, train_unembed=c.train_unembed,
-                                **({"alpha": c.alpha} if c.HasField("alpha") else {}))  # else LoraSpec's default
-            except ValueError as e:
-                raise InvalidArgument(f"lora_config: {e}") from None
-            model = self.base(req.base_model)
-            seed = spec.seed if spec.seed is not None else default_seed(req.model_id)
-            adapter = Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed, self.cfg.device,
-                                    check_family(req.optimizer))
-            next_seq = 1
+            adapter = self._fresh_adapter(req)
+        if snapshot is None and self._writes and self.store is not None:
+            self._write_snapshot(adapter, record)  # recovery must never depend on anything but the snapshot
         with self._lock:
-            m = self._models.setdefault(req.model_id, _Model(req.model_id, req.tenant, Sequencer(next_seq=next_seq)))
+            live = self._live(req.model_id)
+            if live is not None:
+                return live
+            seq = Sequencer.after(record.seq_id, record.answers)
+            self._models[req.model_id] = _Model(req.model_id, req.tenant, seq, snapshot_seq=record.seq_id,
+                                                snapshot_tried=record.seq_id)
             self.bank.limit_tenant(req.tenant, req.max_resident_adapters)  # the tenant's quota, from the gateway
-            info = self._info(self.bank.add(adapter))
-            info.next_seq_id = m.seq.next_seq
+            self.bank.add(adapter)
+            info = self._live(req.model_id)
             self._evict(self._pinned())
             if self.group is not None and self.group.leader:
                 self._creates.append(Create(req.SerializeToString(), snapshot, state))
             return info
+
+    def _live(self, model_id: str) -> pb.AdapterInfo | None:
+        """Run ``model_id`` as it is here, with the seq_id it expects next; None if it is not here (caller holds
+        the lock)."""
+        m = self._models.get(model_id)
+        if m is None:
+            return None
+        info = self._info(self.bank.get(model_id))
+        info.next_seq_id = m.seq.next_seq
+        return info
+
+    def _fresh_adapter(self, req: pb.CreateAdapterRequest) -> Adapter:
+        """A new adapter from ``req``'s LoRA config: its initialization is a deterministic function of that config
+        and the model id, so a fresh run's rebuild makes the same one."""
+        c = req.lora_config
+        try:
+            spec = LoraSpec(rank=c.rank, seed=c.seed if c.HasField("seed") else None, train_attn=c.train_attn,
+                            train_mlp=c.train_mlp, train_unembed=c.train_unembed,
+                            **({"alpha": c.alpha} if c.HasField("alpha") else {}))  # else LoraSpec's default
+        except ValueError as e:
+            raise InvalidArgument(f"lora_config: {e}") from None
+        model = self.base(req.base_model)
+        seed = spec.seed if spec.seed is not None else default_seed(req.model_id)
+        return Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed, self.cfg.device,
+                             check_family(req.optimizer))
 
     def _adapter_from_state(self, req: pb.CreateAdapterRequest, files: Files) -> Adapter:
         state = read_state(files)
@@ -306,12 +339,17 @@ class TrainerEngine:
         adapter.load_files(files, with_optimizer=req.with_optimizer)
         return adapter
 
-    def _snapshot_files(self, req: pb.CreateAdapterRequest) -> dict[str, bytes] | None:
-        """The files of the run's recovery snapshot, or None if it has none (it never reached a snapshot)."""
+    def _snapshot_files(self, req: pb.CreateAdapterRequest) -> Files:
+        """The files of the run's recovery snapshot. Every run has one from its creation on, so a missing one
+        (expired after ``ttl_s`` idle, swept, or written before runs had one from creation) is an error that names
+        the run: a fresh adapter in its place would silently lose its steps or the state it started from."""
         try:
             return self._store().get(tenant=req.tenant, path=req.recover_from)
         except NotFound:
-            return None
+            raise FailedPrecondition(
+                f"run {req.model_id!r} cannot be rebuilt on this trainer: its recovery snapshot {req.recover_from} "
+                "is missing (expired or swept), and a fresh adapter in its place would silently lose what the run "
+                "had trained; start a new run (from a saved training state of this one, if one is kept)") from None
 
     def _adapter_from_snapshot(self, req: pb.CreateAdapterRequest, files: dict[str, bytes]) -> Adapter:
         """A run as its recovery snapshot left it: weights, moments, step and pending gradients."""
@@ -321,27 +359,41 @@ class TrainerEngine:
         adapter.restore_page(files)
         return adapter
 
-    def _write_snapshot(self, adapter: Adapter, seq_id: int) -> str:
-        """Write ``adapter``'s recovery snapshot, taken after operation ``seq_id``; returns its path."""
-        meta = {"base_model": adapter.base_model, "step": adapter.step, "seq_id": seq_id}
-        return self._store().put(tenant=adapter.tenant, run_id=adapter.model_id, kind=RECOVERY_KIND,
-                                 name=RECOVERY_NAME, files={**adapter.page_files(self.cfg.dtype), **seq_file(seq_id)},
-                                 metadata_json=json.dumps(meta), ttl_seconds=self.cfg.snapshots.ttl_s, overwrite=True)
+    def _write_snapshot(self, adapter: Adapter, record: Record) -> None:
+        """Write ``adapter``'s recovery snapshot: its state (unless ``record.state`` is False) and ``record``."""
+        meta = {"base_model": adapter.base_model, "step": adapter.step, "seq_id": record.seq_id}
+        files = adapter.page_files(self.cfg.dtype) if record.state else {}
+        self._store().put(tenant=adapter.tenant, run_id=adapter.model_id, kind=RECOVERY_KIND, name=RECOVERY_NAME,
+                          files={**files, **record.files()}, metadata_json=json.dumps(meta),
+                          ttl_seconds=self.cfg.snapshots.ttl_s, overwrite=True)
 
-    def _snapshot(self, m: _Model, item: Pending, result: Result) -> str:
-        """Write ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``); its path or "".
+    def _snapshot(self, m: _Model, item: Pending, result: Result) -> None:
+        """Write ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``, its receipt
+        made, not yet answered); ``result.recovery_path`` names it once written.
 
-        A snapshot that cannot be written is logged and skipped: the operation stands, and recovery replays
-        from the previous snapshot instead."""
+        Written before ``item`` is answered, the snapshot records the answers of ``item`` and of the operations
+        answered since the run's previous snapshot: should this trainer stop before an answer reaches the
+        gateway, the rebuilt run answers that seq_id's repeat from the record (``Sequencer.after``), as applied.
+        A snapshot that cannot be written is logged and skipped: the operation stands, recovery replays from the
+        previous snapshot instead, and the next try waits until one is due again (``every_ops`` counts from this
+        try, so a store that is down does not hold every later operation for its retries)."""
         adapter = self.bank.get(m.model_id)
-        if result.error is not None or not self.cfg.snapshots.due(item.op.body, adapter.step):
-            return ""
+        if result.error is not None or not self.cfg.snapshots.due(item.op.body, adapter.step,
+                                                                   item.seq_id - m.snapshot_tried):
+            return
+        result.recovery_path = recovery_path(m.model_id)  # as the record answers it
+        with self._lock:  # submit() may pass skips into ``answered`` meanwhile
+            answers = {s: f.result() for s, f in m.seq.answered.items()
+                       if m.snapshot_seq < s < item.seq_id and f.done()}
+        m.snapshot_tried = item.seq_id
         try:
-            return self._write_snapshot(adapter, item.seq_id)
+            self._write_snapshot(adapter, Record(item.seq_id, {**answers, item.seq_id: result}))
         except Exception as e:  # noqa: BLE001 - the operation stands; only the snapshot is missing
+            result.recovery_path = ""
             print(f"lathe.trainer: recovery snapshot of {m.model_id} after seq_id {item.seq_id} failed: "
                   f"{type(e).__name__}: {e}", file=sys.stderr)
-            return ""
+            return
+        m.snapshot_seq = item.seq_id
 
     def _info(self, a: Adapter) -> pb.AdapterInfo:
         s = a.spec
@@ -667,12 +719,13 @@ class TrainerEngine:
 
     def _finish(self, m: _Model, item: Pending, cycle: int, start: float, result: Result, tokens: int = 0) -> None:
         exactness = self.exactness.fields(self.bank.base_model(m.model_id))
-        result.recovery_path = self._snapshot(m, item, result) if self.store is not None else ""
         result.receipt = Receipt(
             request_id=item.op.request_id, model_id=item.op.model_id, seq_id=item.seq_id, cycle=cycle,
             tokens=tokens, adapter_step=self.bank.get(m.model_id).step, queued_s=start - item.arrived,
             run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.kind,
             fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)))
+        if self.store is not None:
+            self._snapshot(m, item, result)  # before the answer, which it records
         self.metrics.wait_seconds.observe(max(0.0, start - item.arrived))
         item.future.set_result(result)
 

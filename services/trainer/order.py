@@ -15,6 +15,10 @@ applies anything out of order:
 - ``give_up``: when operations have waited ``wait`` seconds for a ``seq_id`` that has not arrived
   (``stalled_since``), every operation waiting is answered with a failure naming the ``seq_id`` it waited
   for, and order resumes after the last of them. A late arrival of a seq_id passed over is refused.
+
+A run rebuilt from its recovery snapshot starts ``after`` the snapshot's ``seq_id``; the answers the snapshot
+recorded (``lathe.trainer.recovery``) answer repeats of their seq_ids: those operations were applied, though
+their answers may never have reached the gateway.
 """
 
 from __future__ import annotations
@@ -44,6 +48,17 @@ class Sequencer:
     waiting: dict[int, Pending] = field(default_factory=dict)
     answered: OrderedDict[int, Future] = field(default_factory=OrderedDict)
     reached: float = field(default_factory=time.monotonic)  # when ``next_seq`` became the next one (monotonic)
+
+    @classmethod
+    def after(cls, seq_id: int, answers: dict[int, Result]) -> Sequencer:
+        """The sequencer of a run rebuilt from a snapshot taken after ``seq_id`` that recorded ``answers`` (seq_id
+        -> the answer it was given): next comes ``seq_id + 1``, and a repeat of a recorded seq_id gets its answer."""
+        seq = cls(next_seq=seq_id + 1)
+        for s, result in sorted(answers.items()):
+            fut: Future = Future()
+            fut.set_result(result)
+            seq.answered[s] = fut
+        return seq
 
     def offer(self, seq_id: int, op: Op | None, now: float) -> tuple[Future, bool]:
         """Queue ``op`` under ``seq_id``; returns its future and whether it is new (False: a repeat)."""
