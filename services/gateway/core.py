@@ -520,12 +520,14 @@ class GatewayCore:
         raise AssertionError("unreachable")
 
     async def _rebuild(self, run: Run, seen: int) -> None:
-        """Recreate ``run`` on a trainer that lost it, from its recovery snapshot (or as at first if it has none),
-        then apply again, in order, every recorded operation from the ``seq_id`` the trainer now expects up to
-        the last one answered; a ``seq_id`` refused at the door (no record) is skipped again. The replayed results
-        are dropped (the recorded ones stand); operations still pending are sent on by their own requests.
-        ``seen``: ``run.rebuilds`` when the caller found the run gone: if another request rebuilt it since,
-        nothing is done again."""
+        """Recreate ``run`` on a trainer that lost it, from its recovery snapshot (a fresh run never snapshotted is
+        made fresh again), then apply again, in order, every recorded operation from the ``seq_id`` the trainer now
+        expects up to the last one answered; a ``seq_id`` refused at the door (no record) is skipped again. The
+        replayed results are dropped (the recorded ones stand); operations still pending are sent on by their own
+        requests, and one the snapshot covers is answered from its record (``lathe.trainer.recovery``). A missing
+        snapshot fails the rebuild, and so the operation, with the trainer's ``FailedPrecondition`` naming the run.
+        ``seen``: ``run.rebuilds`` when the caller found the run gone: if another request (or gateway: the trainer
+        answers a live run as it is) rebuilt it since, nothing is done again."""
         async with run.rebuilding:
             if run.rebuilds != seen:
                 return
