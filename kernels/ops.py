@@ -36,8 +36,8 @@ matmul (``torch.bmm`` with the shared operand expanded, never copied, padded wit
 least as many products as threads, so that each product runs on one thread), so the library sees the same
 problem whatever the batch and the thread count, and a row's bits depend only on its own values:
 - ``linear``: rows in tiles of ``ROW_TILE`` (zero-padded), the weight's columns in blocks (``col_blocks``:
-  at most ``COL_BLOCK_BYTES``, so a block stays in cache while every tile reads it, and a weight narrower
-  than that in two halves, so a lone tile's two products keep two threads busy; the blocks depend only on
+  at most ``COL_BLOCK_BYTES``, so a block stays in cache while every tile reads it, and a weight of 1-4 MiB in
+  two halves, so a lone tile's two products keep two threads busy; the blocks depend only on
   the weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``. A pool may pass a
   ladder of tile heights (``tiles``): rows are then cut largest tile first (``row_groups``), which keeps a
   row's bits only because the pool's self-check admitted each height to the ladder after finding its rows
@@ -88,6 +88,10 @@ COL_BLOCK_BYTES = 1 << 22
 SPLIT_WIDTH = 256
 """Fewest columns of each half when ``col_blocks`` halves a weight narrower than its byte cap (a LoRA shrink,
 at most ``MAX_RANK`` wide, is never halved)."""
+
+SPLIT_BYTES = 1 << 20
+"""Fewest bytes of a weight that ``col_blocks`` halves: a smaller one (a LoRA expand of rank 32 or less) costs a
+lone tile little on one thread, and halving it would double its products and gradients in every batch."""
 
 ATTN_ROW_TILE = 4
 """Query rows (a GQA group's heads, then the next query's) per attention product in invariant mode: the
@@ -150,15 +154,16 @@ def col_blocks(k: int, n: int, element_size: int) -> list[tuple[int, int]]:
     weight's shape and dtype alone.
 
     A weight at least ``col_cap`` columns wide is cut into blocks of that width (they depend on K alone, so
-    its first ``col_cap`` columns, as a weight, have its first block); a narrower one into two halves of at
-    least ``SPLIT_WIDTH`` columns (a multiple of 16) where it has them, else it is one block.
+    its first ``col_cap`` columns, as a weight, have its first block); a narrower one of at least
+    ``SPLIT_BYTES`` into two halves of at least ``SPLIT_WIDTH`` columns (a multiple of 16) where it has them;
+    else it is one block.
     """
     cap = col_cap(k, element_size)
     if n >= cap:
         width = cap
     else:
         half = -(-n // 32) * 16
-        width = half if half >= SPLIT_WIDTH else n
+        width = half if half >= SPLIT_WIDTH and k * n * element_size >= SPLIT_BYTES else n
     return [(c, min(c + width, n)) for c in range(0, n, width)]
 
 

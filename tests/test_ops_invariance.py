@@ -210,7 +210,8 @@ def test_row_groups_skip_a_height_that_fills_fewer_tiles_than_threads() -> None:
 @pytest.mark.parametrize(("k", "n", "size", "blocks"), [
     (576, 576, 4, [(0, 288), (288, 576)]),  # narrower than its cap: two halves
     (1536, 576, 4, [(0, 288), (288, 576)]),
-    (32, 1536, 4, [(0, 768), (768, 1536)]),  # a LoRA expand
+    (256, 1536, 4, [(0, 768), (768, 1536)]),  # a LoRA expand of rank 256
+    (32, 1536, 4, [(0, 1536)]),  # one of rank 32: under SPLIT_BYTES
     (576, 192, 4, [(0, 192)]),  # halves would be under SPLIT_WIDTH
     (576, 32, 4, [(0, 32)]),  # a LoRA shrink is never halved
     (576, 600, 4, [(0, 304), (304, 600)]),  # halves round up to 16 columns
@@ -225,7 +226,7 @@ def test_col_blocks_halve_narrow_weights_and_cap_wide_ones(k: int, n: int, size:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("k", "n"), [(576, 576), (576, 600), (2048, 1300)])
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (576, 1560), (2048, 1300)])
 def test_a_lone_tile_has_the_bits_of_the_same_rows_among_other_tiles(threads: int, dtype: torch.dtype, k: int,
                                                                       n: int) -> None:
     """One tile runs its column blocks in one bmm (equal halves; a narrower last block; blocks of the byte cap
