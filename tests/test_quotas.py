@@ -1,6 +1,7 @@
-"""Per-tenant quotas (issue 9, item 4): each quota refused through a real door with the quota, the tenant's use
-and the limit in its message, leaving no state; another tenant untouched; resident adapters paged out per tenant
-and back in bit for bit; checkpoint bytes freed by delete and by expiry. Plus the quota book and file on their
+"""Per-tenant quotas (issue 9, item 4; issue 22: adapter bytes, sessions): each quota refused through a real door
+with the quota, the tenant's use and the limit in its message, leaving no state; another tenant untouched; resident
+adapters paged out per tenant and back in bit for bit; checkpoint bytes freed by delete and by expiry; sessions and
+sampling sessions freed by finishing a session. Plus the quota book and file on their
 own (a clock the test moves, the bank with a pinned cycle). Also what a held-back tenant hears: the queue state of
 its pending futures (``RetrieveFuture``) and a sampling client's ``on_queue_state_change``; and sampler handles,
 which reach the same sampler for their own tenant only."""
@@ -14,6 +15,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
@@ -29,20 +31,35 @@ from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
 
+if TYPE_CHECKING:
+    from lathe.trainer.bank import Adapter
+
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
 RANK = 4
-TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free", "held")
+TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free", "held", "adapters", "sessions")
+
+
+def _fresh(tiny_dir: Path, rank: int, **targets: bool) -> Adapter:
+    from lathe.models.config import ModelConfig
+    from lathe.models.lora import LoraSpec
+    from lathe.trainer import bank
+
+    return bank.Adapter.fresh("m", "t", BASE, ModelConfig.from_dir(tiny_dir), LoraSpec(rank=rank, **targets), seed=0)
 
 
 def _sampler_checkpoint_bytes(tiny_dir: Path) -> int:
     """The bytes of a rank-RANK sampler checkpoint of the tiny model (its size does not depend on the values)."""
-    from lathe.models.config import ModelConfig
-    from lathe.models.lora import LoraSpec
-    from lathe.trainer.bank import Adapter
+    return sum(len(b) for b in _fresh(tiny_dir, RANK).sampler_files().values())
 
-    adapter = Adapter.fresh("m", "t", BASE, ModelConfig.from_dir(tiny_dir), LoraSpec(rank=RANK), seed=0)
-    return sum(len(b) for b in adapter.sampler_files().values())
+
+def _adapter_bytes(tiny_dir: Path, rank: int, **targets: bool) -> int:
+    """The bytes a fresh rank-``rank`` AdamW adapter of the tiny model holds on a trainer: weights and moments."""
+    from lathe.trainer.optim_state import state_tensors
+
+    adapter = _fresh(tiny_dir, rank, **targets)
+    return sum(t.numel() * t.element_size()
+               for t in (*adapter.weights.parameters(), *state_tensors(adapter.opt).values()))
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +67,11 @@ def quota_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tin
     root = tmp_path_factory.mktemp("quotas")
     keys = root / "keys"
     keys.write_text("".join(f"tml-{t}={t}\n" for t in TENANTS))
-    ckpt = _sampler_checkpoint_bytes(tiny_dir)
+    ckpt, adapter = _sampler_checkpoint_bytes(tiny_dir), _adapter_bytes(tiny_dir, RANK)
     quotas = root / "quotas.json"
     quotas.write_text(json.dumps({"default": {"max_runs": 8}, "tenants": {
+        "adapters": {"max_adapter_bytes": 2 * adapter + adapter // 2},
+        "sessions": {"max_sessions": 2, "max_sampling_sessions": 2},
         "runs": {"max_runs": 2}, "tokens": {"max_tokens_per_minute": 40}, "busy": {"max_inflight_ops": 2},
         "held": {"max_inflight_ops": 2},
         "meta": {"max_user_metadata_bytes": 32}, "pager": {"max_resident_adapters": 1},
@@ -121,6 +140,66 @@ def test_max_runs(quota_stack: tuple) -> None:
         assert _runs(other) == 3
 
 
+def test_max_adapter_bytes_counts_what_each_run_allocates_fresh_or_from_a_state(quota_stack: tuple,
+                                                                               tiny_dir: Path) -> None:
+    stack = quota_stack[0]
+    size = _adapter_bytes(tiny_dir, RANK)  # the trainer's own tensors, counted
+    limit = 2 * size + size // 2
+    want = (f"quota max_adapter_bytes: tenant's 2 training runs hold {2 * size} adapter bytes and the new one needs "
+            f"{size} (weights and optimizer moments in fp32), the limit is {limit}")
+    with _client(stack, "adapters") as sc:
+        tc = sc.create_lora_training_client(BASE, rank=RANK, seed=1)
+        sc.create_lora_training_client(BASE, rank=RANK, seed=2)
+        with pytest.raises(ResourceExhausted) as e:
+            sc.create_lora_training_client(BASE, rank=RANK, seed=3)
+        assert e.value.message == want
+        with _http(stack, "adapters") as http:
+            session = http.post("/create_session", json={"user_metadata": {}}).json()["session_id"]
+            r = http.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": BASE,
+                                                 "lora_config": {"rank": RANK}})
+        _refused(r, re.escape(want), retry_after=False)
+        state = tc.save_state("s").result().path
+        with pytest.raises(ResourceExhausted) as e:  # a run from a saved state takes the state's rank
+            sc.create_training_client_from_state(state)
+        assert e.value.message == want
+        sc.create_lora_training_client(BASE, rank=RANK // 2, seed=4)  # half a run's bytes were left: it fits
+        attn = _adapter_bytes(tiny_dir, 1, train_mlp=False, train_unembed=False)  # only the trained targets count
+        with pytest.raises(ResourceExhausted, match=re.escape(f"3 training runs hold {limit} adapter bytes and the "
+                                                              f"new one needs {attn} ")):
+            sc.create_lora_training_client(BASE, rank=1, train_mlp=False, train_unembed=False)
+        assert _runs(sc) == 3  # the refusals registered nothing
+
+
+def test_open_sessions_and_sampling_sessions_are_capped_until_a_session_finishes(quota_stack: tuple) -> None:
+    stack = quota_stack[0]
+    full_sessions = ("quota max_sessions: tenant has 2 open sessions, the limit is 2; finish the sessions it no "
+                     "longer uses")
+    full_samplers = ("quota max_sampling_sessions: tenant has 2 sampling sessions in its open sessions, the limit is "
+                     "2; finish the sessions it no longer uses")
+    with _http(stack, "sessions") as http:
+        def session() -> httpx.Response:
+            return http.post("/create_session", json={"user_metadata": {}})
+
+        def sampler(session_id: str, n: int) -> httpx.Response:
+            return http.post("/create_sampling_session", json={"session_id": session_id,
+                                                               "sampling_session_seq_id": n, "base_model": BASE})
+
+        first, second = (session().json()["session_id"] for _ in range(2))
+        _refused(session(), re.escape(full_sessions), retry_after=False)
+        made = [sampler(first, n).json()["sampling_session_id"] for n in (0, 1)]
+        assert sampler(first, 1).json()["sampling_session_id"] == made[1]  # a repeat makes none: it passes
+        _refused(sampler(second, 0), re.escape(full_samplers), retry_after=False)
+        model_id = http.post("/create_model", json={"session_id": second, "model_seq_id": 0, "base_model": BASE,
+                                                    "lora_config": {"rank": RANK}}).json()["model_id"]
+        save = {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0}  # makes a sampling session
+        _refused(http.post("/save_weights_for_sampler", json=save), re.escape(full_samplers), retry_after=False)
+        assert http.post(f"/sessions/{first}/finish", json={"reason": {"type": "success"}}).status_code == 200
+        assert sampler(second, 0).status_code == 200  # the finished session's sampling sessions count no more
+        third = session()
+        assert third.status_code == 200, third.text
+        _refused(session(), re.escape(full_sessions), retry_after=False)
+
+
 def test_tokens_per_minute_count_datums_prompts_and_sampled_tokens(quota_stack: tuple) -> None:
     stack = quota_stack[0]
     with _client(stack, "tokens") as sc, _client(stack, "free") as other:
@@ -134,7 +213,8 @@ def test_tokens_per_minute_count_datums_prompts_and_sampled_tokens(quota_stack: 
             sc.create_lora_training_client(BASE, rank=RANK, seed=2).forward([_datum(41)]).result()
         other.create_lora_training_client(BASE, rank=RANK, seed=1).forward([_datum(30)] * 3).result()
 
-        with _http(stack, "tokens") as http:  # a sample spends its prompt at once and its tokens once sampled
+        with _http(stack, "tokens") as http:  # a sample spends its prompt and max_tokens at once and gets back
+            # what it did not sample once it ends
             session = http.post("/create_session", json={"user_metadata": {}}).json()["session_id"]
             sid = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
                                                               "base_model": BASE}).json()["sampling_session_id"]
@@ -146,7 +226,7 @@ def test_tokens_per_minute_count_datums_prompts_and_sampled_tokens(quota_stack: 
             sampled = len(tp.SampleResponse.FromString(res.content).sequences[0].tokens) // 4  # int32s
             message = _refused(http.post("/asample", json=sample | {"seq_id": 2}),
                                r"quota max_tokens_per_minute: tenant spent \d+ tokens in the last 60 s and the "
-                               r"request has 7, the limit is 40; retry in \d+\.\d s", retry_after=True)
+                               r"request has 9, the limit is 40; retry in \d+\.\d s", retry_after=True)
         assert f"spent {30 + 7 + sampled} tokens" in message
 
 

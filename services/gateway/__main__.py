@@ -8,7 +8,8 @@ decoding one HTTP body may cost (``limits.HttpLimits``).
 API keys come from ``--api-keys-file`` (``auth.ApiKeys``; without one, open mode on loopback only, said on
 stderr at start); ``--tls-cert`` and ``--tls-key`` put both doors behind TLS (``tls.TlsFiles``). The internal
 services are called with the stack's shared secret (``lathe.internal_auth``). Per-tenant quotas come from
-``--quotas`` (``quotas.QuotaConfig``; without it, the defaults). The control plane (sessions, runs, the
+``--quotas`` (``quotas.QuotaConfig``; without it, the defaults); ``--keep-result-bytes`` bounds the finished
+results kept in memory (``futures``). The control plane (sessions, runs, the
 ledger of operations) lives in the database at ``--db`` (``store.ControlStore``; default: a SQLite file in the
 cache directory); at start the gateway migrates it, loads it and sends the operations still pending on again,
 before it prints its ready lines. ``--metrics-port`` serves Prometheus metrics (``metrics``, ``lathe.probes``);
@@ -34,6 +35,7 @@ from .auth import KEYS_FILE_ENV, ApiKeys
 from .calls import CallPolicy
 from .core import GatewayCore
 from .discovery import DIRECTORIES, DiscoveryConfig, make_directory
+from .futures import KEEP_DONE_BYTES
 from .http_server import HttpServer
 from .limits import DoorLimits, HttpLimits
 from .metrics import GatewayMetrics
@@ -71,7 +73,8 @@ async def serve(args: argparse.Namespace) -> None:
                                            args.discovery_selector))
     await asyncio.to_thread(pools.start)
     core = GatewayCore(args.trainer, args.checkpoints, args.sampler, limits, quotas=quotas, store=store,
-                       calls=CallPolicy(retry_budget_s=args.retry_budget_s), pools=pools, metrics=metrics)
+                       calls=CallPolicy(retry_budget_s=args.retry_budget_s), pools=pools, metrics=metrics,
+                       keep_result_bytes=args.keep_result_bytes)
     resumed = core.restore()
     if resumed:
         print(f"lathe.gateway: resumed {resumed} operations pending in {store.engine.url!r}", file=sys.stderr,
@@ -131,6 +134,9 @@ def main() -> None:
                     help="how long finished operations' results are kept (default %(default)s)")
     ap.add_argument("--ledger-keep", type=int, default=store_defaults.keep_done,
                     help="at most this many finished operations' results are kept (default %(default)s)")
+    ap.add_argument("--keep-result-bytes", type=int, default=KEEP_DONE_BYTES,
+                    help="finished results kept in memory, in bytes, oldest dropped first (an older one is read "
+                         "from the ledger while it holds it) (default %(default)s)")
     ap.add_argument("--retry-budget-s", type=float, default=call_defaults.retry_budget_s,
                     help="how long an idempotent internal call waits for its service to come back "
                          "(default %(default)s)")

@@ -77,10 +77,10 @@ from .completions import Completion, CompletionQueues, queue_key
 from .copies import copy_checkpoint, copy_run_id
 from .discovery import PoolDirectory, StaticDirectory
 from .downloads import EXPORT_NOTE_KEY
-from .futures import Entry, FutureStore
+from .futures import KEEP_DONE_BYTES, Entry, FutureStore
 from .limits import DoorLimits, check_op
 from .metrics import GatewayMetrics
-from .quotas import Quotas
+from .quotas import Charge, Quotas, adapter_bytes, lora_of_checkpoint
 from .records import Operation, Run, SamplingSession, Session
 from .routing import PoolRouter
 from .session_search import SessionQuery, search
@@ -109,10 +109,11 @@ class GatewayCore:
     def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str,
                  limits: DoorLimits | None = None, quotas: Quotas | None = None, store: ControlStore | None = None,
                  calls: CallPolicy | None = None, pools: PoolDirectory | None = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, keep_result_bytes: int = KEEP_DONE_BYTES) -> None:
         """``store``: the control plane's database (default: SQLite in memory, gone with the process).
         ``pools``: where each base model's trainer and sampler are (``discovery``; default: one fixed pool at
-        ``trainer_target`` and ``sampler_target``). ``metrics``: where usage is counted (``metrics``)."""
+        ``trainer_target`` and ``sampler_target``). ``metrics``: where usage is counted (``metrics``).
+        ``keep_result_bytes``: the bytes of finished results kept in memory (``futures``)."""
         self.metrics = metrics or GatewayMetrics()
         self.limits = limits or DoorLimits()
         self.quotas = quotas or Quotas()
@@ -123,7 +124,8 @@ class GatewayCore:
         self._channel = internal_aio_channel(checkpoints_target, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])  # + secret
         self.checkpoints = cpb_grpc.CheckpointsStub(self._channel)
         self.sampling: dict[str, SamplingSession] = {}
-        self.futures = FutureStore(keep_done=self.store.cfg.keep_done, on_drop=self._forget)
+        self.futures = FutureStore(keep_done=self.store.cfg.keep_done, keep_bytes=keep_result_bytes,
+                                   on_drop=self._forget)
         self.completions = CompletionQueues()
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
@@ -293,7 +295,7 @@ class GatewayCore:
     # ---- sessions and capabilities ----
 
     def create_session(self, tenant: str, user_metadata: dict[str, str], display_name: str | None = None) -> str:
-        self.quotas.check_metadata(tenant, user_metadata)
+        self.quotas.admit_session(tenant, self.store.open_sessions(tenant)[0], user_metadata)
         if display_name is not None and not 0 < len(display_name) <= MAX_DISPLAY_NAME:
             raise InvalidArgument(f"display_name has {len(display_name)} characters; give 1 to {MAX_DISPLAY_NAME}, "
                                   "or none")
@@ -303,11 +305,16 @@ class GatewayCore:
         return s.session_id
 
     def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
-        """Close a session (the first reason wins); its runs, futures and checkpoints stay."""
+        """Close a session (the first reason wins); its runs, futures and checkpoints stay. It and its sampling
+        sessions leave this gateway's memory (a request naming one reads it from the database again), so what the
+        gateway holds of a tenant's sessions is bounded by the quotas on open ones."""
         s = self.session(tenant, session_id)
         if not s.finished:
             s.finished = reason or "finished"
             self.store.finish_session(s)
+        del self.sessions[session_id]
+        for sampling_session_id in self.store.session_members(session_id)[1]:
+            self.sampling.pop(sampling_session_id, None)
 
     async def capabilities(self) -> pb.ServerCapabilities:
         """The models of the pools present, each with its trainer's and sampler's exactness joined (cached while
@@ -322,13 +329,17 @@ class GatewayCore:
             self._caps = (now if settled else -math.inf, generation, caps)
         return self._caps[2]
 
-    async def _check_base_model(self, base_model: str) -> int:
+    async def _context_length(self, base_model: str) -> int:
+        """The context length of ``base_model`` as the capabilities say; 0 while no pool serves it."""
         caps = await self.capabilities()
-        for m in caps.supported_models:
-            if m.model_name == base_model:
-                return m.max_context_length
-        names = [m.model_name for m in caps.supported_models]
-        raise InvalidArgument(f"unknown base_model {base_model!r}; this server serves {names}")
+        return next((m.max_context_length for m in caps.supported_models if m.model_name == base_model), 0)
+
+    async def _check_base_model(self, base_model: str) -> int:
+        context = await self._context_length(base_model)
+        if not context:
+            names = [m.model_name for m in (await self.capabilities()).supported_models]
+            raise InvalidArgument(f"unknown base_model {base_model!r}; this server serves {names}")
+        return context
 
     async def checkpoint(self, tenant: str, path: str) -> cpb.CheckpointInfo:
         """The caller's checkpoint at ``path`` (the checkpoints service refuses anyone else's)."""
@@ -337,12 +348,13 @@ class GatewayCore:
     # ---- training runs ----
 
     def _start_run(self, tenant: str, session_id: str, model_seq_id: int | None, adapter: pb.CreateAdapterRequest,
-                   user_metadata: dict[str, str]) -> pb.SubmitResponse:
+                   user_metadata: dict[str, str], lora: pb.LoraConfig | None = None) -> pb.SubmitResponse:
         """Register run ``"{session_id}:train:{n}"`` and create its adapter in the background.
 
         ``n`` is the client's ``model_seq_id`` (Tinker's SDK computes model ids from it), else the session's
         next number. A repeat of a ``model_seq_id`` answers the first request again; nothing is created twice.
-        Synchronous, so that concurrent repeats cannot both get past the check."""
+        ``lora``: the run's LoRA config when it is not the request's (a saved state's). Synchronous, so that
+        concurrent repeats cannot both get past the check."""
         s = self._open_session(tenant, session_id)
         if model_seq_id is not None:
             if model_seq_id < 0:
@@ -350,12 +362,15 @@ class GatewayCore:
             known = self._find_run(f"{session_id}:train:{model_seq_id}")
             if known is not None:
                 return pb.SubmitResponse(request_id=known.create_request_id, model_id=known.model_id)
-        self.quotas.admit_run(tenant, self.store.count_runs(tenant), self.futures.pending(tenant), user_metadata)
+        lora = adapter.lora_config if lora is None else lora
+        held = [adapter_bytes(*config) for config in self.store.run_configs(tenant)]
+        self.quotas.admit_run(tenant, held, adapter_bytes(adapter.base_model, lora, adapter.optimizer or OPTIMIZERS[0]),
+                              self.futures.pending(tenant), user_metadata)
         n = self.store.number(session_id, "next_model", model_seq_id)  # the database numbers, for every gateway
         s.next_model = max(s.next_model, n + 1)
         model_id = f"{session_id}:train:{n}"
         entry = self.futures.create(tenant)
-        run = Run(model_id, tenant, session_id, adapter.base_model, adapter.lora_config, dict(user_metadata),
+        run = Run(model_id, tenant, session_id, adapter.base_model, lora, dict(user_metadata),
                   create_request_id=entry.request_id, optimizer=adapter.optimizer or OPTIMIZERS[0])
         adapter.model_id, adapter.tenant = model_id, tenant
         adapter.max_resident_adapters = self.quotas.of(tenant).max_resident_adapters
@@ -389,12 +404,13 @@ class GatewayCore:
         if info.kind != "weights":
             raise InvalidArgument(f"path {req.path!r} is a {info.kind} checkpoint; a training client starts "
                                   "from a training state (tinker://<run>/weights/<name>)")
-        saved_base = json.loads(info.metadata_json or "{}").get("base_model", "")
+        meta = json.loads(info.metadata_json or "{}")
+        saved_base = meta.get("base_model", "")
         if base_model and base_model != saved_base:
             raise InvalidArgument(f"base_model {base_model!r} is not the base model {saved_base!r} of {req.path!r}")
         return self._start_run(tenant, req.session_id, model_seq_id, pb.CreateAdapterRequest(
             base_model=saved_base, from_path=req.path, with_optimizer=req.with_optimizer, optimizer=req.optimizer),
-            dict(req.user_metadata))
+            dict(req.user_metadata), lora_of_checkpoint(meta))
 
     async def _create_adapter(self, run: Run, req: pb.CreateAdapterRequest) -> pb.FutureResult:
         """Create the run's adapter. Whatever happens, ``run.ready`` is set: whoever waits on the run (its
@@ -553,6 +569,8 @@ class GatewayCore:
         """Save the adapter as ephemeral sampler weights and bind sampling session
         ``"{session}:sample:{sampling_seq_id}"`` to them once saved; the result names that session
         (``SaveOutput.sampling_session_id``). A repeat gets the same request."""
+        if (model_id, seq_id) not in self._by_seq:  # refused before the save, not after it
+            self._admit_sampling_session(tenant, self.run(tenant, model_id).session_id, sampling_seq_id)
         save = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=f"ephemeral-s{seq_id}", kind="sampler_weights",
                               ttl_seconds=EPHEMERAL_TTL_S)
         work = functools.partial(self._save_then_bind, sampling_seq_id=sampling_seq_id)
@@ -790,6 +808,7 @@ class GatewayCore:
         s = self._open_session(tenant, req.session_id)  # after the awaits: numbering is synchronous
         if seq_id is not None and seq_id < 0:
             raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {seq_id}")
+        self._admit_sampling_session(tenant, req.session_id, seq_id)
         n = self.store.number(req.session_id, "next_sampler", seq_id)
         s.next_sampler = max(s.next_sampler, n + 1)
         sid = f"{req.session_id}:sample:{n}"
@@ -798,6 +817,12 @@ class GatewayCore:
             self._find_sampling(sid)  # the database's record: another gateway's, should it have made it first
         return self.sampling[sid].proto()
 
+    def _admit_sampling_session(self, tenant: str, session_id: str, seq_id: int | None) -> None:
+        """Refuse a new sampling session in ``session_id`` over the tenant's ``max_sampling_sessions``; a repeat of
+        the client's ``seq_id`` makes none and passes."""
+        if seq_id is None or self._find_sampling(f"{session_id}:sample:{seq_id}") is None:
+            self.quotas.admit_sampling_session(tenant, self.store.open_sessions(tenant)[1])
+
     def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:
         rec = self._find_sampling(sampling_session_id)
         if rec is None or rec.tenant != tenant:
@@ -805,12 +830,15 @@ class GatewayCore:
         return rec
 
     async def sample(self, tenant: str, req: pb.SampleRequest) -> pb.SubmitResponse:
+        """Submit a sample; the tokens it may sample are charged now (``quotas.admit_sample``: without max_tokens,
+        what the model's context leaves after the prompt) and what it did not sample is given back once it ends."""
         rec = self.sampling_session(tenant, req.sampling_session_id)
+        context = 0 if req.params.HasField("max_tokens") else await self._context_length(rec.base_model)
         key = (rec.sampling_session_id, req.seq_id)
         if req.seq_id and key in self._by_seq:
             return pb.SubmitResponse(request_id=self._by_seq[key])
         self.limits.check_sample(req)
-        self.quotas.admit_sample(tenant, self.futures.pending(tenant), req)
+        charge = self.quotas.admit_sample(tenant, self.futures.pending(tenant), req, context)
         entry = self.futures.create(tenant)
         full = pb.SampleRequest()
         full.CopyFrom(req)
@@ -820,17 +848,25 @@ class GatewayCore:
                                                "sample", full.SerializeToString()))
         if holder == entry.request_id:
             self.completions.watch(entry.request_id, queue_key(rec.sampling_session_id, req.seq_id))
-            work = self._run_sample(full)
+            work = self._run_sample(full, charge)
             self._spawn(entry, self._remember(entry, key, work) if req.seq_id else work)
+        else:  # another request holds its seq_id and samples: this one samples nothing
+            self.quotas.settle_sample(tenant, charge, 0)
         return pb.SubmitResponse(request_id=holder)
 
-    async def _run_sample(self, req: pb.SampleRequest) -> pb.FutureResult:
-        sampler = self.router.sampler(req.base_model, req.sampling_session_id)
-        res: pb.SampleResult = await self._call(sampler.Sample, req, work=True)
-        if res.WhichOneof("result") == "error":
-            return pb.FutureResult(receipt=res.receipt, error=res.error)
-        self.quotas.charge(req.tenant, sum(len(s.tokens) for s in res.sample.sequences))  # paid once known
-        return pb.FutureResult(receipt=res.receipt, sample=res.sample)
+    async def _run_sample(self, req: pb.SampleRequest, charge: Charge | None = None) -> pb.FutureResult:
+        """Sample; then settle the tokens its admission charged (``charge``; None: admitted before a restart, so its
+        sampled tokens are charged now) with those it sampled (none if it failed or was cancelled)."""
+        sampled = 0
+        try:
+            sampler = self.router.sampler(req.base_model, req.sampling_session_id)
+            res: pb.SampleResult = await self._call(sampler.Sample, req, work=True)
+            if res.WhichOneof("result") == "error":
+                return pb.FutureResult(receipt=res.receipt, error=res.error)
+            sampled = sum(len(s.tokens) for s in res.sample.sequences)
+            return pb.FutureResult(receipt=res.receipt, sample=res.sample)
+        finally:
+            self.quotas.settle_sample(req.tenant, charge, sampled)
 
     # ---- restart ----
 

@@ -1,10 +1,13 @@
 """Futures: request id -> eventual result, awaited by long-poll, never by a busy loop.
 
 Memory is bounded: the results outstanding per tenant are counted (``pending``) and capped by the tenant's
-``max_inflight_ops`` quota, which the core checks before it creates one (``quotas``), and the ``keep_done``
-most recent finished ones remembered (oldest dropped first; ``on_drop`` hears of each, so what refers to
-it can go too). A request still running is never dropped. This is the live side of the ledger: the waiters
-and the recent results; ``store.ControlStore`` holds the durable side.
+``max_inflight_ops`` quota, which the core checks before it creates one (``quotas``), and the most recent
+finished ones remembered, at most ``keep_done`` of them and ``keep_bytes`` bytes of results (a sample's can be
+megabytes; the oldest go first, the newest always stays; ``on_drop`` hears of each, so what refers to it can go
+too). A request still running is never dropped. A dropped request's id is remembered (as many as ``keep_done``)
+so that asking for it says its result expired here, rather than that it never existed. This is the live side of
+the ledger: the waiters and the recent results; ``store.ControlStore`` holds the durable side, which answers for
+an expired result it still holds.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from lathe.errors import NotFound
 from lathe.v1 import lathe_pb2 as pb
 
 KEEP_DONE = 100_000  # completed results remembered, oldest dropped first
+KEEP_DONE_BYTES = 256 << 20  # ... and their bytes (``pb.FutureResult.ByteSize``)
 
 
 @dataclass(slots=True)
@@ -34,11 +38,16 @@ class Entry:
 
 
 class FutureStore:
-    def __init__(self, keep_done: int = KEEP_DONE, on_drop: Callable[[Entry], None] | None = None) -> None:
+    def __init__(self, keep_done: int = KEEP_DONE, keep_bytes: int = KEEP_DONE_BYTES,
+                 on_drop: Callable[[Entry], None] | None = None) -> None:
+        if keep_done < 1 or keep_bytes < 1:
+            raise ValueError(f"keep_done and keep_bytes must be >= 1, got {keep_done} and {keep_bytes}")
         self._entries: dict[str, Entry] = {}
-        self._done: OrderedDict[str, None] = OrderedDict()  # finished request ids, oldest first
+        self._done: OrderedDict[str, int] = OrderedDict()  # finished request id -> its result's bytes, oldest first
+        self._done_bytes = 0
+        self._expired: OrderedDict[str, str] = OrderedDict()  # dropped request ids -> tenant, oldest first
         self._pending: dict[str, int] = {}
-        self.keep_done = keep_done
+        self.keep_done, self.keep_bytes = keep_done, keep_bytes
         self._on_drop = on_drop
 
     def __len__(self) -> int:
@@ -73,14 +82,29 @@ class FutureStore:
         entry.result = result
         entry.done.set()
         self._settle(entry.tenant)
-        self._done[entry.request_id] = None
-        while len(self._done) > self.keep_done:
-            dropped = self._entries.pop(self._done.popitem(last=False)[0])
-            if self._on_drop is not None:
-                self._on_drop(dropped)
+        size = result.ByteSize()
+        self._done[entry.request_id] = size
+        self._done_bytes += size
+        while len(self._done) > self.keep_done or (self._done_bytes > self.keep_bytes and len(self._done) > 1):
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        request_id, size = self._done.popitem(last=False)
+        self._done_bytes -= size
+        dropped = self._entries.pop(request_id)
+        self._expired[request_id] = dropped.tenant
+        if len(self._expired) > self.keep_done:
+            self._expired.popitem(last=False)
+        if self._on_drop is not None:
+            self._on_drop(dropped)
 
     def get(self, request_id: str, tenant: str) -> Entry:
+        """The tenant's request; NotFound for anyone else's, and, naming the limits, for one whose result expired."""
         entry = self._entries.get(request_id)
+        if entry is None and self._expired.get(request_id) == tenant:
+            raise NotFound(f"request_id {request_id!r} has expired: its result was dropped from the gateway's memory "
+                           f"of finished results, which keeps the newest {self.keep_done} of them and at most "
+                           f"{self.keep_bytes} bytes (--keep-result-bytes); retrieve results soon after they finish")
         if entry is None or entry.tenant != tenant:
             raise NotFound(f"unknown request_id {request_id!r}")
         return entry

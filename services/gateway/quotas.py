@@ -12,12 +12,17 @@ state behind. Each quota binds in one place:
 
     max_runs                 gateway, creating a run: the training runs the tenant has here (Tinker has no call
                              that deletes one, so this caps the adapters a tenant can make the trainer keep)
+    max_adapter_bytes        gateway, creating a run (fresh or from a saved state): what the tenant's runs make
+                             the trainer allocate, resident or paged (``adapter_bytes``)
+    max_sessions             gateway, creating a session: the tenant's sessions not finished yet
+    max_sampling_sessions    gateway, creating a sampling session (and at a save for sampling, which makes one):
+                             the sampling session numbers handed out in the tenant's open sessions
     max_inflight_ops         gateway, every request that gets a future (create model, ordered ops, samples):
                              the tenant's results not finished yet (``FutureStore`` counts them)
     max_tokens_per_minute    gateway: a sliding window over the last 60 s of the tokens of forward /
-                             forward_backward datums (charged when submitted), sample prompts (when submitted)
-                             and sampled tokens (when the sample finishes: generation is paid after the fact,
-                             so one sample may overshoot, and the tenant's next request waits it off)
+                             forward_backward datums (charged when submitted) and samples: a sample is charged
+                             its prompt and the most it may sample (num_samples x max_tokens) when submitted,
+                             and given back what it did not sample once it finishes (``settle_sample``)
     max_user_metadata_bytes  gateway: the UTF-8 bytes of keys and values of one user_metadata (a session's, a
                              run's, a save's)
     max_resident_adapters    trainer (sent with ``CreateAdapterRequest``): beyond it the tenant's own least
@@ -31,6 +36,7 @@ A refusal is ``ResourceExhausted`` naming the quota, the tenant's use and the li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -39,17 +45,89 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from lathe.errors import ResourceExhausted
 from lathe.v1 import lathe_pb2 as pb
 
 WINDOW_S = 60.0  # the tokens-per-minute window
 INFLIGHT_RETRY_S = 1.0  # when to come back with too many requests in flight (results usually take about that)
+VALUE_BYTES = 4  # an adapter's tensors and its optimizer's are fp32
+MOMENTS = {"adamw": 2, "dimuon": 1}  # optimizer tensors per trained tensor (``lathe.trainer.optim_state``)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The sizes of a decoder that the shapes of its LoRA targets follow from (``lathe.models.lora.module_shape``:
+    q h -> q_width, k and v h -> kv_width, o q_width -> h, gate and up h -> intermediate, down intermediate -> h,
+    the unembedding h -> vocab)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    q_width: int  # num_heads x head_dim
+    kv_width: int  # num_kv_heads x head_dim
+    vocab: int
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any]) -> ModelShape:
+        """The shape a Hugging Face ``config.json`` gives (read as ``lathe.models.config.ModelConfig.from_hf`` does)."""
+        heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        return cls(int(raw["num_hidden_layers"]), hidden, int(raw["intermediate_size"]), heads * head_dim,
+                   int(raw.get("num_key_value_heads") or heads) * head_dim, int(raw["vocab_size"]))
+
+    def values_per_rank(self, lora: pb.LoraConfig) -> int:
+        """Values of A [r, in] and B [out, r] per unit of rank over the targets ``lora`` trains: in + out each."""
+        h = self.hidden
+        attn = 2 * (h + self.q_width) + 2 * (h + self.kv_width) if lora.train_attn else 0
+        mlp = 3 * (h + self.intermediate) if lora.train_mlp else 0
+        return self.layers * (attn + mlp) + (h + self.vocab if lora.train_unembed else 0)
+
+
+# The built-in models' shapes (``lathe.models.catalog.BUILTIN``; the gateway imports no model code, so they are
+# written out here, and tests/test_quotas_bytes.py checks them against the catalog).
+MODEL_SHAPES = {
+    "lathe/tiny-llama": ModelShape(2, 64, 128, 64, 32, 512),
+    "lathe/tiny-qwen2": ModelShape(2, 64, 128, 64, 32, 512),
+    "lathe/tiny-qwen3": ModelShape(2, 64, 128, 128, 64, 512),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": ModelShape(30, 576, 1536, 576, 192, 49152),
+}
+
+
+def model_shape(base_model: str) -> ModelShape | None:
+    """A built-in model's shape, else that of the model served from the local directory ``base_model`` when the
+    gateway can read its ``config.json`` (as under ``lathe serve``, where the pools share its filesystem); else None.
+    ``base_model`` is one the pools serve (the core checked it, or a trainer wrote it into a checkpoint)."""
+    shape = MODEL_SHAPES.get(base_model)
+    if shape is None and base_model:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            shape = ModelShape.from_hf_config(json.loads((Path(base_model) / "config.json").read_text()))
+    return shape
+
+
+def adapter_bytes(base_model: str, lora: pb.LoraConfig, optimizer: str) -> int:
+    """What the trainer allocates for a run's adapter: A and B of every trained target in fp32, and the optimizer's
+    moments of each (two for AdamW, one for Dimuon); 0 for a model whose shape the gateway does not know."""
+    shape = model_shape(base_model)
+    if shape is None:
+        return 0
+    return lora.rank * shape.values_per_rank(lora) * VALUE_BYTES * (1 + MOMENTS.get(optimizer, MOMENTS["adamw"]))
+
+
+def lora_of_checkpoint(meta: Mapping[str, Any]) -> pb.LoraConfig:
+    """The LoRA config of a saved training state, from its metadata (the trainer writes its PEFT config there)."""
+    targets = meta.get("target_modules") or ()
+    return pb.LoraConfig(rank=int(meta.get("r") or 0), train_attn="q_proj" in targets,
+                         train_mlp="gate_proj" in targets, train_unembed="lm_head" in targets)
 
 
 @dataclass(frozen=True, slots=True)
 class TenantQuotas:
     max_runs: int = 256
+    max_adapter_bytes: int = 4 << 30  # 3 rank-256 SmolLM2 runs (1.09 GB each), or 31 of rank 32
+    max_sessions: int = 1024
+    max_sampling_sessions: int = 65536  # RL makes one per step (save_weights_and_get_sampling_client)
     max_inflight_ops: int = 4096  # all pools together; the trainer's own share (1024 queued) binds there first
     max_tokens_per_minute: int = 16 << 20
     max_checkpoint_bytes: int = 64 << 30
@@ -122,23 +200,32 @@ def metadata_bytes(metadata: Mapping[str, str]) -> int:
 
 
 @dataclass(slots=True)
-class _Window:
-    """Tokens charged in the last ``WINDOW_S`` seconds, as (when, tokens) events, oldest first."""
+class Charge:
+    """Tokens charged at ``when``; ``held``: how many of them a sample holds for what it may still sample."""
 
-    events: deque[tuple[float, int]] = field(default_factory=deque)
+    when: float
+    tokens: int
+    held: int = 0
+
+
+@dataclass(slots=True)
+class _Window:
+    """Tokens charged in the last ``WINDOW_S`` seconds, oldest first."""
+
+    events: deque[Charge] = field(default_factory=deque)
     total: int = 0
 
     def expire(self, now: float) -> None:
-        while self.events and self.events[0][0] <= now - WINDOW_S:
-            self.total -= self.events.popleft()[1]
+        while self.events and self.events[0].when <= now - WINDOW_S:
+            self.total -= self.events.popleft().tokens
 
     def wait_for(self, tokens: int, now: float) -> float:
         """Seconds until the oldest events holding ``tokens`` tokens have left the window."""
         freed = 0
-        for when, n in self.events:
-            freed += n
+        for c in self.events:
+            freed += c.tokens
             if freed >= tokens:
-                return max(0.0, when + WINDOW_S - now)
+                return max(0.0, c.when + WINDOW_S - now)
         return WINDOW_S
 
 
@@ -159,13 +246,35 @@ class Quotas:
 
     # ---- admission: each checks everything first, then charges ----
 
-    def admit_run(self, tenant: str, runs: int, in_flight: int, user_metadata: Mapping[str, str]) -> None:
-        """A new training run, the tenant having ``runs`` already and ``in_flight`` unfinished requests."""
+    def admit_run(self, tenant: str, held: list[int], run_bytes: int, in_flight: int,
+                  user_metadata: Mapping[str, str]) -> None:
+        """A new training run of ``run_bytes`` adapter bytes (``adapter_bytes``), the tenant's runs already holding
+        ``held`` bytes each, with ``in_flight`` unfinished requests."""
         q = self.of(tenant)
-        if runs >= q.max_runs:
-            raise ResourceExhausted(f"quota max_runs: tenant has {runs} training runs, the limit is {q.max_runs}")
+        if len(held) >= q.max_runs:
+            raise ResourceExhausted(f"quota max_runs: tenant has {len(held)} training runs, the limit is {q.max_runs}")
+        if sum(held) + run_bytes > q.max_adapter_bytes:
+            raise ResourceExhausted(f"quota max_adapter_bytes: tenant's {len(held)} training runs hold {sum(held)} "
+                                    f"adapter bytes and the new one needs {run_bytes} (weights and optimizer moments "
+                                    f"in fp32), the limit is {q.max_adapter_bytes}")
         self._check_in_flight(q, in_flight)
         self.check_metadata(tenant, user_metadata)
+
+    def admit_session(self, tenant: str, open_sessions: int, user_metadata: Mapping[str, str]) -> None:
+        """A new session, the tenant having ``open_sessions`` not finished yet."""
+        limit = self.of(tenant).max_sessions
+        if open_sessions >= limit:
+            raise ResourceExhausted(f"quota max_sessions: tenant has {open_sessions} open sessions, the limit is "
+                                    f"{limit}; finish the sessions it no longer uses")
+        self.check_metadata(tenant, user_metadata)
+
+    def admit_sampling_session(self, tenant: str, sampling_sessions: int) -> None:
+        """A new sampling session, the tenant having ``sampling_sessions`` in its open sessions."""
+        limit = self.of(tenant).max_sampling_sessions
+        if sampling_sessions >= limit:
+            raise ResourceExhausted(f"quota max_sampling_sessions: tenant has {sampling_sessions} sampling sessions "
+                                    f"in its open sessions, the limit is {limit}; finish the sessions it no longer "
+                                    "uses")
 
     def admit_op(self, tenant: str, in_flight: int, op: Mapping[str, object]) -> None:
         """One ordered operation (``forward_backward`` / ``optim_step`` / ``save`` / ``load`` -> its request)."""
@@ -177,11 +286,33 @@ class Quotas:
         fb = op.get("forward_backward")
         self._spend(tenant, q, datum_tokens(fb.data) if isinstance(fb, pb.ForwardBackwardRequest) else 0)
 
-    def admit_sample(self, tenant: str, in_flight: int, req: pb.SampleRequest) -> None:
-        """A sample request: its prompt is charged now, its sampled tokens by ``charge`` once they exist."""
+    def admit_sample(self, tenant: str, in_flight: int, req: pb.SampleRequest, context_length: int
+                     ) -> Charge | None:
+        """A sample request: its prompt and the most it may sample are charged now: ``num_samples`` x
+        ``max_tokens``, or without max_tokens x what the model's ``context_length`` leaves after the prompt (what
+        the sampler allows). Returns the charge, which ``settle_sample`` settles once the tokens are known."""
         q = self.of(tenant)
         self._check_in_flight(q, in_flight)
-        self._spend(tenant, q, len(req.prompt))
+        per_sample = req.params.max_tokens if req.params.HasField("max_tokens") else context_length - len(req.prompt)
+        most = req.num_samples * max(0, per_sample)
+        charge = self._spend(tenant, q, len(req.prompt) + most)
+        if charge is not None:
+            charge.held = most
+        return charge
+
+    def settle_sample(self, tenant: str, charge: Charge | None, sampled: int) -> None:
+        """A sample finished (or failed: 0) with ``sampled`` tokens: what its admission's ``charge`` held beyond them
+        is given back while the charge is in the window. Without a charge (it was admitted before a restart) the
+        tokens are charged now."""
+        if charge is None:
+            self.charge(tenant, sampled)
+            return
+        back, charge.held = max(0, charge.held - sampled), 0
+        now, w = self.clock(), self._windows[tenant]
+        w.expire(now)
+        if back and charge.when > now - WINDOW_S:  # not expired: still among the window's events
+            charge.tokens -= back
+            w.total -= back
 
     def check_metadata(self, tenant: str, user_metadata: Mapping[str, str]) -> None:
         limit = self.of(tenant).max_user_metadata_bytes
@@ -190,14 +321,16 @@ class Quotas:
             raise ResourceExhausted(f"quota max_user_metadata_bytes: user_metadata has {size} bytes "
                                     f"({len(user_metadata)} entries), the limit is {limit}")
 
-    def charge(self, tenant: str, tokens: int) -> None:
-        """Record ``tokens`` already spent (sampled tokens); never refuses."""
-        if tokens > 0:
-            now = self.clock()
-            w = self._windows.setdefault(tenant, _Window())
-            w.expire(now)
-            w.events.append((now, tokens))
-            w.total += tokens
+    def charge(self, tenant: str, tokens: int) -> Charge | None:
+        """Record ``tokens`` spent (none: None); never refuses."""
+        if tokens <= 0:
+            return None
+        c = Charge(self.clock(), tokens)
+        w = self._windows.setdefault(tenant, _Window())
+        w.expire(c.when)
+        w.events.append(c)
+        w.total += tokens
+        return c
 
     def pressure(self, tenant: str, in_flight: int) -> str | None:
         """Which of the tenant's quotas refuses new work now (with ``in_flight`` unfinished requests), in words;
@@ -222,10 +355,10 @@ class Quotas:
                                     f"is {q.max_inflight_ops}; retry in {INFLIGHT_RETRY_S:.0f} s, once some have "
                                     "finished", retry_after_s=INFLIGHT_RETRY_S)
 
-    def _spend(self, tenant: str, q: TenantQuotas, tokens: int) -> None:
+    def _spend(self, tenant: str, q: TenantQuotas, tokens: int) -> Charge | None:
         """Charge ``tokens`` now, or refuse if the window would then hold more than the limit."""
         if tokens <= 0:
-            return
+            return None
         limit = q.max_tokens_per_minute
         if tokens > limit:
             raise ResourceExhausted(f"quota max_tokens_per_minute: the request has {tokens} tokens, more than the "
@@ -239,4 +372,4 @@ class Quotas:
                 raise ResourceExhausted(f"quota max_tokens_per_minute: tenant spent {w.total} tokens in the last "
                                         f"{WINDOW_S:.0f} s and the request has {tokens}, the limit is {limit}; "
                                         f"retry in {wait:.1f} s", retry_after_s=wait)
-        self.charge(tenant, tokens)
+        return self.charge(tenant, tokens)

@@ -4,7 +4,9 @@ In: a ``SessionQuery`` read from the request (``from_fields``) and a ``Page`` so
 tenant in search order (newest first, then by id) strictly after a cursor. Out: at most ``limit`` matching
 sessions and the cursor of the last one when more may follow. Owns no state: the cursor is the client's (the
 last session it was shown, whose own record gives its place, so no time goes through text and back), and any
-gateway answers the next page.
+gateway answers the next page. One page reads at most ``MAX_SCANNED`` sessions (the store is read inline on the
+event loop): a page that stops there holds the matches found so far, and its cursor is the last session read, so
+the next page goes on from it.
 
 Both doors build the query with ``SessionQuery.build`` (the HTTP door through ``from_fields``).
 
@@ -31,6 +33,7 @@ from .records import Session
 FINISH_REASONS = FINISH_STATUSES  # Tinker's client finish reasons (the SDK's ServiceClient.close sends them)
 MAX_LIMIT = 200
 BATCH = 256  # sessions read from the store at a time while filtering
+MAX_SCANNED = 16 * BATCH  # sessions read for one page at most
 
 Cursor = tuple[float, str]  # (created_at, session_id) of the last session shown
 Page = Callable[[Cursor | None, int], list[Session]]  # the tenant's sessions after a cursor, in search order
@@ -118,14 +121,17 @@ def session_status(s: Session) -> tuple[str, str]:
 
 
 def search(query: SessionQuery, page: Page, start: Cursor | None) -> tuple[list[Session], Session | None]:
-    """The first ``query.limit`` matching sessions after ``start`` (the place of ``query.after``), and the last of
-    them when more match (the next page's cursor), else None."""
+    """The first ``query.limit`` matching sessions after ``start`` (the place of ``query.after``) among the next
+    ``MAX_SCANNED``, and the next page's cursor: the last of them when more match, the last session read when the
+    page stopped at ``MAX_SCANNED`` (more may follow), else None."""
     found: list[Session] = []
-    for s in _after(page, start):
+    for scanned, s in enumerate(_after(page, start), 1):
         if query.matches(s):
             if len(found) == query.limit:
                 return found, found[-1]
             found.append(s)
+        if scanned == MAX_SCANNED:
+            return found, s
     return found, None
 
 

@@ -263,9 +263,21 @@ class ControlStore:
         with self.engine.begin() as c:
             c.execute(sessions.update().where(sessions.c.session_id == s.session_id).values(finished=s.finished))
 
-    def count_runs(self, tenant: str) -> int:
+    def run_configs(self, tenant: str) -> list[tuple[str, pb.LoraConfig, str]]:
+        """The base model, LoRA config and optimizer family of each of the tenant's training runs (what their
+        adapters take on a trainer: ``quotas.adapter_bytes``)."""
         with self.engine.begin() as c:
-            return c.execute(sa.select(sa.func.count()).select_from(runs).where(runs.c.tenant == tenant)).scalar_one()
+            return [(r.base_model, pb.LoraConfig.FromString(r.lora), r.optimizer or "adamw") for r in c.execute(
+                sa.select(runs.c.base_model, runs.c.lora, runs.c.optimizer).where(runs.c.tenant == tenant))]
+
+    def open_sessions(self, tenant: str) -> tuple[int, int]:
+        """How many of the tenant's sessions are not finished, and the sampling session numbers handed out in them
+        (their ``next_sampler`` counters: each sampling session takes one)."""
+        numbers = sa.func.coalesce(sa.func.sum(sessions.c.next_sampler), 0)
+        with self.engine.begin() as c:
+            n, sampling = c.execute(sa.select(sa.func.count(), numbers).where(
+                sessions.c.tenant == tenant, sessions.c.finished == "")).one()
+        return n, sampling
 
     @staticmethod
     def _run_row(r: Run) -> dict[str, object]:
