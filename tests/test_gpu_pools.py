@@ -12,6 +12,7 @@ The CUDA cases skip, with their reason, where torch sees no GPU (``bench/gpu_che
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
@@ -254,11 +255,13 @@ def test_engines_keep_their_state_on_the_pool_device(model_cache: Path, tiny_dir
 
     sampler = SamplerEngine(SamplerConfig(models=BASE, cache_root=model_cache, dtype="bfloat16", device=device),
                             catalog)
+    sampler.base(BASE)  # loaded and self-checked here: a step loop spinning beside the loader starves it
     params = pb.SamplingParams(max_tokens=5, seed=1, temperature=1.0, top_p=1.0)
     fut = sampler.sample(pb.SampleRequest(prompt=list(range(3, 12)), num_samples=2, tenant="t", base_model=BASE,
                                           request_id="s", params=params))
     while not fut.done():
-        sampler.step()
+        if sampler.step() == 0:
+            time.sleep(0.001)  # the request is still being prepared on the loader thread
     sampler.stop()
     out = fut.result()
     assert out.WhichOneof("result") == "sample", out.error
