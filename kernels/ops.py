@@ -43,6 +43,13 @@ problem whatever the batch and the thread count, and a row's bits depend only on
   row's bits only because the pool's self-check admitted each height to the ladder after finding its rows
   bitwise equal to the ``ROW_TILE`` tile's on that machine (larger tiles re-pack each weight block less
   often; a 1-row tile is a GEMV).
+- ``linear``'s direct products: where a library computes each row of a product from that row alone, at every
+  height and thread count (the AVX-512 EPYC this was written on does: fp32 from 4 rows, bf16 from 1 or 2), the
+  one-thread products and their padding buy nothing. A pool then runs its linears as ``direct_matmul``: rows
+  cut into tiles of a few fixed heights (``DIRECT_TILE_CANDIDATES``), each tile one plain product with the
+  library's own threads and blocking. The library still sees a fixed set of shapes, and the self-check admits
+  each height only where its rows have the ``ROW_TILE`` tile's bits (``choose_direct_tiles``); where none is
+  admitted, the tiles above run as they did.
 - ``attention`` and ``decode_attention``: keys are cut into chunks of ``KEY_CHUNK`` on the absolute key
   grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of T rows
   (decode: ``ATTN_ROW_TILE``; prefill: the largest height of the pool's attention ladder that the rows
@@ -81,6 +88,11 @@ on AVX-512 with and without MKL's AVX2 path; 8 was not, under that path)."""
 ROW_TILE_CANDIDATES = (1, 4, 64, 128)
 """Other tile heights a pool may add to its ladder (``linear``'s ``tiles``) when its self-check finds their
 rows bitwise equal to the reference tile's on that machine (``lathe.models.exactness.choose_row_tiles``)."""
+
+DIRECT_TILE_CANDIDATES = (1, 4, 16, 64, 256)
+"""Row heights a pool may run as direct products (``linear``'s ``direct``): one plain library product per tile,
+with the library's own threads and blocking, when its self-check finds their rows bitwise equal to the reference
+tile's at every thread count (``lathe.models.exactness.choose_direct_tiles``)."""
 
 COL_BLOCK_BYTES = 1 << 22
 """Most bytes of weight one ``linear`` product reads; wider weights are cut into column blocks."""
@@ -205,6 +217,34 @@ def _lone_tile(t: torch.Tensor, w: torch.Tensor, blocks: list[tuple[int, int]]) 
     return torch.cat([y, _bmm(t[None], w[None, :, c0:])[0]], dim=1)
 
 
+def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...]) -> torch.Tensor:
+    """y = x @ w as direct products; x [M, K], w [K, N] -> y [M, N].
+
+    Rows are cut largest height first (each height taking as many whole tiles as fit) and each tile is one
+    plain ``[h, K] @ [K, <= col_cap]`` product per column block of ``col_cap`` width (the library threads
+    it as it likes), written in place. Rows left over, fewer than the smallest height, run as the
+    reference tile's products (``tiled_matmul``). A row's bits are the reference tile's only on a machine
+    where the pool's self-check admitted ``heights`` (``choose_direct_tiles``).
+    """
+    m, k = x.shape
+    n = w.shape[1]
+    cap = col_cap(k, w.element_size())
+    blocks = [(c, min(c + cap, n)) for c in range(0, n, cap)]
+    y = torch.empty(m, n, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+    start = 0
+    for h in sorted(heights, reverse=True):
+        for s in range(start, m - h + 1, h):
+            for c0, c1 in blocks:
+                if len(blocks) == 1:
+                    torch.mm(x[s:s + h], w, out=y[s:s + h])
+                else:
+                    y[s:s + h, c0:c1] = x[s:s + h] @ w[:, c0:c1]
+            start = s + h
+    if start < m:
+        y[start:] = tiled_matmul(x[start:], w)
+    return y
+
+
 def row_groups(rows: int, tiles: tuple[int, ...], least: int = 1) -> list[tuple[int, int, int]]:
     """How ``linear`` cuts ``rows`` rows over a ladder of tile heights: ``[(start, stop, tile), ...]``.
 
@@ -226,31 +266,37 @@ def row_groups(rows: int, tiles: tuple[int, ...], least: int = 1) -> list[tuple[
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool,
-           tiles: tuple[int, ...] = (ROW_TILE,), grad_tiles: tuple[int, ...] = (ROW_TILE,)) -> torch.Tensor:
+           tiles: tuple[int, ...] = (ROW_TILE,), grad_tiles: tuple[int, ...] = (ROW_TILE,),
+           direct: tuple[int, ...] = (), grad_direct: tuple[int, ...] = ()) -> torch.Tensor:
     """y = x @ weight.T + bias; x [..., K], weight [N, K], bias [N] or None -> y [..., N].
 
-    Invariant mode flattens the leading dims to M rows, cuts them into ``row_groups(M, tiles)`` and runs
-    ``tiled_matmul`` on each group with its tile height; the bias is added after. Mixing heights keeps a
-    row's bits only where every height gives the reference tile's bits: the self-check picks the ladder
-    (``tiles``) per machine and verifies that. Differentiable in both modes: in invariant mode backward's
-    dX = dY @ weight runs over its own ladder, ``grad_tiles``, admitted by bits on the transposed products
-    (``_InvariantLinear``).
+    Invariant mode flattens the leading dims to M rows. With ``direct`` heights (CPU), rows run as
+    ``direct_matmul``; otherwise (and for its leftover rows) they are cut into ``row_groups(M, tiles)`` and
+    ``tiled_matmul`` runs each group with its tile height. The bias is added after. Mixing heights keeps a
+    row's bits only where every height gives the reference tile's bits: the self-check picks the ladders
+    (``tiles``, ``direct``) per machine and verifies that. Differentiable in both modes: in invariant mode
+    backward's dX = dY @ weight runs over its own ladders, ``grad_tiles`` and ``grad_direct``, admitted by bits
+    on the transposed products (``_InvariantLinear``).
     """
     if not invariant:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        y = _InvariantLinear.apply(rows, weight, tiles, grad_tiles)
+        y = _InvariantLinear.apply(rows, weight, tiles, grad_tiles, direct, grad_direct)
     else:
-        y = _tiled_linear(rows, weight, tiles)
+        y = _tiled_linear(rows, weight, tiles, direct)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:
-    """rows [M, K] @ weight.T over ``row_groups(M, tiles)`` -> [M, N]."""
+def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...],
+                  direct: tuple[int, ...] = ()) -> torch.Tensor:
+    """rows [M, K] @ weight.T as ``direct_matmul`` over ``direct`` (CPU), else over ``row_groups(M, tiles)``
+    -> [M, N]."""
     w = weight.t()
+    if direct and rows.device.type == "cpu":
+        return direct_matmul(rows, w, direct)
     least = torch.get_num_threads() if rows.device.type == "cpu" else 1
     parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in row_groups(rows.shape[0], tiles, least)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -266,17 +312,17 @@ class _InvariantLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...],  # noqa: ANN001
-                grad_tiles: tuple[int, ...]) -> torch.Tensor:
+                grad_tiles: tuple[int, ...], direct: tuple[int, ...], grad_direct: tuple[int, ...]) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
-        ctx.grad_tiles = grad_tiles
-        return _tiled_linear(rows, weight, tiles)
+        ctx.grad_tiles, ctx.grad_direct = grad_tiles, grad_direct
+        return _tiled_linear(rows, weight, tiles, direct)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
         rows, weight = ctx.saved_tensors
-        dx = _tiled_linear(grad, weight.t(), ctx.grad_tiles) if ctx.needs_input_grad[0] else None
+        dx = _tiled_linear(grad, weight.t(), ctx.grad_tiles, ctx.grad_direct) if ctx.needs_input_grad[0] else None
         dw = grad.t() @ rows if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bool) -> torch.Tensor:

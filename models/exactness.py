@@ -126,9 +126,9 @@ class PoolExactness:
     def check(self, name: str, model: Decoder) -> ExactnessReport:
         if self.invariant:
             threads = default_threads(model)
-            model.row_tiles = choose_row_tiles(_model_weights(model), threads)
+            model.direct_tiles, model.row_tiles = choose_ladders(_model_weights(model), threads)
             if self.backward:
-                model.grad_tiles = choose_row_tiles(_backward_weights(model), threads)
+                model.grad_direct_tiles, model.grad_tiles = choose_ladders(_backward_weights(model), threads)
             cfg = model.cfg
             model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                                       model.device, threads)
@@ -171,6 +171,7 @@ class PoolExactness:
 def tiles(model: Decoder) -> dict[str, object]:
     """The tile sizes the invariant ops use on ``model`` (part of the fingerprint)."""
     return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.row_tiles), "grad_row_tiles": list(model.grad_tiles),
+            "direct_tiles": list(model.direct_tiles), "grad_direct_tiles": list(model.grad_direct_tiles),
             "attn_row_tile": ops.ATTN_ROW_TILE,
             "attn_row_tiles": list(model.attn_tiles), "key_chunk": ops.KEY_CHUNK,
             "col_block_bytes": ops.COL_BLOCK_BYTES}
@@ -209,22 +210,34 @@ def _backward_weights(model: Decoder) -> list[torch.Tensor]:
     return [w.t() for w in (*layers, model.lm_head)]
 
 
-def _same_as_reference(weight: torch.Tensor, tile: int, pool: torch.Tensor) -> bool:
-    """Whether ``tile``-row tiles give every row of ``pool @ weight.T`` the reference tile's bits: the whole
-    batch, the batch shifted by one row (every row at the next position of its tile) and two lone rows."""
-    w = weight.t()
-    ref = ops.tiled_matmul(pool, w, tile=ops.ROW_TILE)
-    starts_stops = ((0, len(pool)), (1, len(pool)), (0, 1), (1, 2))
-    return not any(_differing(ops.tiled_matmul(pool[a:b], w, tile=tile), ref[a:b]) for a, b in starts_stops)
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _tile_agrees(tile: int, weights: list[torch.Tensor], pools: list[torch.Tensor], threads: list[int]) -> bool:
-    """``_same_as_reference`` for every weight (with its row pool) at every thread count."""
-    for n in threads:
-        with _threads(n):
-            if not all(_same_as_reference(w, tile, p) for w, p in zip(weights, pools, strict=True)):
-                return False
-    return True
+class _RowTrial:
+    """Row pools for ``weights`` and their reference tile's products at each thread count, computed once; ``agrees``
+    tries a way of computing the products against them."""
+
+    def __init__(self, weights: list[torch.Tensor], threads: list[int], seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.weights, self.threads = [w.t() for w in weights], threads
+        self.pools = [torch.randn(BATCH_ROWS[-1], w.shape[0], generator=gen).to(w.dtype) for w in self.weights]
+        self.refs: dict[int, list[torch.Tensor]] = {}
+        for n in threads:
+            with _threads(n):
+                self.refs[n] = [ops.tiled_matmul(p, w, tile=ops.ROW_TILE) for w, p in zip(self.weights, self.pools,
+                                                                                            strict=True)]
+
+    def agrees(self, product: Product) -> bool:
+        """Whether ``product(x, w)`` gives every row the reference tile's bits, for every weight at every thread
+        count: the whole pool, the pool shifted by one row (every row at the next position of its tile) and two
+        lone rows."""
+        starts_stops = ((0, BATCH_ROWS[-1]), (1, BATCH_ROWS[-1]), (0, 1), (1, 2))
+        for n in self.threads:
+            with _threads(n):
+                for w, pool, ref in zip(self.weights, self.pools, self.refs[n], strict=True):
+                    if any(_differing(product(pool[a:b], w), ref[a:b]) for a, b in starts_stops):
+                        return False
+        return True
 
 
 def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
@@ -236,11 +249,35 @@ def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int 
     """
     if any(w.device.type != "cpu" for w in weights):
         return (ops.ROW_TILE,)
-    gen = torch.Generator().manual_seed(seed)
-    pools = [torch.randn(BATCH_ROWS[-1], w.shape[1], generator=gen).to(w.dtype) for w in weights]
     with torch.no_grad():
-        chosen = [t for t in ops.ROW_TILE_CANDIDATES if _tile_agrees(t, weights, pools, threads)]
+        trial = _RowTrial(weights, threads, seed)
+        chosen = [t for t in ops.ROW_TILE_CANDIDATES if trial.agrees(lambda x, w, t=t: ops.tiled_matmul(x, w, tile=t))]
     return tuple(sorted({ops.ROW_TILE, *chosen}))
+
+
+def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
+    """The heights of ``ops.DIRECT_TILE_CANDIDATES`` whose direct products (``ops.direct_matmul``: one plain
+    library product per tile, its own threads) give every row the reference tile's bits for each ``[N, K]``
+    weight at each thread count; empty off the CPU.
+
+    Where a kernel library computes a row from that row alone whatever the height (measured on an AVX-512 EPYC:
+    fp32 from 4 rows, bf16 from 1), a pool then runs its linears as the library's own products instead of
+    one-thread products padded to 16-row tiles. Decided by bits, like ``choose_row_tiles``.
+    """
+    if any(w.device.type != "cpu" for w in weights):
+        return ()
+    with torch.no_grad():
+        trial = _RowTrial(weights, threads, seed)
+        return tuple(h for h in ops.DIRECT_TILE_CANDIDATES
+                     if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,))))
+
+
+def choose_ladders(weights: list[torch.Tensor], threads: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(direct heights, tile ladder) for ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` only where
+    no direct height was admitted (with one, only the rows fewer than its smallest height run in tiles, and they
+    run in the reference tile)."""
+    direct = choose_direct_tiles(weights, threads)
+    return direct, (ops.ROW_TILE,) if direct else choose_row_tiles(weights, threads)
 
 
 def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:
@@ -377,11 +414,13 @@ def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Che
         seen.add((weight.shape[0], weight.shape[1], bias is not None))
         checks.append(_rows(f"linear {target} {weight.shape[1]}->{weight.shape[0]}",
                             lambda x, weight=weight, bias=bias: ops.linear(x, weight, bias, invariant=True,
-                                                                           tiles=model.row_tiles),
+                                                                           tiles=model.row_tiles,
+                                                                           direct=model.direct_tiles),
                             pool(weight.shape[1])))
     head = model.lm_head
     checks.append(_rows(f"linear lm_head {head.shape[1]}->{head.shape[0]}",
-                        lambda x: ops.linear(x, head, invariant=True, tiles=model.row_tiles), pool(head.shape[1])))
+                        lambda x: ops.linear(x, head, invariant=True, tiles=model.row_tiles,
+                                             direct=model.direct_tiles), pool(head.shape[1])))
     checks += _lora_checks(model, gen, lora_rank)
     norm = w["model.norm.weight"]
     checks.append(_rows(f"rms_norm {cfg.hidden_size}",
@@ -523,7 +562,7 @@ def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:
     h = hashlib.sha256()
     # Forward bits only: the backward ladder is a trainer's own (a sampler runs no backward), and trainer and
     # sampler of one model must print the same.
-    forward = {k: v for k, v in tiles(model).items() if k != "grad_row_tiles"}
+    forward = {k: v for k, v in tiles(model).items() if not k.startswith("grad_")}
     h.update(f"{model.dtype}|{model.device.type}|{sorted(forward.items())}|".encode())
     h.update(packed.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -46,8 +46,7 @@ def test_a_shape_dependent_matmul_is_caught_and_named(tiny_dir: Path, monkeypatc
     """A linear whose rows change with the row count (as MKL's do past a size threshold) fails the check."""
 
     def shape_dependent(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        invariant: bool, tiles: tuple[int, ...] = (ops.ROW_TILE,),
-                        grad_tiles: tuple[int, ...] = (ops.ROW_TILE,)) -> torch.Tensor:
+                        invariant: bool, **ladders: tuple[int, ...]) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         y = F.linear(x, weight, bias)
         return y * (1 + 2**-20) if rows >= 16 else y
@@ -137,6 +136,7 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     d = report.to_dict()
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
+                          "direct_tiles": [], "grad_direct_tiles": [],
                           "attn_row_tile": ops.ATTN_ROW_TILE,
                           "attn_row_tiles": [ops.ATTN_ROW_TILE], "key_chunk": ops.KEY_CHUNK,
                           "col_block_bytes": ops.COL_BLOCK_BYTES}
