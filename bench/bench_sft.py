@@ -1,6 +1,6 @@
 """SFT step: Lathe through SDK -> gateway -> trainer, the trainer engine in-process, and transformers + peft.
 
-    python bench/bench_sft.py [--model smollm2|tiny] [--batch 8] [--seq 256] [--rank 32] [--steps 3]
+    python bench/bench_sft.py [--model smollm2|tiny] [--batch 8] [--seq 256] [--rank 32] [--steps 3] [--bf16]
 
 Each contender runs in its own child process (so each peak RSS is its own) on the same random batch:
 ``batch`` sequences of ``seq`` tokens, LoRA rank ``rank`` on q/k/v/o/gate/up/down, AdamW, fp32. A step
@@ -8,6 +8,9 @@ is forward + backward + optimizer step. Prints the median step time, tokens/s an
 and the ratios the issue asks for: service / in-process (overhead), transformers / Lathe (speed),
 Lathe / transformers (peak memory). The trainer runs with the allocator settings the stack gives its pools
 (``lathe.stack.POOL_MALLOC``); transformers + peft runs as a user would, and once more with the same settings.
+With ``--bf16`` two more: Lathe's trainer pool in bf16 (base weights and activations bf16, LoRA and AdamW fp32)
+through the services, and transformers + peft under ``torch.autocast("cpu", dtype=torch.bfloat16)``; the ratios
+printed are the issue's bf16 rows (against transformers + peft fp32, and under autocast).
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def run_hf(args: argparse.Namespace) -> list[float]:
     times = []
     for _ in range(args.steps + 1):
         t = time.perf_counter()
-        out = model(input_ids=toks[:, :-1], labels=toks[:, :-1])  # transformers shifts the labels itself
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+            out = model(input_ids=toks[:, :-1], labels=toks[:, :-1])  # transformers shifts the labels itself
         out.loss.backward()
         opt.step()
         opt.zero_grad()
@@ -111,7 +115,8 @@ def run_service(args: argparse.Namespace) -> tuple[list[float], int]:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     data = _data(args, vocab)
     cfg = StackConfig(models=name, store_root=CACHE / "bench-store", cache_root=CACHE, trainer_threads=args.threads,
-                      sampler_threads=1, trainer_args=("--activation-checkpointing",) if args.ckpt else ())
+                      sampler_threads=1, trainer_dtype=args.dtype,
+                      trainer_args=("--activation-checkpointing",) if args.ckpt else ())
     with Stack(cfg) as stack, lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") as sc:
         tc = sc.create_lora_training_client(name, rank=args.rank, train_unembed=False)
         times = []
@@ -147,7 +152,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="also Lathe in bf16 and transformers + peft under autocast")
     ap.add_argument("--mode", choices=["hf", "engine", "service"], help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
@@ -158,9 +165,12 @@ def main() -> None:
 
     res = {}
     pool = {"GLIBC_TUNABLES": POOL_MALLOC}  # the stack gives its pools these; the in-process engine gets them too
-    for key, mode, extra, env in (("service", "service", [], {}), ("engine", "engine", [], pool),
-                                  ("service+ckpt", "service", ["--ckpt"], {}), ("hf", "hf", [], {}),
-                                  ("hf+malloc", "hf", [], pool)):
+    bf16 = ["--dtype", "bfloat16"]
+    contenders = [("service", "service", [], {}), ("engine", "engine", [], pool),
+                  ("service+ckpt", "service", ["--ckpt"], {}), ("hf", "hf", [], {}), ("hf+malloc", "hf", [], pool)]
+    if args.bf16:
+        contenders += [("service-bf16", "service", bf16, {}), ("hf-autocast", "hf", bf16, {})]
+    for key, mode, extra, env in contenders:
         cmd = [sys.executable, __file__, "--mode", mode, *extra, *sys.argv[1:]]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True,
                              env={**os.environ, **env}).stdout.strip().splitlines()[-1]
@@ -171,7 +181,8 @@ def main() -> None:
     print(f"{'contender':<34}{'step s':>9}{'tokens/s':>10}{'peak RSS GB':>13}")
     labels = {"service": "Lathe SDK -> gateway -> trainer", "engine": "Lathe trainer engine in-process",
               "service+ckpt": "  same, activation checkpointing", "hf": "transformers + peft",
-              "hf+malloc": "  same, the pools' allocator settings"}
+              "hf+malloc": "  same, the pools' allocator settings", "service-bf16": "Lathe SDK -> trainer, bf16 pool",
+              "hf-autocast": "transformers + peft, bf16 autocast"}
     med = {m: statistics.median(r["times"]) for m, r in res.items()}
     for mode, r in res.items():
         print(f"{labels[mode]:<34}{med[mode]:>9.3f}{tokens / med[mode]:>10.0f}{r['peak'] / 1e9:>13.2f}")
@@ -182,6 +193,10 @@ def main() -> None:
               "(target <= 0.5)")
     print(f"speed transformers / Lathe with activation checkpointing: {med['hf'] / med['service+ckpt']:.2f}x")
     print(f"speed transformers with the pools' allocator settings / Lathe: {med['hf+malloc'] / med['service']:.2f}x")
+    if args.bf16:
+        print(f"speed transformers fp32 / Lathe bf16:          {med['hf'] / med['service-bf16']:.2f}x  (target >= 3)")
+        print(f"speed transformers autocast bf16 / Lathe bf16: {med['hf-autocast'] / med['service-bf16']:.2f}x  "
+              "(target >= 1.5)")
 
 
 if __name__ == "__main__":
