@@ -226,6 +226,7 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...]) ->
     reference tile's products (``tiled_matmul``). A row's bits are the reference tile's only on a machine
     where the pool's self-check admitted ``heights`` (``choose_direct_tiles``).
     """
+    x = x.contiguous()  # the rows' layout the self-check admitted the heights with
     m, k = x.shape
     n = w.shape[1]
     cap = col_cap(k, w.element_size())
