@@ -116,7 +116,9 @@ def test_storage_usage_and_copy_weights_of_a_tenants_checkpoints(stack: Stack) -
 
     with _http(stack, key) as http:  # one idempotency key, as the SDK keeps across retries: one copy
         body, headers = {"source_path": source, "destination_project_id": "p"}, {"X-Idempotency-Key": "k-1"}
-        again = [http.post("/copy_weights", json=body, headers=headers).json()["tinker_path"] for _ in range(2)]
+        answers = [http.post("/copy_weights", json=body, headers=headers) for _ in range(2)]
+        assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+        again = [r.json()["tinker_path"] for r in answers]
     assert again[0] == again[1] and again[0] not in (source, copied)
     usage = admin.get_current_checkpoint_storage_usage().result()
     assert [(row.checkpoint_count, row.size_bytes) for row in usage.data] == [(3, 3 * listed[source].size_bytes)]
