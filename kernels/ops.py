@@ -44,7 +44,8 @@ problem whatever the batch and the thread count, and a row's bits depend only on
   bitwise equal to the ``ROW_TILE`` tile's on that machine (larger tiles re-pack each weight block less
   often; a 1-row tile is a GEMV).
 - ``linear``'s direct products: where a library computes each row of a product from that row alone, at every
-  height and thread count (the AVX-512 EPYC this was written on does: fp32 from 4 rows, bf16 from 1 or 2), the
+  height and thread count (the AVX-512 EPYC this was written on does: fp32 from 4 rows, bf16 from 1 for most
+  shapes), the
   one-thread products and their padding buy nothing. A pool then runs its linears as ``direct_matmul``: rows
   cut into tiles of a few fixed heights (``DIRECT_TILE_CANDIDATES``), each tile one plain product with the
   library's own threads and blocking. The library still sees a fixed set of shapes, and the self-check admits
@@ -272,12 +273,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """y = x @ weight.T + bias; x [..., K], weight [N, K], bias [N] or None -> y [..., N].
 
     Invariant mode flattens the leading dims to M rows. With ``direct`` heights (CPU), rows run as
-    ``direct_matmul``; otherwise (and for its leftover rows) they are cut into ``row_groups(M, tiles)`` and
-    ``tiled_matmul`` runs each group with its tile height. The bias is added after. Mixing heights keeps a
-    row's bits only where every height gives the reference tile's bits: the self-check picks the ladders
-    (``tiles``, ``direct``) per machine and verifies that. Differentiable in both modes: in invariant mode
-    backward's dX = dY @ weight runs over its own ladders, ``grad_tiles`` and ``grad_direct``, admitted by bits
-    on the transposed products (``_InvariantLinear``).
+    ``direct_matmul`` (rows fewer than its smallest height in the reference tile); otherwise they are cut into
+    ``row_groups(M, tiles)`` and ``tiled_matmul`` runs each group with its tile height. The bias is added
+    after. Mixing heights keeps a row's bits only where every height gives the reference tile's bits: the
+    self-check picks the ladders (``tiles``, ``direct``) per machine and verifies that. Differentiable in both
+    modes: in invariant mode backward's dX = dY @ weight runs over its own ladders, ``grad_tiles`` and
+    ``grad_direct``, admitted by bits on the transposed products (``_InvariantLinear``).
     """
     if not invariant:
         return F.linear(x, weight, bias)

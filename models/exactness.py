@@ -261,8 +261,8 @@ def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: i
     weight at each thread count; empty off the CPU.
 
     Where a kernel library computes a row from that row alone whatever the height (measured on an AVX-512 EPYC:
-    fp32 from 4 rows, bf16 from 1), a pool then runs its linears as the library's own products instead of
-    one-thread products padded to 16-row tiles. Decided by bits, like ``choose_row_tiles``.
+    fp32 from 4 rows, bf16 from 1 for most shapes), a pool then runs its linears as the library's own products
+    instead of one-thread products padded to 16-row tiles. Decided by bits, like ``choose_row_tiles``.
     """
     if any(w.device.type != "cpu" for w in weights):
         return ()
