@@ -45,12 +45,11 @@ problem whatever the batch and the thread count, and a row's bits depend only on
   often; a 1-row tile is a GEMV).
 - ``linear``'s direct products: where a library computes each row of a product from that row alone, at every
   height and thread count (the AVX-512 EPYC this was written on does: fp32 from 4 rows, bf16 from 1 for most
-  shapes), the
-  one-thread products and their padding buy nothing. A pool then runs its linears as ``direct_matmul``: rows
-  cut into tiles of a few fixed heights (``DIRECT_TILE_CANDIDATES``), each tile one plain product with the
-  library's own threads and blocking. The library still sees a fixed set of shapes, and the self-check admits
-  each height only where its rows have the ``ROW_TILE`` tile's bits (``choose_direct_tiles``); where none is
-  admitted, the tiles above run as they did.
+  shapes), the one-thread products and their padding buy nothing. A pool then runs its linears as
+  ``direct_matmul``: rows cut into tiles of a few fixed heights (``DIRECT_TILE_CANDIDATES``), each tile one
+  plain product with the library's own threads and blocking. The library still sees a fixed set of shapes,
+  and the self-check admits each height only where its rows have the ``ROW_TILE`` tile's bits
+  (``choose_direct_tiles``); where none is admitted, the tiles above run as they did.
 - ``attention`` and ``decode_attention``: keys are cut into chunks of ``KEY_CHUNK`` on the absolute key
   grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of T rows
   (decode: ``ATTN_ROW_TILE``; prefill: the largest height of the pool's attention ladder that the rows
@@ -235,13 +234,14 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...]) ->
     y = torch.empty(m, n, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
     start = 0
     for h in sorted(heights, reverse=True):
-        for s in range(start, m - h + 1, h):
-            for c0, c1 in blocks:
-                if len(blocks) == 1:
-                    torch.mm(x[s:s + h], w, out=y[s:s + h])
-                else:
+        stop = start + (m - start) // h * h
+        for s in range(start, stop, h):
+            if len(blocks) == 1:
+                torch.mm(x[s:s + h], w, out=y[s:s + h])
+            else:
+                for c0, c1 in blocks:
                     y[s:s + h, c0:c1] = x[s:s + h] @ w[:, c0:c1]
-            start = s + h
+        start = stop
     if start < m:
         y[start:] = tiled_matmul(x[start:], w)
     return y

@@ -223,9 +223,9 @@ class _RowTrial:
         self.pools = [torch.randn(BATCH_ROWS[-1], w.shape[0], generator=gen).to(w.dtype) for w in self.weights]
         self.refs: dict[int, list[torch.Tensor]] = {}
         for n in threads:
-            with _threads(n):
-                self.refs[n] = [ops.tiled_matmul(p, w, tile=ops.ROW_TILE) for w, p in zip(self.weights, self.pools,
-                                                                                            strict=True)]
+            with _threads(n), torch.no_grad():
+                pairs = zip(self.weights, self.pools, strict=True)
+                self.refs[n] = [ops.tiled_matmul(p, w, tile=ops.ROW_TILE) for w, p in pairs]
 
     def agrees(self, product: Product) -> bool:
         """Whether ``product(x, w)`` gives every row the reference tile's bits, for every weight at every thread
@@ -249,8 +249,11 @@ def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int 
     """
     if any(w.device.type != "cpu" for w in weights):
         return (ops.ROW_TILE,)
+    return _tile_ladder(_RowTrial(weights, threads, seed))
+
+
+def _tile_ladder(trial: _RowTrial) -> tuple[int, ...]:
     with torch.no_grad():
-        trial = _RowTrial(weights, threads, seed)
         chosen = [t for t in ops.ROW_TILE_CANDIDATES if trial.agrees(lambda x, w, t=t: ops.tiled_matmul(x, w, tile=t))]
     return tuple(sorted({ops.ROW_TILE, *chosen}))
 
@@ -266,8 +269,11 @@ def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: i
     """
     if any(w.device.type != "cpu" for w in weights):
         return ()
+    return _direct_heights(_RowTrial(weights, threads, seed))
+
+
+def _direct_heights(trial: _RowTrial) -> tuple[int, ...]:
     with torch.no_grad():
-        trial = _RowTrial(weights, threads, seed)
         return tuple(h for h in ops.DIRECT_TILE_CANDIDATES
                      if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,))))
 
@@ -275,9 +281,12 @@ def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: i
 def choose_ladders(weights: list[torch.Tensor], threads: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(direct heights, tile ladder) for ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` only where
     no direct height was admitted (with one, only the rows fewer than its smallest height run in tiles, and they
-    run in the reference tile)."""
-    direct = choose_direct_tiles(weights, threads)
-    return direct, (ops.ROW_TILE,) if direct else choose_row_tiles(weights, threads)
+    run in the reference tile). One trial (row pools and reference products) serves both."""
+    if any(w.device.type != "cpu" for w in weights):
+        return (), (ops.ROW_TILE,)
+    trial = _RowTrial(weights, threads, seed=0)
+    direct = _direct_heights(trial)
+    return direct, (ops.ROW_TILE,) if direct else _tile_ladder(trial)
 
 
 def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:
