@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels import ops
-from lathe.models.exactness import choose_attention_tiles
+from lathe.models.exactness import choose_attention_tiles, choose_direct_tiles
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -517,3 +517,19 @@ def test_batched_decode_attention_has_the_bits_of_per_sequence_attention(dtype: 
                 assert torch.equal(batched[s:s + 1], alone), s
             else:
                 torch.testing.assert_close(batched[s:s + 1], alone, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_products_mixing_the_admitted_heights_keep_the_reference_bits(dtype: torch.dtype) -> None:
+    """The self-check admits each direct height alone; a batch cut over all of them (largest first, the rest in
+    the reference tile) still gives every row the 16-row tile's bits, at any row count and offset. Where this
+    machine admits no height, ``direct_matmul`` is the reference tile itself."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(384, 320, generator=gen).to(dtype)  # [N, K]
+    heights = choose_direct_tiles([weight], [1, 2])
+    assert set(heights) <= set(ops.DIRECT_TILE_CANDIDATES)
+    x, w = torch.randn(700, 320, generator=gen).to(dtype), weight.t()
+    ref = ops.tiled_matmul(x, w)
+    for start, rows in ((0, 700), (3, 341), (5, 1), (9, 2), (17, 263)):
+        got = ops.direct_matmul(x[start:start + rows], w, heights)
+        assert torch.equal(got, ref[start:start + rows]), (heights, start, rows)
