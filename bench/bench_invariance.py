@@ -106,7 +106,7 @@ class Layer:
         s, (invariant, tiles, _) = self.s, mode
 
         def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return ops.linear(h, w, invariant=invariant, tiles=tiles)
+            return ops.linear(h, w, invariant=invariant, ladder=ops.Ladder(tiles))
 
         h = ops.rms_norm(x, self.norm1, s.eps, invariant=invariant)
         q = linear(h, self.q).view(-1, s.heads, s.head_dim)
@@ -121,7 +121,7 @@ class Layer:
         (invariant, tiles, _), out = mode, []
         for rows in x.split(self.s.logit_chunk):
             h = ops.rms_norm(rows, self.final_norm, self.s.eps, invariant=invariant)
-            out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant, tiles=tiles),
+            out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant, ladder=ops.Ladder(tiles)),
                                        invariant=invariant))
         return out
 

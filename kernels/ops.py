@@ -39,7 +39,7 @@ problem whatever the batch and the thread count, and a row's bits depend only on
   at most ``COL_BLOCK_BYTES``, so a block stays in cache while every tile reads it, and a weight of 1-4 MiB in
   two halves, so a lone tile's two products keep two threads busy; the blocks depend only on
   the weight, never on the batch): each product is ``[ROW_TILE, K] @ [K, <= block]``. A pool may pass a
-  ladder of tile heights (``tiles``): rows are then cut largest tile first (``row_groups``), which keeps a
+  ladder of tile heights (``Ladder.tiles``): rows are then cut largest tile first (``row_groups``), which keeps a
   row's bits only because the pool's self-check admitted each height to the ladder after finding its rows
   bitwise equal to the ``ROW_TILE`` tile's on that machine (larger tiles re-pack each weight block less
   often; a 1-row tile is a GEMV).
@@ -49,7 +49,9 @@ problem whatever the batch and the thread count, and a row's bits depend only on
   ``direct_matmul``: rows cut into tiles of a few fixed heights (``DIRECT_TILE_CANDIDATES``), each tile one
   plain product with the library's own threads and blocking. The library still sees a fixed set of shapes,
   and the self-check admits each height only where its rows have the ``ROW_TILE`` tile's bits
-  (``choose_direct_tiles``); where none is admitted, the tiles above run as they did.
+  (``choose_direct_tiles``); where none is admitted, the tiles above run as they did. Rows fewer than the
+  smallest height (a lone decode row) run where the pool found them fastest among the bit-admitted ways
+  (``Ladder.lone``): zero-padded to a direct tile, or in a tile of the ladder.
 - ``attention`` and ``decode_attention``: keys are cut into chunks of ``KEY_CHUNK`` on the absolute key
   grid from key 0; the ``g`` query heads of a kv head are consecutive rows, cut into tiles of T rows
   (decode: ``ATTN_ROW_TILE``; prefill: the largest height of the pool's attention ladder that the rows
@@ -77,6 +79,7 @@ that machine. ``bench/bench_invariance.py`` measures the cost against the plain 
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -86,13 +89,34 @@ ROW_TILE = 16
 on AVX-512 with and without MKL's AVX2 path; 8 was not, under that path)."""
 
 ROW_TILE_CANDIDATES = (1, 4, 64, 128)
-"""Other tile heights a pool may add to its ladder (``linear``'s ``tiles``) when its self-check finds their
+"""Other tile heights a pool may add to its ladder (``Ladder.tiles``) when its self-check finds their
 rows bitwise equal to the reference tile's on that machine (``lathe.models.exactness.choose_row_tiles``)."""
 
 DIRECT_TILE_CANDIDATES = (1, 4, 16, 64, 256)
-"""Row heights a pool may run as direct products (``linear``'s ``direct``): one plain library product per tile,
+"""Row heights a pool may run as direct products (``Ladder.direct``): one plain library product per tile,
 with the library's own threads and blocking, when its self-check finds their rows bitwise equal to the reference
 tile's at every thread count (``lathe.models.exactness.choose_direct_tiles``)."""
+
+
+
+@dataclass(frozen=True, slots=True)
+class Ladder:
+    """How an invariant ``linear`` cuts its rows into products on one pool; the default is the reference tile
+    alone, and a pool's self-check admits the rest per machine, by bits (``lathe.models.exactness``).
+
+        tiles   heights of ``tiled_matmul`` tiles, cut by ``row_groups``; ``ROW_TILE`` is one of them
+        direct  heights run as ``direct_matmul`` products (CPU); where any, every row runs there
+        lone    how ``direct_matmul`` runs the rows fewer than its smallest height (a lone decode row): in
+                ``tiled_matmul`` tiles of this height (one of ``tiles``), or zero-padded to one direct tile (0)
+    """
+
+    tiles: tuple[int, ...] = (ROW_TILE,)
+    direct: tuple[int, ...] = ()
+    lone: int = ROW_TILE
+
+
+REFERENCE = Ladder()
+"""The reference tile alone: what a linear runs before (or without) a self-check."""
 
 COL_BLOCK_BYTES = 1 << 22
 """Most bytes of weight one ``linear`` product reads; wider weights are cut into column blocks."""
@@ -217,14 +241,16 @@ def _lone_tile(t: torch.Tensor, w: torch.Tensor, blocks: list[tuple[int, int]]) 
     return torch.cat([y, _bmm(t[None], w[None, :, c0:])[0]], dim=1)
 
 
-def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...]) -> torch.Tensor:
+def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lone: int = ROW_TILE) -> torch.Tensor:
     """y = x @ w as direct products; x [M, K], w [K, N] -> y [M, N].
 
     Rows are cut largest height first (each height taking as many whole tiles as fit) and each tile is one
     plain ``[h, K] @ [K, <= col_cap]`` product per column block of ``col_cap`` width (the library threads
-    it as it likes), written in place. Rows left over, fewer than the smallest height, run as the
-    reference tile's products (``tiled_matmul``). A row's bits are the reference tile's only on a machine
-    where the pool's self-check admitted ``heights`` (``choose_direct_tiles``).
+    it as it likes), written in place. Rows left over, fewer than the smallest height (a lone decode row), run
+    as ``tiled_matmul`` with tiles of ``lone`` rows, or, with ``lone=0``, zero-padded to one direct tile of the
+    smallest height. A row's bits are the reference tile's only on a machine where the pool's self-check
+    admitted ``heights`` (``choose_direct_tiles``, whose trial runs this function with ``lone=0``) and ``lone``
+    (a height of its tile ladder).
     """
     x = x.contiguous()  # the rows' layout the self-check admitted the heights with
     m, k = x.shape
@@ -232,18 +258,27 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...]) ->
     cap = col_cap(k, w.element_size())
     blocks = [(c, min(c + cap, n)) for c in range(0, n, cap)]
     y = torch.empty(m, n, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+
+    def product(rows: torch.Tensor, out: torch.Tensor) -> None:
+        if len(blocks) == 1:
+            torch.mm(rows, w, out=out)
+        else:
+            for c0, c1 in blocks:
+                out[:, c0:c1] = rows @ w[:, c0:c1]
+
     start = 0
     for h in sorted(heights, reverse=True):
         stop = start + (m - start) // h * h
         for s in range(start, stop, h):
-            if len(blocks) == 1:
-                torch.mm(x[s:s + h], w, out=y[s:s + h])
-            else:
-                for c0, c1 in blocks:
-                    y[s:s + h, c0:c1] = x[s:s + h] @ w[:, c0:c1]
+            product(x[s:s + h], y[s:s + h])
         start = stop
-    if start < m:
-        y[start:] = tiled_matmul(x[start:], w)
+    if start < m and lone:
+        y[start:] = tiled_matmul(x[start:], w, tile=lone)
+    elif start < m:
+        h = min(heights)
+        tile = y.new_empty(h, n)
+        product(F.pad(x[start:], (0, 0, 0, h - (m - start))), tile)
+        y[start:] = tile[:m - start]
     return y
 
 
@@ -268,39 +303,38 @@ def row_groups(rows: int, tiles: tuple[int, ...], least: int = 1) -> list[tuple[
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool,
-           tiles: tuple[int, ...] = (ROW_TILE,), grad_tiles: tuple[int, ...] = (ROW_TILE,),
-           direct: tuple[int, ...] = (), grad_direct: tuple[int, ...] = ()) -> torch.Tensor:
+           ladder: Ladder = REFERENCE, grad_ladder: Ladder = REFERENCE) -> torch.Tensor:
     """y = x @ weight.T + bias; x [..., K], weight [N, K], bias [N] or None -> y [..., N].
 
-    Invariant mode flattens the leading dims to M rows. With ``direct`` heights (CPU), rows run as
-    ``direct_matmul`` (rows fewer than its smallest height in the reference tile); otherwise they are cut into
-    ``row_groups(M, tiles)`` and ``tiled_matmul`` runs each group with its tile height. The bias is added
-    after. Mixing heights keeps a row's bits only where every height gives the reference tile's bits: the
-    self-check picks the ladders (``tiles``, ``direct``) per machine and verifies that. Differentiable in both
-    modes: in invariant mode backward's dX = dY @ weight runs over its own ladders, ``grad_tiles`` and
-    ``grad_direct``, admitted by bits on the transposed products (``_InvariantLinear``).
+    Invariant mode flattens the leading dims to M rows. With ``ladder.direct`` heights (CPU), rows run as
+    ``direct_matmul`` (rows fewer than its smallest height as ``ladder.lone`` says); otherwise they are cut
+    into ``row_groups(M, ladder.tiles)`` and ``tiled_matmul`` runs each group with its tile height. The bias is
+    added after. Mixing heights keeps a row's bits only where every height gives the reference tile's bits: the
+    self-check picks the ladder per machine and verifies that. Differentiable in both modes: in invariant mode
+    backward's dX = dY @ weight runs over its own ladder, ``grad_ladder``, admitted by bits on the transposed
+    products (``_InvariantLinear``).
     """
     if not invariant:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        y = _InvariantLinear.apply(rows, weight, tiles, grad_tiles, direct, grad_direct)
+        y = _InvariantLinear.apply(rows, weight, ladder, grad_ladder)
     else:
-        y = _tiled_linear(rows, weight, tiles, direct)
+        y = _tiled_linear(rows, weight, ladder)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...],
-                  direct: tuple[int, ...] = ()) -> torch.Tensor:
-    """rows [M, K] @ weight.T as ``direct_matmul`` over ``direct`` (CPU), else over ``row_groups(M, tiles)``
-    -> [M, N]."""
+def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder) -> torch.Tensor:
+    """rows [M, K] @ weight.T as ``direct_matmul`` over ``ladder.direct`` (CPU), else over
+    ``row_groups(M, ladder.tiles)`` -> [M, N]."""
     w = weight.t()
-    if direct and rows.device.type == "cpu":
-        return direct_matmul(rows, w, direct)
+    if ladder.direct and rows.device.type == "cpu":
+        return direct_matmul(rows, w, ladder.direct, ladder.lone)
     least = torch.get_num_threads() if rows.device.type == "cpu" else 1
-    parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in row_groups(rows.shape[0], tiles, least)]
+    groups = row_groups(rows.shape[0], ladder.tiles, least)
+    parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in groups]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -308,23 +342,23 @@ class _InvariantLinear(torch.autograd.Function):
     """``_tiled_linear`` under autograd. The forward's ladder gives a row the reference tile's bits, but the
     same heights in backward need not share bits: a row's dX would depend on the tile height its batch's size
     chose (measured on an AVX-512 Xeon: a tenant's gradient changed with its batch mates). So backward runs
-    dX = dY @ weight over ``grad_tiles``, a ladder whose heights the pool admits by bits on the transposed
-    products (``ROW_TILE`` alone unless a pool chose more); and only x and the weight are saved, not the
-    forward's padded tiles."""
+    dX = dY @ weight over ``grad_ladder``, whose heights the pool admits by bits on the transposed products (the
+    reference tile alone unless a pool chose more); and only x and the weight are saved, not the forward's
+    padded tiles."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...],  # noqa: ANN001
-                grad_tiles: tuple[int, ...], direct: tuple[int, ...], grad_direct: tuple[int, ...]) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder,  # noqa: ANN001
+                grad_ladder: Ladder) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
-        ctx.grad_tiles, ctx.grad_direct = grad_tiles, grad_direct
-        return _tiled_linear(rows, weight, tiles, direct)
+        ctx.grad_ladder = grad_ladder
+        return _tiled_linear(rows, weight, ladder)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
         rows, weight = ctx.saved_tensors
-        dx = _tiled_linear(grad, weight.t(), ctx.grad_tiles, ctx.grad_direct) if ctx.needs_input_grad[0] else None
+        dx = _tiled_linear(grad, weight.t(), ctx.grad_ladder) if ctx.needs_input_grad[0] else None
         dw = grad.t() @ rows if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bool) -> torch.Tensor:

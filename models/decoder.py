@@ -99,11 +99,9 @@ class Decoder(torch.nn.Module):
         self.invariant = invariant
         self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: memory for time
         self.sgmv = False  # LoRA through the Triton SGMV kernels (GPU pools) instead of the per-segment path
-        self.row_tiles = (ops.ROW_TILE,)  # invariant linears' tile ladder; the pool's self-check may widen it
+        self.ladder = ops.REFERENCE  # how invariant linears cut rows; the pool's self-check may widen it
+        self.grad_ladder = ops.REFERENCE  # the same for their backward, in a trainer pool
         self.attn_tiles = (ops.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
-        self.grad_tiles = (ops.ROW_TILE,)  # the invariant linears' backward ladder; a trainer pool may widen it
-        self.direct_tiles: tuple[int, ...] = ()  # heights run as direct products, admitted by the self-check
-        self.grad_direct_tiles: tuple[int, ...] = ()  # the same for backward, in a trainer pool
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -142,8 +140,7 @@ class Decoder(torch.nn.Module):
 
     def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraBatch | None) -> torch.Tensor:
         y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant,
-                       tiles=self.row_tiles, grad_tiles=self.grad_tiles, direct=self.direct_tiles,
-                       grad_direct=self.grad_direct_tiles)
+                       ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:
             d = lora.delta(key, x)
             if d is not None:
@@ -210,8 +207,7 @@ class Decoder(torch.nn.Module):
 
     def logits(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
-        y = ops.linear(h, self.lm_head, invariant=self.invariant, tiles=self.row_tiles, grad_tiles=self.grad_tiles,
-                       direct=self.direct_tiles, grad_direct=self.grad_direct_tiles)
+        y = ops.linear(h, self.lm_head, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:
             d = lora.delta((-1, UNEMBED), h)
             if d is not None:

@@ -6,11 +6,13 @@ the report goes into their logs, their Prometheus gauge, ``get_server_capabiliti
 
 Why at start, on the pool's own shapes: batch invariance is a property of the kernel library's code
 paths on this machine, not of Lathe's code alone (``lathe.kernels.ops`` explains the tiles). Before the
-check, ``choose_row_tiles`` picks the pool's ladder of ``linear`` tile heights: the reference tile
-(``ops.ROW_TILE``) plus each candidate (``ops.ROW_TILE_CANDIDATES``) whose rows are bitwise the reference's
-for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread count;
-``choose_attention_tiles`` does the same for prefill attention's row tiles (``ops.ATTN_ROW_TILE``, the one
-decode uses, plus each of ``ops.ATTN_TILE_CANDIDATES`` whose prefill and chunked prefill have its bits).
+check, ``choose_ladder`` picks the pool's ``ops.Ladder`` for its linears: the heights run as direct products
+(``ops.DIRECT_TILE_CANDIDATES``) and the ladder of tile heights (the reference tile ``ops.ROW_TILE`` plus each
+of ``ops.ROW_TILE_CANDIDATES``), each admitted only where its rows are bitwise the reference tile's for every
+base weight and the LM head, whole batch, shifted batch and lone rows, at every thread count; ``choose_lone``
+then times the admitted ways of running a lone decode row and keeps the faster (the one choice made by time,
+as it cannot change a bit); ``choose_attention_tiles`` picks prefill attention's row tiles (``ops.ATTN_ROW_TILE``,
+the one decode uses, plus each of ``ops.ATTN_TILE_CANDIDATES`` whose prefill and chunked prefill have its bits).
 The check runs, with those ladders, at every thread count the pool may use:
 
 1. ops at the model's shapes, rows alone vs in batches of 1, 3, 13, 17, 64 and 300 rows, and the
@@ -35,6 +37,7 @@ The first check that fails is named in ``first_failure``; a pool that fails stil
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import time
@@ -112,7 +115,7 @@ class ExactnessReport:
 class PoolExactness:
     """The self-check reports of one pool's loaded base models; owned by a trainer or sampler engine.
 
-    ``check`` runs when the pool loads a model: it sets the model's tile ladders (``choose_row_tiles``,
+    ``check`` runs when the pool loads a model: it sets the model's ladders (``choose_ladder``, ``choose_lone``,
     ``choose_attention_tiles``), runs the self-check and logs the verdict on stderr. A pool that runs the plain
     ops (``--no-invariant``) is not exact by construction: it records that without running the check.
     """
@@ -126,9 +129,9 @@ class PoolExactness:
     def check(self, name: str, model: Decoder) -> ExactnessReport:
         if self.invariant:
             threads = default_threads(model)
-            model.direct_tiles, model.row_tiles = choose_ladders(_model_weights(model), threads)
+            model.ladder = choose_lone(model, choose_ladder(_model_weights(model), threads, tiles_too=True))
             if self.backward:
-                model.grad_direct_tiles, model.grad_tiles = choose_ladders(_backward_weights(model), threads)
+                model.grad_ladder = choose_ladder(_backward_weights(model), threads)
             cfg = model.cfg
             model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                                       model.device, threads)
@@ -168,10 +171,15 @@ class PoolExactness:
         return report.fields() if report is not None else {"checked": False}
 
 
+SPEED_ONLY = ("lone_tile",)
+"""Keys of ``tiles`` that a pool chooses by timing among ways of equal bits: not part of the fingerprint."""
+
+
 def tiles(model: Decoder) -> dict[str, object]:
-    """The tile sizes the invariant ops use on ``model`` (part of the fingerprint)."""
-    return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.row_tiles), "grad_row_tiles": list(model.grad_tiles),
-            "direct_tiles": list(model.direct_tiles), "grad_direct_tiles": list(model.grad_direct_tiles),
+    """The tile sizes the invariant ops use on ``model`` (but for ``SPEED_ONLY``, part of the fingerprint)."""
+    return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.ladder.tiles),
+            "grad_row_tiles": list(model.grad_ladder.tiles), "direct_tiles": list(model.ladder.direct),
+            "grad_direct_tiles": list(model.grad_ladder.direct), "lone_tile": model.ladder.lone,
             "attn_row_tile": ops.ATTN_ROW_TILE,
             "attn_row_tiles": list(model.attn_tiles), "key_chunk": ops.KEY_CHUNK,
             "col_block_bytes": ops.COL_BLOCK_BYTES}
@@ -273,20 +281,55 @@ def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: i
 
 
 def _direct_heights(trial: _RowTrial) -> tuple[int, ...]:
+    # lone=0: the rows a height leaves over (the trial's lone rows among them) are zero-padded to a tile of it,
+    # so an admitted height admits that way of running them too (``choose_lone``)
     with torch.no_grad():
         return tuple(h for h in ops.DIRECT_TILE_CANDIDATES
-                     if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,))))
+                     if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,), lone=0)))
 
 
-def choose_ladders(weights: list[torch.Tensor], threads: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(direct heights, tile ladder) for ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` only where
-    no direct height was admitted (with one, only the rows fewer than its smallest height run in tiles, and they
-    run in the reference tile). One trial (row pools and reference products) serves both."""
+def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too: bool = False) -> ops.Ladder:
+    """The ``ops.Ladder`` of ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` where no direct height
+    was admitted or ``tiles_too`` asks (with a direct height, the tile ladder serves only rows fewer than its
+    smallest height: ``choose_lone``); ``lone`` is the reference tile. One trial (row pools and reference
+    products) serves both choices."""
     if any(w.device.type != "cpu" for w in weights):
-        return (), (ops.ROW_TILE,)
+        return ops.REFERENCE
     trial = _RowTrial(weights, threads, seed=0)
     direct = _direct_heights(trial)
-    return direct, (ops.ROW_TILE,) if direct else _tile_ladder(trial)
+    return ops.Ladder(_tile_ladder(trial) if tiles_too or not direct else (ops.ROW_TILE,), direct)
+
+
+def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Ladder:
+    """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
+    sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
+    ladder. Both give the reference tile's bits (the trial admitted each), so this choice, unlike the others, is
+    timed: it changes speed, never bits, and is not part of the fingerprint (``SPEED_ONLY``).
+
+    Why timed: which is faster depends on the library. Measured on an AVX-512 EPYC, MKL runs a 4-row fp32
+    product on one thread (the tiled way spreads a weight's column halves over two) while its bf16 products
+    of a few rows use both threads and tiled bf16 products have no fast kernel.
+    """
+    if not ladder.direct:
+        return ladder
+    names = [f"model.layers.{i}.{'self_attn' if t in ATTN_TARGETS else 'mlp'}.{t}.weight"
+             for i in range(model.cfg.num_layers) for t in ATTN_TARGETS + MLP_TARGETS]
+    weights = [model.w[n] for n in names] + [model.lm_head]  # more than a cache holds, streamed as in decode
+    rows = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(model.w[names[0]])
+            for k in {w.shape[1] for w in weights}}
+
+    def seconds(lone: int) -> float:
+        candidate = dataclasses.replace(ladder, lone=lone)
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for w in weights:
+                    ops.linear(rows[w.shape[1]], w, invariant=True, ladder=candidate)
+                best = min(best, time.perf_counter() - start)
+        return best
+
+    return dataclasses.replace(ladder, lone=min((0, min(ladder.tiles)), key=seconds))
 
 
 def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:
@@ -423,13 +466,11 @@ def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Che
         seen.add((weight.shape[0], weight.shape[1], bias is not None))
         checks.append(_rows(f"linear {target} {weight.shape[1]}->{weight.shape[0]}",
                             lambda x, weight=weight, bias=bias: ops.linear(x, weight, bias, invariant=True,
-                                                                           tiles=model.row_tiles,
-                                                                           direct=model.direct_tiles),
+                                                                           ladder=model.ladder),
                             pool(weight.shape[1])))
     head = model.lm_head
     checks.append(_rows(f"linear lm_head {head.shape[1]}->{head.shape[0]}",
-                        lambda x: ops.linear(x, head, invariant=True, tiles=model.row_tiles,
-                                             direct=model.direct_tiles), pool(head.shape[1])))
+                        lambda x: ops.linear(x, head, invariant=True, ladder=model.ladder), pool(head.shape[1])))
     checks += _lora_checks(model, gen, lora_rank)
     norm = w["model.norm.weight"]
     checks.append(_rows(f"rms_norm {cfg.hidden_size}",
@@ -571,7 +612,7 @@ def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:
     h = hashlib.sha256()
     # Forward bits only: the backward ladder is a trainer's own (a sampler runs no backward), and trainer and
     # sampler of one model must print the same.
-    forward = {k: v for k, v in tiles(model).items() if not k.startswith("grad_")}
+    forward = {k: v for k, v in tiles(model).items() if not k.startswith("grad_") and k not in SPEED_ONLY}
     h.update(f"{model.dtype}|{model.device.type}|{sorted(forward.items())}|".encode())
     h.update(packed.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -579,7 +620,7 @@ def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:
 
 def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: int = 8,
                seed: int = 0) -> ExactnessReport:
-    """Run every check on ``model`` (with its ``row_tiles``) at each thread count (default: ``default_threads``)."""
+    """Run every check on ``model`` (with its ladders) at each thread count (default: ``default_threads``)."""
     start = time.perf_counter()
     if threads is None:
         threads = default_threads(model)

@@ -84,8 +84,8 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     pool = exactness.PoolExactness("trainer", invariant=True)
     report = pool.check("tiny", model)
     assert report.exact, report.first_failure
-    assert ops.ROW_TILE in model.row_tiles and report.tiles["row_tiles"] == list(model.row_tiles)
-    assert set(model.row_tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
+    assert ops.ROW_TILE in model.ladder.tiles and report.tiles["row_tiles"] == list(model.ladder.tiles)
+    assert set(model.ladder.tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
     assert ops.ATTN_ROW_TILE in model.attn_tiles and report.tiles["attn_row_tiles"] == list(model.attn_tiles)
     assert set(model.attn_tiles) <= {ops.ATTN_ROW_TILE, *ops.ATTN_TILE_CANDIDATES}
     ladder = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
@@ -136,7 +136,7 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     d = report.to_dict()
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
-                          "direct_tiles": [], "grad_direct_tiles": [],
+                          "direct_tiles": [], "grad_direct_tiles": [], "lone_tile": ops.ROW_TILE,
                           "attn_row_tile": ops.ATTN_ROW_TILE,
                           "attn_row_tiles": [ops.ATTN_ROW_TILE], "key_chunk": ops.KEY_CHUNK,
                           "col_block_bytes": ops.COL_BLOCK_BYTES}

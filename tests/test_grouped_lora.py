@@ -154,10 +154,11 @@ def test_invariant_linear_gradients_do_not_depend_on_the_tile_ladder_the_batch_c
     ladder = (4, 16, 64)
     grad_tiles = (ops.ROW_TILE,) if backward == "reference" else choose_row_tiles([weight.t()], [threads])
     full = x.clone().requires_grad_()
-    ops.linear(full, weight, invariant=True, tiles=ladder, grad_tiles=grad_tiles).backward(g)
+    forward, backward_ladder = ops.Ladder(ladder), ops.Ladder(grad_tiles)
+    ops.linear(full, weight, invariant=True, ladder=forward, grad_ladder=backward_ladder).backward(g)
     for a, b in ((0, 1), (3, 10), (100, 160), (1, 130)):
         part = x[a:b].clone().requires_grad_()
-        ops.linear(part, weight, invariant=True, tiles=ladder, grad_tiles=grad_tiles).backward(g[a:b])
+        ops.linear(part, weight, invariant=True, ladder=forward, grad_ladder=backward_ladder).backward(g[a:b])
         assert torch.equal(part.grad, full.grad[a:b]), (a, b)
     ref = x.double().requires_grad_()
     (ref @ weight.double().t()).backward(g.double())

@@ -185,7 +185,7 @@ def test_linear_over_a_tile_ladder_matches_float64_values_and_grads(dtype: torch
     inputs = [_leaf(300, 64, dtype=dtype, gen=gen), _leaf(48, 64, dtype=dtype, gen=gen),
               _leaf(48, dtype=dtype, gen=gen)]
     ladder = (1, 4, 16, 64, 256)
-    _check_values_and_grads(lambda x, w, b: ops.linear(x, w, b, invariant=True, tiles=ladder),
+    _check_values_and_grads(lambda x, w, b: ops.linear(x, w, b, invariant=True, ladder=ops.Ladder(ladder)),
                             lambda x, w, b: x @ w.T + b, inputs)
 
 
