@@ -272,13 +272,13 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
         for s in range(start, stop, h):
             product(x[s:s + h], y[s:s + h])
         start = stop
-    if start < m and lone:
-        y[start:] = tiled_matmul(x[start:], w, tile=lone)
-    elif start < m:
+    if start < m and heights and not lone:
         h = min(heights)
         tile = y.new_empty(h, n)
         product(F.pad(x[start:], (0, 0, 0, h - (m - start))), tile)
         y[start:] = tile[:m - start]
+    elif start < m:
+        y[start:] = tiled_matmul(x[start:], w, tile=lone or ROW_TILE)
     return y
 
 

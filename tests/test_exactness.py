@@ -7,6 +7,7 @@ vs decode, at 1 and 2 threads; these tests run it on the generated tiny models i
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -90,6 +91,30 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     assert set(model.attn_tiles) <= {ops.ATTN_ROW_TILE, *ops.ATTN_TILE_CANDIDATES}
     ladder = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
     assert torch.equal(ladder, reference)
+
+
+def test_a_pool_times_the_ways_of_running_a_lone_row_and_both_keep_the_reference_bits(tiny_dir: Path) -> None:
+    """``choose_lone`` picks between a lone row zero-padded to a direct tile and one in the smallest tile of the
+    ladder, by time; both give every linear's lone row the reference tile's bits, so the choice is left out of
+    the fingerprint: a pool that chose the other way prints the same."""
+    model = Decoder.from_dir(tiny_dir)
+    ladder = exactness.choose_ladder(exactness._model_weights(model), [1, 2], tiles_too=True)
+    chosen = exactness.choose_lone(model, ladder, repeats=1)
+    ways = (0, min(ladder.tiles)) if ladder.direct else (ladder.lone,)
+    assert chosen.lone in ways and dataclasses.replace(chosen, lone=ladder.lone) == ladder
+    row = torch.randn(1, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for weight in (*exactness._model_weights(model)[:-1], model.lm_head):
+        if weight.shape[1] != row.shape[1]:
+            continue
+        ref = ops.tiled_matmul(row, weight.t())
+        for lone in ways:
+            got = ops.linear(row, weight, invariant=True, ladder=dataclasses.replace(ladder, lone=lone))
+            assert torch.equal(got, ref), (tuple(weight.shape), lone)
+    prints = set()
+    for lone in ways:
+        model.ladder = dataclasses.replace(ladder, lone=lone)
+        prints.add(exactness.self_check(model, threads=[1]).fingerprint)
+    assert len(prints) == 1
 
 
 def test_a_tile_height_with_other_bits_is_left_out_of_the_ladder(tiny_dir: Path,

@@ -519,11 +519,13 @@ def test_batched_decode_attention_has_the_bits_of_per_sequence_attention(dtype: 
                 torch.testing.assert_close(batched[s:s + 1], alone, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("lone", [ops.ROW_TILE, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_direct_products_mixing_the_admitted_heights_keep_the_reference_bits(dtype: torch.dtype) -> None:
-    """The self-check admits each direct height alone; a batch cut over all of them (largest first, the rest in
-    the reference tile) still gives every row the 16-row tile's bits, at any row count and offset. Where this
-    machine admits no height, ``direct_matmul`` is the reference tile itself."""
+def test_direct_products_mixing_the_admitted_heights_keep_the_reference_bits(dtype: torch.dtype, lone: int) -> None:
+    """The self-check admits each direct height alone; a batch cut over all of them (largest first, the rows left
+    over in the reference tile or zero-padded to a tile of the smallest height) still gives every row the 16-row
+    tile's bits, at any row count and offset. Where this machine admits no height, ``direct_matmul`` is the
+    reference tile itself."""
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(384, 320, generator=gen).to(dtype)  # [N, K]
     heights = choose_direct_tiles([weight], [1, 2])
@@ -531,5 +533,5 @@ def test_direct_products_mixing_the_admitted_heights_keep_the_reference_bits(dty
     x, w = torch.randn(700, 320, generator=gen).to(dtype), weight.t()
     ref = ops.tiled_matmul(x, w)
     for start, rows in ((0, 700), (3, 341), (5, 1), (9, 2), (17, 263)):
-        got = ops.direct_matmul(x[start:start + rows], w, heights)
+        got = ops.direct_matmul(x[start:start + rows], w, heights, lone)
         assert torch.equal(got, ref[start:start + rows]), (heights, start, rows)
