@@ -101,6 +101,7 @@ class Decoder(torch.nn.Module):
         self.sgmv = False  # LoRA through the Triton SGMV kernels (GPU pools) instead of the per-segment path
         self.ladder = ops.REFERENCE  # how invariant linears cut rows; the pool's self-check may widen it
         self.grad_ladder = ops.REFERENCE  # the same for their backward, in a trainer pool
+        self.lora_ladders: dict[int, ops.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
         self.attn_tiles = (ops.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
@@ -142,7 +143,7 @@ class Decoder(torch.nn.Module):
         y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant,
                        ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:
-            d = lora.delta(key, x)
+            d = lora.delta(key, x, self.lora_ladders)
             if d is not None:
                 y = (y.to(d.dtype) + d).to(y.dtype)  # one rounding of base + fp32 LoRA
         return y
@@ -209,7 +210,7 @@ class Decoder(torch.nn.Module):
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
         y = ops.linear(h, self.lm_head, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:
-            d = lora.delta((-1, UNEMBED), h)
+            d = lora.delta((-1, UNEMBED), h, self.lora_ladders)
             if d is not None:
                 y = y + d
         return y.float()

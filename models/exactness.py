@@ -49,7 +49,16 @@ import torch
 
 from lathe.kernels import ops
 from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraBatch, LoraSpec, LoraWeights, module_shape
+from lathe.models.lora import (
+    ATTN_TARGETS,
+    MLP_TARGETS,
+    REFERENCE_TILES,
+    UNEMBED,
+    LoraBatch,
+    LoraSpec,
+    LoraWeights,
+    module_shape,
+)
 from lathe.models.pool import on_passing_thread
 
 BATCH_ROWS = (1, 3, 13, 17, 64, 300)
@@ -60,6 +69,9 @@ SEQ_LENGTHS = (1, 3, 13, 17, 64)
 
 GROUPED_LENGTHS = (1, 5, 16, 17, 40)
 """Segment lengths of the grouped-LoRA check: under, at and over one tile, and several tiles."""
+
+LORA_RANK = 8
+"""The adapter rank the self-check covers when a pool starts (``PoolExactness.check_ranks`` adds the others)."""
 
 DECODED = 6
 """Tokens of each longer sequence that the end-to-end check decodes one at a time after its prefill."""
@@ -130,6 +142,7 @@ class PoolExactness:
         if self.invariant:
             threads = default_threads(model)
             model.ladder = choose_lone(model, choose_ladder(_model_weights(model), threads, tiles_too=True))
+            model.lora_ladders = {LORA_RANK: choose_lora_ladder(model, LORA_RANK, threads)}
             if self.backward:
                 model.grad_ladder = choose_ladder(_backward_weights(model), threads)
             cfg = model.cfg
@@ -149,9 +162,9 @@ class PoolExactness:
             self.publish(name, report.exact)
 
     def check_ranks(self, name: str, model: Decoder, ranks: set[int]) -> ExactnessReport | None:
-        """Check the LoRA products of each adapter rank in ``ranks`` that ``name``'s report has not met yet
-        (an adapter's rank sets its products' shapes), before the adapters' first pass; the caller waits while
-        a thread of the check's own runs it. Returns the report when it was checked further (its verdict may
+        """Choose and check the LoRA products' ladder of each adapter rank in ``ranks`` that ``name``'s report has
+        not met yet (an adapter's rank sets its products' shapes), before the adapters' first pass; the caller
+        waits while a thread of the check's own runs it. Returns the report when it was checked further (its verdict may
         have changed), else None."""
         report = self.reports.get(name)
         new = sorted(ranks - set(report.ranks)) if report is not None and self.invariant else []
@@ -300,6 +313,26 @@ def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too:
     return ops.Ladder(_tile_ladder(trial) if tiles_too or not direct else (ops.ROW_TILE,), direct)
 
 
+def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Ladder:
+    """The ladder of ``model``'s LoRA products at ``rank`` (what ``LoraBatch.delta_per_segment`` runs a decode
+    step of one adapter over): ``choose_ladder`` on a shrink ``[rank, I]`` and an expand ``[O, rank]`` of every
+    target width, in the dtype LoRA computes in, the LM head's expand cut to its first column block as for the
+    base. A lone row is zero-padded to a direct tile (``lone=0``) where a height is admitted: a LoRA product is
+    so small that the way with the fewest ops is the faster one, so it is not timed.
+
+    Random weights stand for the adapters' (the bits depend on the shapes and the library's code paths, which
+    the weights' values do not choose); the rank's self-check (``_lora_checks``) then runs the ladder."""
+    cfg = model.cfg
+    wide = torch.promote_types(model.dtype, torch.float32)
+    gen = torch.Generator().manual_seed(rank)
+    targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
+    shrinks = [torch.randn(rank, i, generator=gen) for i in sorted({module_shape(cfg, t)[0] for t in targets})]
+    expands = [torch.randn(min(o, ops.col_cap(rank, wide.itemsize)), rank, generator=gen)
+               for o in sorted({module_shape(cfg, t)[1] for t in targets})]
+    ladder = choose_ladder([w.to(device=model.device, dtype=wide) for w in shrinks + expands], threads)
+    return dataclasses.replace(ladder, lone=0) if ladder.direct else ladder
+
+
 def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Ladder:
     """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
     sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
@@ -409,13 +442,16 @@ def _lora_checks(model: Decoder, gen: torch.Generator, rank: int) -> list[Check]
 
     targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
     checks = []
+    ladder = model.lora_ladders.get(rank, ops.REFERENCE)
     for width in sorted({module_shape(cfg, t)[0] for t in targets}):
         a = rand(rank, width)
-        checks.append(_rows(f"lora shrink {width}->{rank}", lambda x, a=a: ops.linear(x, a, invariant=True),
+        checks.append(_rows(f"lora shrink {width}->{rank}",
+                            lambda x, a=a: ops.linear(x, a, invariant=True, ladder=ladder),
                             rand(BATCH_ROWS[-1], width)))
     for width in sorted({module_shape(cfg, t)[1] for t in targets}):
         b = rand(width, rank)
-        checks.append(_rows(f"lora expand {rank}->{width}", lambda x, b=b: ops.linear(x, b, invariant=True),
+        checks.append(_rows(f"lora expand {rank}->{width}",
+                            lambda x, b=b: ops.linear(x, b, invariant=True, ladder=ladder),
                             rand(BATCH_ROWS[-1], rank)))
     checks.append(_grouped_check(model, rank, rand))
     return checks
@@ -437,12 +473,14 @@ def _grouped_check(model: Decoder, rank: int, rand: Callable[..., torch.Tensor])
     for key, (width, _) in shapes.items():
         x = rand(seg[-1], width)
         grouped = packed.delta(key, x)
-        bad = _differing(grouped, packed.delta_per_segment(key, x))
-        if bad:
-            return Check(name, False, f"{key[1]}: rows {bad[:4]} of the grouped product differ from the "
-                                      "per-segment one")
+        ways = {"per-segment one": REFERENCE_TILES, "per-segment one on the rank's ladder": model.lora_ladders}
+        for which, ladders in ways.items():
+            bad = _differing(grouped, packed.delta_per_segment(key, x, ladders))
+            if bad:
+                return Check(name, False, f"{key[1]}: rows {bad[:4]} of the grouped product differ from the {which}")
         for s, adapter in enumerate(ids):
-            alone = LoraBatch([0, seg[s + 1] - seg[s]], [0], [adapters[adapter]]).delta(key, x[seg[s] : seg[s + 1]])
+            alone = LoraBatch([0, seg[s + 1] - seg[s]], [0], [adapters[adapter]]).delta(key, x[seg[s] : seg[s + 1]],
+                                                                                        model.lora_ladders)
             if _differing(alone, grouped[seg[s] : seg[s + 1]]):
                 return Check(name, False, f"{key[1]}: the {GROUPED_LENGTHS[s]}-row segment alone differs from the "
                                           f"same segment among {len(GROUPED_LENGTHS)}")
@@ -618,7 +656,7 @@ def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
-def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: int = 8,
+def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: int = LORA_RANK,
                seed: int = 0) -> ExactnessReport:
     """Run every check on ``model`` (with its ladders) at each thread count (default: ``default_threads``)."""
     start = time.perf_counter()
@@ -654,6 +692,8 @@ def add_rank_checks(report: ExactnessReport, model: Decoder, ranks: list[int], s
     """The LoRA products at each of ``ranks`` at the report's thread counts, added to ``report``: its
     verdict turns to not exact at the first that fails (a pool that fails still serves, and says so)."""
     checks: list[Check] = []
+    if report.device == "cpu" and report.tiles:  # a checked invariant pool (the plain ops have no ladders)
+        model.lora_ladders |= {r: choose_lora_ladder(model, r, report.threads) for r in ranks}
     for n in report.threads:
         with _threads(n), torch.no_grad():
             gen = torch.Generator().manual_seed(seed)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -30,6 +32,8 @@ ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = "lm_head"
 MAX_RANK = 256
+REFERENCE_TILES: Mapping[int, ops.Ladder] = MappingProxyType({})
+"""No ladder for any rank: every LoRA product in the reference tile (``LoraBatch.delta``'s ``ladders``)."""
 
 Key = tuple[int, str]  # (layer index, target); the unembedding is (-1, "lm_head")
 
@@ -182,7 +186,8 @@ class LoraBatch:
                 out += [w.a[key], w.b[key]]
         return out
 
-    def delta(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
+    def delta(self, key: Key, x: torch.Tensor,
+              ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The LoRA correction of target ``key`` for activations ``x [T, I]`` -> ``[T, O]`` or None.
 
         Computed in fp32 (fp64 for fp64 activations) whatever the base dtype: the precision policy keeps
@@ -190,7 +195,8 @@ class LoraBatch:
         Invariant mode runs every segment of one rank through one grouped shrink and expand
         (``lathe.kernels.lora_grouped``), with the bits of ``delta_per_segment``; a batch of one segment out of
         autograd (a decode step of one adapter) runs ``delta_per_segment`` itself: the same products in fewer
-        ops.
+        ops, over the ladder the pool admitted for its rank (``ladders``, by rank: the decoder's
+        ``lora_ladders``), which has the reference tile's bits.
         """
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
@@ -198,7 +204,7 @@ class LoraBatch:
         if self.triton:
             return self._delta_sgmv(key, x, holders[0].b[key].shape[0])
         if not self.invariant or (len(self._segments) == 1 and not torch.is_grad_enabled()):
-            return self.delta_per_segment(key, x)
+            return self.delta_per_segment(key, x, ladders)
         out = None
         for rank in sorted({w.spec.rank for w in holders}):
             layout, members = self._layout(key, rank, x)
@@ -223,9 +229,11 @@ class LoraBatch:
             layout = self._layouts[cache_key] = TileLayout.build(x.shape[0], spans, ops.ROW_TILE, x.device)
         return layout, members
 
-    def delta_per_segment(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
+    def delta_per_segment(self, key: Key, x: torch.Tensor,
+                          ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The reference: each segment through its own ``ops.linear`` pair (the plain mode, and the oracle
-        the self-check holds the grouped path to)."""
+        the self-check holds the grouped path to), over the reference tile or the ladder of its rank in
+        ``ladders``."""
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
             return None
@@ -235,8 +243,9 @@ class LoraBatch:
         for s0, s1, w in self._segments:
             xs = x[s0:s1].to(wide)
             if key in w.a:
-                v = ops.linear(xs, w.a[key].to(wide), invariant=self.invariant)
-                parts.append(ops.linear(v * w.spec.scale, w.b[key].to(wide), invariant=self.invariant))
+                ladder = ladders.get(w.spec.rank, ops.REFERENCE)
+                v = ops.linear(xs, w.a[key].to(wide), invariant=self.invariant, ladder=ladder)
+                parts.append(ops.linear(v * w.spec.scale, w.b[key].to(wide), invariant=self.invariant, ladder=ladder))
             else:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from lathe.kernels import ops
 from lathe.models import exactness
 from lathe.models.decoder import Decoder
+from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights, module_shape
 from lathe.models.tiny import ensure_tiny_model
 
 
@@ -115,6 +116,25 @@ def test_a_pool_times_the_ways_of_running_a_lone_row_and_both_keep_the_reference
         model.ladder = dataclasses.replace(ladder, lone=lone)
         prints.add(exactness.self_check(model, threads=[1]).fingerprint)
     assert len(prints) == 1
+
+
+def test_each_adapter_rank_gets_a_lora_ladder_whose_lone_rows_have_the_reference_bits(tiny_dir: Path) -> None:
+    """A pool chooses the LoRA products' ladder of its own rank at start and of each new rank before its first
+    pass; a decode step of one adapter (one segment, no autograd) runs over it with the reference tile's bits."""
+    model = Decoder.from_dir(tiny_dir)
+    pool = exactness.PoolExactness("sampler", invariant=True)
+    assert pool.check("tiny", model).exact
+    assert pool.check_ranks("tiny", model, {4}).exact
+    assert set(model.lora_ladders) == {exactness.LORA_RANK, 4}
+    adapter = LoraWeights.init(model.cfg, LoraSpec(rank=4), seed=1)
+    with torch.no_grad():
+        for b in adapter.b.values():
+            b.normal_(generator=torch.Generator().manual_seed(2))
+        for rows in (1, 3, 21):
+            x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rows))
+            one = LoraBatch([0, rows], [0], [adapter])
+            for key in [k for k in adapter.a if module_shape(model.cfg, k[1])[0] == x.shape[1]]:
+                assert torch.equal(one.delta(key, x, model.lora_ladders), one.delta_per_segment(key, x)), (key, rows)
 
 
 def test_a_tile_height_with_other_bits_is_left_out_of_the_ladder(tiny_dir: Path,

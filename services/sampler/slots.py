@@ -25,16 +25,17 @@ CPU invariant path, whose logprobs equal the trainer's bit for bit, keeps using 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
 from lathe.errors import ResourceExhausted
+from lathe.kernels import ops
 from lathe.kernels.lora import lora_delta_bgmv
 from lathe.kernels.sgmv_triton import bgmv_expand, bgmv_shrink
 from lathe.models.config import ModelConfig
 from lathe.models.host import to_device
-from lathe.models.lora import Key, LoraSpec, LoraWeights, module_shape
+from lathe.models.lora import REFERENCE_TILES, Key, LoraSpec, LoraWeights, module_shape
 
 
 def _triton_bgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
@@ -143,9 +144,11 @@ class SlotBatch:
         """The same layout restricted to rows [r0, r1)."""
         return SlotBatch(self.pool, self.idx[r0:r1])
 
-    def delta(self, key: Key, x: torch.Tensor) -> torch.Tensor | None:
+    def delta(self, key: Key, x: torch.Tensor,
+              ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The correction of target ``key`` for ``x [T, in]`` -> ``[T, out]`` in x's dtype (None: no slot has
-        the key)."""
+        the key). ``ladders`` is ``LoraBatch.delta``'s; the BGMV kernels are the plain ops' throughput path, which
+        has no ladders, so it is not read."""
         if key not in self.pool.a:
             return None
         a, b = self.pool.a[key].to(x.dtype), self.pool.b[key].to(x.dtype)
