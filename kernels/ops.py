@@ -256,27 +256,26 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     m, k = x.shape
     n = w.shape[1]
     cap = col_cap(k, w.element_size())
-    blocks = [(c, min(c + cap, n)) for c in range(0, n, cap)]
-    y = torch.empty(m, n, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
 
-    def product(rows: torch.Tensor, out: torch.Tensor) -> None:
-        if len(blocks) == 1:
-            torch.mm(rows, w, out=out)
-        else:
-            for c0, c1 in blocks:
-                out[:, c0:c1] = rows @ w[:, c0:c1]
+    def product(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if n <= cap:
+            return torch.mm(rows, w, out=out)
+        for c0 in range(0, n, cap):
+            out[:, c0:c0 + cap] = rows @ w[:, c0:c0 + cap]
+        return out
 
+    smallest = min(heights, default=0)
+    if m < smallest and not lone:  # a decode step's lone row: one padded tile, its first rows a view
+        return product(F.pad(x, (0, 0, 0, smallest - m)), x.new_empty(smallest, n))[:m]
+    y = x.new_empty(m, n)
     start = 0
     for h in sorted(heights, reverse=True):
         stop = start + (m - start) // h * h
         for s in range(start, stop, h):
             product(x[s:s + h], y[s:s + h])
         start = stop
-    if start < m and heights and not lone:
-        h = min(heights)
-        tile = y.new_empty(h, n)
-        product(F.pad(x[start:], (0, 0, 0, h - (m - start))), tile)
-        y[start:] = tile[:m - start]
+    if start < m and smallest and not lone:
+        y[start:] = product(F.pad(x[start:], (0, 0, 0, smallest - (m - start))), x.new_empty(smallest, n))[:m - start]
     elif start < m:
         y[start:] = tiled_matmul(x[start:], w, tile=lone or ROW_TILE)
     return y
