@@ -92,7 +92,7 @@ ROW_TILE_CANDIDATES = (1, 4, 64, 128)
 """Other tile heights a pool may add to its ladder (``Ladder.tiles``) when its self-check finds their
 rows bitwise equal to the reference tile's on that machine (``lathe.models.exactness.choose_row_tiles``)."""
 
-DIRECT_TILE_CANDIDATES = (1, 4, 16, 64, 256)
+DIRECT_TILE_CANDIDATES = (1, 4, 8, 16, 32, 64, 128, 256)
 """Row heights a pool may run as direct products (``Ladder.direct``): one plain library product per tile,
 with the library's own threads and blocking, when its self-check finds their rows bitwise equal to the reference
 tile's at every thread count (``lathe.models.exactness.choose_direct_tiles``)."""

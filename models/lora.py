@@ -25,7 +25,7 @@ from types import MappingProxyType
 import torch
 
 from lathe.kernels import ops
-from lathe.kernels.lora_grouped import TileLayout, lora_grouped
+from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout, lora_grouped
 from lathe.models.config import ModelConfig
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -196,14 +196,15 @@ class LoraBatch:
         (``lathe.kernels.lora_grouped``), with the bits of ``delta_per_segment``; a batch of one segment out of
         autograd (a decode step of one adapter) runs ``delta_per_segment`` itself: the same products in fewer
         ops, over the ladder the pool admitted for its rank (``ladders``, by rank: the decoder's
-        ``lora_ladders``), which has the reference tile's bits.
+        ``lora_ladders``), which has the reference tile's bits. So does a batch out of autograd whose grouped
+        product could not stack its adapters' weights (``_per_segment``).
         """
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
             return None
         if self.triton:
             return self._delta_sgmv(key, x, holders[0].b[key].shape[0])
-        if not self.invariant or (len(self._segments) == 1 and not torch.is_grad_enabled()):
+        if not self.invariant or (not torch.is_grad_enabled() and self._per_segment(key, holders, ladders)):
             return self.delta_per_segment(key, x, ladders)
         out = None
         for rank in sorted({w.spec.rank for w in holders}):
@@ -212,6 +213,19 @@ class LoraBatch:
                                 [w.spec.scale for w in members])
             out = part if out is None else out + part  # each part is zero outside its own rows
         return out
+
+    def _per_segment(self, key: Key, holders: list[LoraWeights], ladders: Mapping[int, ops.Ladder]) -> bool:
+        """Whether ``key`` runs faster per segment, over its ranks' ladders, than grouped: one segment, or an expand
+        whose per-tile weight copies would pass ``STACK_BYTES``, which the grouped product runs one segment at a
+        time anyway, each in one-thread products padded to the thread count (the LM head's; measured on a 2-core
+        EPYC, 4 adapters x 8 decode rows at rank 32: 24 ms grouped, 7 ms per segment on the direct ladder)."""
+        if len(self._segments) == 1:
+            return True
+        if any(w.spec.rank not in ladders for w in holders):
+            return False
+        tiles = sum(-(-(s1 - s0) // ops.ROW_TILE) for s0, s1, w in self._segments if key in w.a)
+        expand = max(w.b[key].numel() for w in holders)
+        return tiles * expand * 4 > STACK_BYTES  # the fp32 copies the grouped expand would stack
 
     def _layout(self, key: Key, rank: int, x: torch.Tensor) -> tuple[TileLayout, list[LoraWeights]]:
         """The tile layout of the segments whose adapter has ``key`` at ``rank``, and those adapters by slot."""
