@@ -38,6 +38,7 @@ The first check that fails is named in ``first_failure``; a pool that fails stil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import sys
 import time
@@ -321,15 +322,23 @@ def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Lad
     so small that the way with the fewest ops is the faster one, so it is not timed.
 
     Random weights stand for the adapters' (the bits depend on the shapes and the library's code paths, which
-    the weights' values do not choose); the rank's self-check (``_lora_checks``) then runs the ladder."""
+    the weights' values do not choose; so one process chooses once per set of shapes); the rank's self-check
+    (``_lora_checks``) then runs the ladder."""
     cfg = model.cfg
-    wide = torch.promote_types(model.dtype, torch.float32)
-    gen = torch.Generator().manual_seed(rank)
     targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
-    shrinks = [torch.randn(rank, i, generator=gen) for i in sorted({module_shape(cfg, t)[0] for t in targets})]
-    expands = [torch.randn(min(o, ops.col_cap(rank, wide.itemsize)), rank, generator=gen)
-               for o in sorted({module_shape(cfg, t)[1] for t in targets})]
-    ladder = choose_ladder([w.to(device=model.device, dtype=wide) for w in shrinks + expands], threads)
+    ins = tuple(sorted({module_shape(cfg, t)[0] for t in targets}))
+    outs = tuple(sorted({module_shape(cfg, t)[1] for t in targets}))
+    return _lora_ladder(ins, outs, rank, torch.promote_types(model.dtype, torch.float32), model.device.type,
+                        tuple(threads))
+
+
+@functools.cache
+def _lora_ladder(ins: tuple[int, ...], outs: tuple[int, ...], rank: int, wide: torch.dtype, device: str,
+                 threads: tuple[int, ...]) -> ops.Ladder:
+    gen = torch.Generator().manual_seed(rank)
+    shrinks = [torch.randn(rank, i, generator=gen) for i in ins]
+    expands = [torch.randn(min(o, ops.col_cap(rank, wide.itemsize)), rank, generator=gen) for o in outs]
+    ladder = choose_ladder([w.to(device=device, dtype=wide) for w in shrinks + expands], list(threads))
     return dataclasses.replace(ladder, lone=0) if ladder.direct else ladder
 
 
