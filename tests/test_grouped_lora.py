@@ -15,7 +15,7 @@ import torch
 
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout
-from lathe.models.exactness import choose_row_tiles
+from lathe.models.exactness import choose_direct_tiles, choose_row_tiles
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 
 KEYS = {(0, "q_proj"): (96, 96), (0, "down_proj"): (1536, 96), (-1, "lm_head"): (96, 49152)}
@@ -101,6 +101,23 @@ def test_many_tiles_of_wide_weights_run_one_product_per_segment() -> None:
     batch = LoraBatch(layout(lengths), [0, 1], adapters)
     with torch.no_grad():
         assert torch.equal(batch.delta(key, x), batch.delta_per_segment(key, x))
+
+
+def test_out_of_autograd_an_expand_too_wide_to_stack_runs_per_segment_on_the_ranks_ladder_with_the_same_bits(
+        threads: int) -> None:
+    """A decode step of several adapters: the LM head's expand cannot be stacked, so with a ladder for the rank
+    the segments run one by one over it (direct products), with the grouped path's and the reference's bits."""
+    adapters = [adapter(32, s) for s in (1, 2, 3, 4)]
+    key = (-1, "lm_head")
+    shapes = [torch.randn(32, 96), torch.randn(ops.col_cap(32, 4), 32)]  # the shrink and the expand's first block
+    ladder = ops.Ladder((ops.ROW_TILE,), choose_direct_tiles(shapes, [threads]), lone=0)
+    batch = LoraBatch(layout([8, 8, 8, 8]), [0, 1, 2, 3], adapters)
+    assert batch._per_segment(key, adapters, {32: ladder}) and not batch._per_segment(key, adapters, {})
+    x = torch.randn(32, 96, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        reference = batch.delta_per_segment(key, x)
+        assert torch.equal(batch.delta(key, x, {32: ladder}), reference)
+        assert torch.equal(batch.delta(key, x), reference)  # grouped, as without a ladder
 
 
 def test_tile_layout_pads_each_segment_and_unpads_back() -> None:
