@@ -98,7 +98,6 @@ with the library's own threads and blocking, when its self-check finds their row
 tile's at every thread count (``lathe.models.exactness.choose_direct_tiles``)."""
 
 
-
 @dataclass(frozen=True, slots=True)
 class Ladder:
     """How an invariant ``linear`` cuts its rows into products on one pool; the default is the reference tile
@@ -265,8 +264,12 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
         return out
 
     smallest = min(heights, default=0)
-    if m < smallest and not lone:  # a decode step's lone row: one padded tile, its first rows a view
-        return product(F.pad(x, (0, 0, 0, smallest - m)), x.new_empty(smallest, n))[:m]
+
+    def padded(rows: torch.Tensor) -> torch.Tensor:  # fewer than ``smallest``: one zero-padded tile, sliced back
+        return product(F.pad(rows, (0, 0, 0, smallest - rows.shape[0])), x.new_empty(smallest, n))[:rows.shape[0]]
+
+    if m < smallest and not lone:  # a decode step's lone row: its product is a view of the padded tile's
+        return padded(x)
     y = x.new_empty(m, n)
     start = 0
     for h in sorted(heights, reverse=True):
@@ -275,7 +278,7 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
             product(x[s:s + h], y[s:s + h])
         start = stop
     if start < m and smallest and not lone:
-        y[start:] = product(F.pad(x[start:], (0, 0, 0, smallest - (m - start))), x.new_empty(smallest, n))[:m - start]
+        y[start:] = padded(x[start:])
     elif start < m:
         y[start:] = tiled_matmul(x[start:], w, tile=lone or ROW_TILE)
     return y
