@@ -185,15 +185,17 @@ class PoolExactness:
         return report.fields() if report is not None else {"checked": False}
 
 
-SPEED_ONLY = ("lone_tile",)
-"""Keys of ``tiles`` that a pool chooses by timing among ways of equal bits: not part of the fingerprint."""
+UNPRINTED = ("lone_tile", "lora_direct_tiles")
+"""Keys of ``tiles`` left out of the fingerprint: the lone row's way, chosen by time among ways of equal bits, and
+the LoRA ladders, chosen per adapter rank as adapters arrive (after the fingerprint is taken)."""
 
 
 def tiles(model: Decoder) -> dict[str, object]:
-    """The tile sizes the invariant ops use on ``model`` (but for ``SPEED_ONLY``, part of the fingerprint)."""
+    """The tile sizes the invariant ops use on ``model`` (but for ``UNPRINTED``, part of the fingerprint)."""
     return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.ladder.tiles),
             "grad_row_tiles": list(model.grad_ladder.tiles), "direct_tiles": list(model.ladder.direct),
             "grad_direct_tiles": list(model.grad_ladder.direct), "lone_tile": model.ladder.lone,
+            "lora_direct_tiles": {rank: list(ladder.direct) for rank, ladder in sorted(model.lora_ladders.items())},
             "attn_row_tile": ops.ATTN_ROW_TILE,
             "attn_row_tiles": list(model.attn_tiles), "key_chunk": ops.KEY_CHUNK,
             "col_block_bytes": ops.COL_BLOCK_BYTES}
@@ -346,7 +348,7 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Lad
     """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
     sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
     ladder. Both give the reference tile's bits (the trial admitted each), so this choice, unlike the others, is
-    timed: it changes speed, never bits, and is not part of the fingerprint (``SPEED_ONLY``).
+    timed: it changes speed, never bits, and is not part of the fingerprint (``UNPRINTED``).
 
     Why timed: which is faster depends on the library. Measured on an AVX-512 EPYC, MKL runs a 4-row fp32
     product on one thread (the tiled way spreads a weight's column halves over two) while its bf16 products
@@ -659,7 +661,7 @@ def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:
     h = hashlib.sha256()
     # Forward bits only: the backward ladder is a trainer's own (a sampler runs no backward), and trainer and
     # sampler of one model must print the same.
-    forward = {k: v for k, v in tiles(model).items() if not k.startswith("grad_") and k not in SPEED_ONLY}
+    forward = {k: v for k, v in tiles(model).items() if not k.startswith("grad_") and k not in UNPRINTED}
     h.update(f"{model.dtype}|{model.device.type}|{sorted(forward.items())}|".encode())
     h.update(packed.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -701,8 +703,8 @@ def add_rank_checks(report: ExactnessReport, model: Decoder, ranks: list[int], s
     """The LoRA products at each of ``ranks`` at the report's thread counts, added to ``report``: its
     verdict turns to not exact at the first that fails (a pool that fails still serves, and says so)."""
     checks: list[Check] = []
-    if report.device == "cpu" and report.tiles:  # a checked invariant pool (the plain ops have no ladders)
-        model.lora_ladders |= {r: choose_lora_ladder(model, r, report.threads) for r in ranks}
+    model.lora_ladders |= {r: choose_lora_ladder(model, r, report.threads) for r in ranks}
+    report.tiles = tiles(model)
     for n in report.threads:
         with _threads(n), torch.no_grad():
             gen = torch.Generator().manual_seed(seed)

@@ -124,8 +124,10 @@ def test_each_adapter_rank_gets_a_lora_ladder_whose_lone_rows_have_the_reference
     model = Decoder.from_dir(tiny_dir)
     pool = exactness.PoolExactness("sampler", invariant=True)
     assert pool.check("tiny", model).exact
-    assert pool.check_ranks("tiny", model, {4}).exact
-    assert set(model.lora_ladders) == {exactness.LORA_RANK, 4}
+    report = pool.check_ranks("tiny", model, {4})
+    assert report.exact and set(model.lora_ladders) == {exactness.LORA_RANK, 4}
+    chosen = {rank: list(ladder.direct) for rank, ladder in sorted(model.lora_ladders.items())}
+    assert report.tiles["lora_direct_tiles"] == chosen
     adapter = LoraWeights.init(model.cfg, LoraSpec(rank=4), seed=1)
     with torch.no_grad():
         for b in adapter.b.values():
@@ -182,6 +184,7 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
                           "direct_tiles": [], "grad_direct_tiles": [], "lone_tile": ops.ROW_TILE,
+                          "lora_direct_tiles": {},
                           "attn_row_tile": ops.ATTN_ROW_TILE,
                           "attn_row_tiles": [ops.ATTN_ROW_TILE], "key_chunk": ops.KEY_CHUNK,
                           "col_block_bytes": ops.COL_BLOCK_BYTES}
