@@ -22,10 +22,19 @@ T = TypeVar("T")
 
 DEVICES = ("cuda", "cpu")
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The dtypes a pool may hold its frozen base weights in, by flag name (LoRA, gradients and moments stay fp32)."""
+
 
 def default_device() -> str:
     """The pools' default device: ``cuda`` when torch sees a GPU, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_dtype(dtype: str) -> None:
+    """Refuse a base-weight dtype that is not one of ``DTYPES``, naming it."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
 
 
 def check_device(device: str) -> None:
@@ -41,7 +50,7 @@ def add_pool_arguments(ap: argparse.ArgumentParser, *, models: str, cache_root: 
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--models", default=models, help="served base models, comma-separated")
     ap.add_argument("--cache-root", type=Path, default=cache_root)
-    ap.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
     ap.add_argument("--device", default=default_device(), choices=DEVICES,
                     help="where weights, adapters, optimizer state and KV caches live (default: cuda if present)")
     ap.add_argument("--sgmv", action="store_true", help="LoRA through the Triton SGMV kernels (GPU)")

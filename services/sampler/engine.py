@@ -58,7 +58,7 @@ from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, Resour
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
-from lathe.models.pool import check_device, default_device, on_passing_thread
+from lathe.models.pool import DTYPES, check_device, check_dtype, default_device, on_passing_thread
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
@@ -72,8 +72,6 @@ from lathe.sampler.validate import ModelLimits, Plan, check_sample
 from lathe.types import TensorData
 from lathe.v1 import lathe_pb2 as pb
 from lathe.wire import error_to_proto, tensor_to_proto
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class CatalogEntry(Protocol):
@@ -119,8 +117,7 @@ class SamplerConfig:
     graph_buckets: tuple[int, ...] = BUCKETS  # batch sizes decode steps are padded to and captured at
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        check_dtype(self.dtype)
         check_device(self.device)
         for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "max_running_tokens",
                      "loaders"):

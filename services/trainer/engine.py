@@ -53,8 +53,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from lathe.errors import (
     FailedPrecondition,
     Internal,
@@ -68,7 +66,7 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraSpec, default_seed
-from lathe.models.pool import check_device, default_device, on_passing_thread
+from lathe.models.pool import DTYPES, check_device, check_dtype, default_device, on_passing_thread
 from lathe.trainer import shard
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
 from lathe.trainer.custom_loss import reduce_metrics
@@ -95,8 +93,6 @@ from lathe.types import (
     recovery_path,
 )
 from lathe.v1 import lathe_pb2 as pb
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class CheckpointStore(Protocol):
@@ -131,8 +127,7 @@ class TrainerConfig:
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)  # recovery snapshots (lathe.trainer.recovery)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        check_dtype(self.dtype)
         check_device(self.device)
         if not self.order_wait_s > 0:
             raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
