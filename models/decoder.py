@@ -4,7 +4,8 @@ Owns the frozen base weights (``dtype`` of the pool: fp32 or bf16, on the pool's
 forward math: RMSNorm,
 RoPE from one precomputed table, grouped-query attention, SwiGLU, tied or untied embeddings,
 Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm. It never owns adapters or optimizer state: a
-``LoraBatch`` is passed in per call, and so is the sampler's KV cache; both live on ``device``.
+batch's adapters (``LoraDeltas``: a ``LoraBatch``, or the sampler's BGMV slots) are passed in per call, and
+so is the sampler's KV cache; both live on ``device``.
 Callers build a batch's index tensors on the CPU; ``hidden`` and ``target_logprobs`` move them.
 
 A batch is *packed*: the tokens of all sequences are one flat ``[T]`` row, sequence ``s`` owns rows
@@ -25,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lathe.kernels import ops
 from lathe.models.config import ModelConfig
-from lathe.models.lora import UNEMBED, LoraBatch
+from lathe.models.lora import UNEMBED, LoraBatch, LoraDeltas
 
 LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logprobs
 
@@ -139,7 +140,7 @@ class Decoder(torch.nn.Module):
 
     # ---- building blocks ----
 
-    def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraBatch | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraDeltas | None) -> torch.Tensor:
         y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant,
                        ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:
@@ -152,7 +153,7 @@ class Decoder(torch.nn.Module):
         return ops.rms_norm(x, self.w[name], self.cfg.rms_norm_eps, invariant=self.invariant)
 
     def _attention(
-        self, i: int, x: torch.Tensor, batch: Packed, lora: LoraBatch | None, kv: KVCache | None
+        self, i: int, x: torch.Tensor, batch: Packed, lora: LoraDeltas | None, kv: KVCache | None
     ) -> torch.Tensor:
         cfg, p = self.cfg, f"model.layers.{i}.self_attn."
         t = x.shape[0]
@@ -181,7 +182,7 @@ class Decoder(torch.nn.Module):
         o = torch.cat(outs, dim=0).reshape(t, cfg.num_heads * cfg.head_dim)
         return self._linear(o, p + "o_proj", (i, "o_proj"), lora)
 
-    def _mlp(self, i: int, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+    def _mlp(self, i: int, x: torch.Tensor, lora: LoraDeltas | None) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         gate = self._linear(x, p + "gate_proj", (i, "gate_proj"), lora)
         up = self._linear(x, p + "up_proj", (i, "up_proj"), lora)
@@ -189,7 +190,7 @@ class Decoder(torch.nn.Module):
 
     # ---- public ----
 
-    def hidden(self, batch: Packed, lora: LoraBatch | None = None, kv: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, batch: Packed, lora: LoraDeltas | None = None, kv: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of a packed batch."""
         batch = batch.to(self.device)
         x = self.w["model.embed_tokens.weight"][batch.tokens]
@@ -201,12 +202,12 @@ class Decoder(torch.nn.Module):
                 x = self._layer(i, x, batch, lora, kv)
         return self._norm(x, "model.norm.weight")
 
-    def _layer(self, i: int, x: torch.Tensor, batch: Packed, lora: LoraBatch | None, kv: KVCache | None
+    def _layer(self, i: int, x: torch.Tensor, batch: Packed, lora: LoraDeltas | None, kv: KVCache | None
                ) -> torch.Tensor:
         x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, lora, kv)
         return x + self._mlp(i, self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight"), lora)
 
-    def logits(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
         y = ops.linear(h, self.lm_head, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:

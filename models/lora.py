@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Protocol
 
 import torch
 
@@ -144,6 +145,19 @@ class LoraWeights:
         with torch.no_grad():
             for name, param in own.items():
                 param.copy_(tensors[name])
+
+
+class LoraDeltas(Protocol):
+    """What the decoder asks of a packed batch's adapters after each target module's base product. Two backends
+    answer it: ``LoraBatch`` (per segment, grouped or SGMV: the trainer's, and the sampler's in invariant mode) and
+    the sampler's ``SlotBatch`` (BGMV over resident adapter slots, the plain ops' throughput path)."""
+
+    def delta(self, key: Key, x: torch.Tensor,
+              ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
+        """The correction ``[T, O]`` of target ``key`` for activations ``x [T, I]``, or None where no adapter of the
+        batch has the target; ``ladders``: the pool's LoRA ladders by rank (``Decoder.lora_ladders``), for a backend
+        that runs segments on them."""
+        ...
 
 
 @dataclass(slots=True)

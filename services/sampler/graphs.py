@@ -37,7 +37,7 @@ import torch
 
 from lathe.kernels import ops
 from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import LoraBatch, LoraWeights
+from lathe.models.lora import LoraDeltas, LoraWeights
 from lathe.sampler.blocks import BLOCK, NULL, blocks_for
 from lathe.sampler.kv import DecodeKV, KVPool
 from lathe.sampler.slots import SlotBatch, SlotPool
@@ -129,12 +129,12 @@ class DecodeRunner:
         outs = {i: ItemOut(logits[s], logprobs[s]) for s, i in enumerate(order)}
         return [outs[i] for i in range(len(items))]
 
-    def _lora(self, inputs: _Inputs, adapters: list[LoraWeights | None]) -> SlotBatch | LoraBatch | None:
+    def _lora(self, inputs: _Inputs, adapters: list[LoraWeights | None]) -> LoraDeltas | None:
         if self.slots is not None:
             return SlotBatch(self.slots, inputs.idx)
         return segments(adapters, [1] * len(adapters), self.model)
 
-    def _forward(self, inputs: _Inputs, lora: SlotBatch | LoraBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, inputs: _Inputs, lora: LoraDeltas | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and logprobs [B, V] of every row, the new keys and values written to the pool."""
         kv = DecodeKV(self.kv, inputs.rows, inputs.grid, inputs.positions)
         h = self.model.hidden(Packed(inputs.tokens, inputs.positions, inputs.cu), lora, kv)

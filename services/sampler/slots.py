@@ -134,7 +134,8 @@ class SlotPool:
 
 
 class SlotBatch:
-    """The LoRA layout of one packed step over a ``SlotPool``: ``idx [T]``, the slot of each row (-1: none)."""
+    """The LoRA layout of one packed step over a ``SlotPool`` (a ``LoraDeltas`` backend, as ``LoraBatch`` is):
+    ``idx [T]``, the slot of each row (-1: none)."""
 
     def __init__(self, pool: SlotPool, idx: torch.Tensor | list[int]) -> None:
         self.pool = pool
