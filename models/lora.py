@@ -235,7 +235,7 @@ class LoraBatch:
         EPYC, 4 adapters x 8 decode rows at rank 32: 24 ms grouped, 7 ms per segment on the direct ladder)."""
         if len(self._segments) == 1:
             return True
-        if any(w.spec.rank not in ladders for w in holders):
+        if any(not ladders.get(w.spec.rank, ops.REFERENCE).direct for w in holders):  # no direct products
             return False
         tiles = sum(-(-(s1 - s0) // ops.ROW_TILE) for s0, s1, w in self._segments if key in w.a)
         expand = max(w.b[key].numel() for w in holders)

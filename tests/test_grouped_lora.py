@@ -80,7 +80,7 @@ def test_a_segments_gradients_alone_equal_its_gradients_among_others(threads: in
 def test_an_adapter_in_two_segments_gets_both_gradients() -> None:
     w = adapter(8, 1)
     key = (0, "q_proj")
-    x = torch.randn(30, 96, requires_grad=True)
+    x = torch.randn(30, 96, generator=torch.Generator().manual_seed(8), requires_grad=True)
     grouped = LoraBatch([0, 10, 30], [0, 0], [w]).delta(key, x)
     assert torch.equal(grouped, LoraBatch([0, 30], [0], [w]).delta_per_segment(key, x))
     ours = torch.autograd.grad(grouped.square().sum(), [w.a[key], w.b[key]])
@@ -97,7 +97,7 @@ def test_many_tiles_of_wide_weights_run_one_product_per_segment() -> None:
     lengths = [150, 170]
     tiles = sum(-(-n // ops.ROW_TILE) for n in lengths)
     assert tiles * 32 * 49152 * 4 > STACK_BYTES
-    x = torch.randn(sum(lengths), 96)
+    x = torch.randn(sum(lengths), 96, generator=torch.Generator().manual_seed(7))
     batch = LoraBatch(layout(lengths), [0, 1], adapters)
     with torch.no_grad():
         assert torch.equal(batch.delta(key, x), batch.delta_per_segment(key, x))
@@ -109,11 +109,12 @@ def test_out_of_autograd_an_expand_too_wide_to_stack_runs_per_segment_on_the_ran
     the segments run one by one over it (direct products), with the grouped path's and the reference's bits."""
     adapters = [adapter(32, s) for s in (1, 2, 3, 4)]
     key = (-1, "lm_head")
-    shapes = [torch.randn(32, 96), torch.randn(ops.col_cap(32, 4), 32)]  # the shrink and the expand's first block
+    gen = torch.Generator().manual_seed(6)
+    shapes = [torch.randn(32, 96, generator=gen), torch.randn(ops.col_cap(32, 4), 32, generator=gen)]  # A, B's block
     ladder = ops.Ladder((ops.ROW_TILE,), choose_direct_tiles(shapes, [threads]), lone=0)
     batch = LoraBatch(layout([8, 8, 8, 8]), [0, 1, 2, 3], adapters)
     assert batch._per_segment(key, adapters, {32: ladder}) and not batch._per_segment(key, adapters, {})
-    x = torch.randn(32, 96, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(32, 96, generator=gen)
     with torch.no_grad():
         reference = batch.delta_per_segment(key, x)
         assert torch.equal(batch.delta(key, x, {32: ladder}), reference)
