@@ -97,6 +97,12 @@ class TileLayout:
         return [t[t0:t1].sum(0) for t0, t1, _ in self.runs]
 
 
+def stacks(layout: TileLayout, weight: torch.Tensor) -> bool:
+    """Whether a grouped product over ``layout`` stacks per-tile copies of weights shaped like ``weight`` (one
+    product for all its segments) rather than running one product per segment (past ``STACK_BYTES``)."""
+    return layout.tiles * weight.numel() * weight.element_size() <= STACK_BYTES
+
+
 def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, transpose: bool) -> torch.Tensor:
     """``lhs[t] @ op(mats[slot of tile t])`` for every tile; op is ``.T`` when ``transpose``; lhs [tiles, m, k].
 
@@ -112,7 +118,7 @@ def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, t
     if len(slots) == 1:
         w = op(mats[slots.pop()])
         return ops._bmm(lhs, w.expand(tiles, *w.shape))
-    if tiles * mats[0].numel() * mats[0].element_size() <= STACK_BYTES:
+    if stacks(layout, mats[0]):
         stacked = torch.stack([mats[slot] for t0, t1, slot in layout.runs for _ in range(t1 - t0)])
         return ops._bmm(lhs, stacked.transpose(1, 2) if transpose else stacked)
     out = lhs.new_empty(tiles, lhs.shape[1], op(mats[0]).shape[1])

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from lathe.kernels import ops
-from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout, lora_grouped
+from lathe.kernels.lora_grouped import TileLayout, lora_grouped, stacks
 from lathe.models.config import ModelConfig
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -218,7 +218,7 @@ class LoraBatch:
             return None
         if self.triton:
             return self._delta_sgmv(key, x, holders[0].b[key].shape[0])
-        if not self.invariant or (not torch.is_grad_enabled() and self._per_segment(key, holders, ladders)):
+        if not self.invariant or (not torch.is_grad_enabled() and self._per_segment(key, x, holders, ladders)):
             return self.delta_per_segment(key, x, ladders)
         out = None
         for rank in sorted({w.spec.rank for w in holders}):
@@ -228,18 +228,23 @@ class LoraBatch:
             out = part if out is None else out + part  # each part is zero outside its own rows
         return out
 
-    def _per_segment(self, key: Key, holders: list[LoraWeights], ladders: Mapping[int, ops.Ladder]) -> bool:
+    def _per_segment(self, key: Key, x: torch.Tensor, holders: list[LoraWeights],
+                     ladders: Mapping[int, ops.Ladder]) -> bool:
         """Whether ``key`` runs faster per segment, over its ranks' ladders, than grouped: one segment, or an expand
-        whose per-tile weight copies would pass ``STACK_BYTES``, which the grouped product runs one segment at a
-        time anyway, each in one-thread products padded to the thread count (the LM head's; measured on a 2-core
-        EPYC, 4 adapters x 8 decode rows at rank 32: 24 ms grouped, 7 ms per segment on the direct ladder)."""
+        the grouped product cannot stack (``lora_grouped.stacks``: the LM head's over several adapters), which it
+        would run one segment at a time anyway, in one-thread products (measured on a 2-core EPYC, 4 adapters x 8
+        decode rows at rank 32: 24 ms grouped, 7 ms per segment on the direct ladder)."""
         if len(self._segments) == 1:
             return True
         if any(not ladders.get(w.spec.rank, ops.REFERENCE).direct for w in holders):  # no direct products
             return False
-        tiles = sum(-(-(s1 - s0) // ops.ROW_TILE) for s0, s1, w in self._segments if key in w.a)
-        expand = max(w.b[key].numel() for w in holders)
-        return tiles * expand * 4 > STACK_BYTES  # the fp32 copies the grouped expand would stack
+        for rank in {w.spec.rank for w in holders}:
+            layout, members = self._layout(key, rank, x)
+            expand = members[0].b[key]
+            c0, c1 = ops.col_blocks(rank, expand.shape[0], expand.element_size())[0]  # the expand's first block
+            if not stacks(layout, expand[c0:c1]):
+                return True
+        return False
 
     def _layout(self, key: Key, rank: int, x: torch.Tensor) -> tuple[TileLayout, list[LoraWeights]]:
         """The tile layout of the segments whose adapter has ``key`` at ``rank``, and those adapters by slot."""
