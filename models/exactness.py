@@ -276,9 +276,11 @@ def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int 
     return _tile_ladder(_RowTrial(weights, threads, seed))
 
 
-def _tile_ladder(trial: _RowTrial) -> tuple[int, ...]:
+def _tile_ladder(trial: _RowTrial, below: int | None = None) -> tuple[int, ...]:
+    """The reference tile and each admitted candidate height (only those under ``below`` when given)."""
+    candidates = [t for t in ops.ROW_TILE_CANDIDATES if below is None or t < below]
     with torch.no_grad():
-        chosen = [t for t in ops.ROW_TILE_CANDIDATES if trial.agrees(lambda x, w, t=t: ops.tiled_matmul(x, w, tile=t))]
+        chosen = [t for t in candidates if trial.agrees(lambda x, w, t=t: ops.tiled_matmul(x, w, tile=t))]
     return tuple(sorted({ops.ROW_TILE, *chosen}))
 
 
@@ -306,14 +308,17 @@ def _direct_heights(trial: _RowTrial) -> tuple[int, ...]:
 
 def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too: bool = False) -> ops.Ladder:
     """The ``ops.Ladder`` of ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` where no direct height
-    was admitted or ``tiles_too`` asks (with a direct height, the tile ladder serves only rows fewer than its
-    smallest height: ``choose_lone``); ``lone`` is the reference tile. One trial (row pools and reference
-    products) serves both choices."""
+    was admitted. With one, the tile ladder serves only the rows fewer than its smallest height, as a way for
+    ``choose_lone`` to time: where ``tiles_too`` asks for it, only heights under the reference tile are tried (a
+    taller tile is never the faster way to run a lone row). ``lone`` is the reference tile. One trial (row pools
+    and reference products) serves both choices."""
     if any(w.device.type != "cpu" for w in weights):
         return ops.REFERENCE
     trial = _RowTrial(weights, threads, seed=0)
     direct = _direct_heights(trial)
-    return ops.Ladder(_tile_ladder(trial) if tiles_too or not direct else (ops.ROW_TILE,), direct)
+    if not direct:
+        return ops.Ladder(_tile_ladder(trial), direct)
+    return ops.Ladder(_tile_ladder(trial, below=ops.ROW_TILE) if tiles_too else (ops.ROW_TILE,), direct)
 
 
 def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Ladder:
