@@ -18,8 +18,9 @@ its machine (``lathe.models.exactness``).
 
 Backward is written out (a ``torch.autograd.Function``) so that it, too, costs a few products per target
 instead of autograd's per-segment slices, zero-filled full-size gradients and concatenations. Each
-segment's weight gradients are the sum over its own tiles of per-tile products: an adapter's gradient
-depends on its own rows only, never on which other adapters share the batch.
+segment's weight gradients are one product over its own (tile-padded) rows, segments of as many tiles batched
+into one ``ops._bmm``: an adapter's gradient depends on its own rows only, never on which other adapters share
+the batch.
 """
 
 from __future__ import annotations
@@ -92,9 +93,41 @@ class TileLayout:
             return picked
         return picked.new_zeros(self.rows, t.shape[2]).index_copy_(0, self.src, picked)
 
-    def per_segment_sum(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """``t [tiles, ...]`` summed over each segment's own tiles, in run order."""
-        return [t[t0:t1].sum(0) for t0, t1, _ in self.runs]
+    def per_segment_products(self, lhs: torch.Tensor, rhs: torch.Tensor) -> list[torch.Tensor]:
+        """``lhs[seg].T @ rhs[seg]`` for each segment, in run order; lhs [tiles, tile, m], rhs [tiles, tile, n]
+        -> [m, n] each, where ``seg`` is a segment's own tiles as one ``[tiles_s * tile, .]`` block (its padding
+        rows are zero).
+
+        A segment's rows are cut into ``parts`` equal spans (``split``: as many as the threads, so a segment
+        alone keeps every thread busy), each span's product runs on one thread (``ops._bmm``), and the parts
+        are added in order: the bits depend on the segment and the thread count, never on the other segments.
+        Consecutive segments of as many tiles share one ``ops._bmm`` (their spans are views of the same tiles).
+        """
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(self.runs):
+            t0, t1, _ = self.runs[i]
+            k, j = t1 - t0, i + 1
+            while j < len(self.runs) and self.runs[j][1] - self.runs[j][0] == k:
+                j += 1
+            end, parts = t0 + (j - i) * k, split(k * self.tile)
+            span = k * self.tile // parts
+            # contiguous: a column block of a wider gradient gets one layout however many segments share it
+            left = lhs[t0:end].contiguous().view(-1, span, lhs.shape[2])
+            prods = ops._bmm(left.transpose(1, 2), rhs[t0:end].reshape(-1, span, rhs.shape[2]))
+            prods = prods.view(j - i, parts, *prods.shape[1:])
+            total = prods[:, 0]
+            for p in range(1, parts):
+                total = total + prods[:, p]
+            out += total.unbind(0)
+            i = j
+        return out
+
+
+def split(rows: int) -> int:
+    """Spans a segment of ``rows`` rows is cut into for its weight-gradient products: the most, up to the
+    thread count, that divide it evenly."""
+    return max(p for p in range(1, max(torch.get_num_threads(), 1) + 1) if rows % p == 0)
 
 
 def stacks(layout: TileLayout, weight: torch.Tensor) -> bool:
@@ -159,10 +192,10 @@ class _GroupedLora(torch.autograd.Function):
             g = gt[:, :, c0:c1]
             part = _products(g, [m[c0:c1] for m in b], layout, transpose=False)  # [tiles, tile, r]
             dvs = part if dvs is None else dvs + part
-            grad_b.append(layout.per_segment_sum(ops._bmm(g.transpose(1, 2), vs)))  # [blk, r] per segment
+            grad_b.append(layout.per_segment_products(g, vs))  # [blk, r] per segment
         dv = dvs.mul_(scale)
         dx = _products(dv, list(a), layout, transpose=False)  # [tiles, tile, I]
-        grad_a = layout.per_segment_sum(ops._bmm(dv.transpose(1, 2), xt))  # [r, I] per segment
+        grad_a = layout.per_segment_products(dv, xt)  # [r, I] per segment
         da: list[torch.Tensor | None] = [None] * n
         db: list[torch.Tensor | None] = [None] * n
         for s, (_, _, slot) in enumerate(layout.runs):

@@ -152,6 +152,14 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if target == rows else F.pad(x, (0, 0, 0, target - rows))
 
 
+def _pad_batch(x: torch.Tensor, want: int) -> torch.Tensor:
+    """x [n, M, K] with zero matrices appended up to ``want``, in x's own layout: a transposed view ([n, K, M] in
+    memory) stays one, so the library reads a padded batch the way it reads the same batch unpadded."""
+    if x.stride(-2) == 1 and x.stride(-1) != 1:
+        return _pad_batch(x.transpose(1, 2), want).transpose(1, 2)
+    return F.pad(x, (0, 0, 0, 0, 0, want - x.shape[0]))
+
+
 def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """c[i] = a[i] @ b[i] for a [B, M, K], b [B, K, N] -> c [B, M, N], every product run by one thread; written
     into ``out`` (a contiguous [B, M, N]) when given.
@@ -171,7 +179,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
         n, want = a.shape[0], torch.get_num_threads()
         if n == 0 or n >= want:
             return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
-        a = F.pad(a, (0, 0, 0, 0, 0, want - n))
+        a = _pad_batch(a, want)
         shared = b.shape[0] == 1 or b.stride(0) == 0  # one operand for every product: still a view
         b = b[:1].expand(want, *b.shape[1:]) if shared else F.pad(b, (0, 0, 0, 0, 0, want - n))
         c = torch.bmm(a, b)[:n]
