@@ -24,6 +24,8 @@ with the invariant mode to rounding, bits do not. The mode is an argument, never
       o[i, h] = softmax(scale * q[i, h] @ k[:q_offset+i+1, h // g].T) @ v[:q_offset+i+1, h // g]
                                                                             -> o: [Lq, Hq, D]
       Training and prefill: q_offset = 0, Lk = Lq. Chunked prefill: q_offset = tokens already cached.
+      attention_batch(q, k, v): S sequences of one length at once, q [S, L, Hq, D], k, v [S, L, Hkv, D],
+      o[s] = attention(q[s], k[s], v[s], q_offset=0)                      -> o: [S, L, Hq, D]
       Decode: Lq = 1, q_offset = Lk - 1. Keys past q_offset + Lq - 1 never reach the result: a KV
       cache may be passed with spare slots, which must hold finite values (zeros).
 
@@ -181,7 +183,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
             return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
         a = _pad_batch(a, want)
         shared = b.shape[0] == 1 or b.stride(0) == 0  # one operand for every product: still a view
-        b = b[:1].expand(want, *b.shape[1:]) if shared else F.pad(b, (0, 0, 0, 0, 0, want - n))
+        b = b[:1].expand(want, *b.shape[1:]) if shared else _pad_batch(b, want)
         c = torch.bmm(a, b)[:n]
     return c if out is None else out.copy_(c)
 
@@ -418,21 +420,53 @@ def attention(
     if q_offset < 0 or q_offset + lq > lk:
         raise ValueError(f"attention: q_offset={q_offset} with Lq={lq} queries needs 0 <= q_offset <= Lk-Lq, Lk={lk}")
     if invariant:
-        rows = lq * (hq // hkv)
-        tile = max((t for t in tiles if t <= rows), default=min(tiles))
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _InvariantAttention.apply(q, k, v, q_offset, scale, tile)
-        return _chunked_attention(q, k, v, q_offset, scale, tile)
+        return _invariant_attention(q[None], k[None], v[None], q_offset, scale, tiles)[0]
     return _sdpa_attention(q, k, v, q_offset, scale)
+
+
+def attention_batch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, invariant: bool,
+    tiles: tuple[int, ...] = (ATTN_ROW_TILE,),
+) -> torch.Tensor:
+    """Causal attention of S sequences of one length, each from its first token; q [S, L, Hq, D],
+    k/v [S, L, Hkv, D] -> [S, L, Hq, D].
+
+    o[s] = attention(q[s], k[s], v[s], q_offset=0), bit for bit in invariant mode: every product has the
+    shape and operand layout it has for the sequence alone, and the sums run in the same order, but each
+    kind of product runs once for all S sequences (a training pass's attention costs a few ops per layer,
+    not a few per sequence). Differentiable, with gradients that do not depend on S either.
+    """
+    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"attention_batch: q {tuple(q.shape)} must be [S, L, Hq, D] and k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} [S, L, Hkv, D]")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"attention_batch: query heads Hq={q.shape[2]} is not a multiple of kv heads "
+                         f"Hkv={k.shape[2]}")
+    if invariant:
+        return _invariant_attention(q, k, v, 0, scale, tiles)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+def _invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
+                         tiles: tuple[int, ...]) -> torch.Tensor:
+    """Invariant attention of S sequences sharing ``q_offset``: q [S, Lq, Hq, D], k/v [S, Lk, Hkv, D]."""
+    rows = q.shape[1] * (q.shape[2] // k.shape[2])
+    tile = max((t for t in tiles if t <= rows), default=min(tiles))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _InvariantAttention.apply(q, k, v, q_offset, scale, tile)
+    return _chunked_attention(q, k, v, q_offset, scale, tile)
 
 
 class _InvariantAttention(torch.autograd.Function):
     """Invariant attention under autograd: the forward is ``_chunked_attention`` itself (the same bits),
     run without recording a graph, and only q, k, v and the output are saved. Backward recomputes the
-    probabilities of the sequence's visible keys in one product per head group and applies the softmax
-    gradient (dS = P * (dP - rowsum(dO * O))), in fp32 or wider: a few products per sequence and layer
-    instead of autograd's thousands of small kernels and zero-filled slices. Its bits depend on the
-    sequence alone, so a tenant's gradient does not depend on its batch mates."""
+    probabilities of each sequence's visible keys in one product per head and applies the softmax gradient
+    (dS = P * (dP - rowsum(dO * O))), in fp32 or wider: a few products per layer instead of autograd's
+    thousands of small kernels and zero-filled slices. Every operand has one layout whatever the number of
+    sequences and every product runs on one thread (``_bmm``), so a sequence's gradient bits depend on the
+    sequence alone and a tenant's gradient does not depend on its batch mates."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,  # noqa: ANN001
@@ -445,27 +479,34 @@ class _InvariantAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
         q, k, v, out = ctx.saved_tensors
-        lq, hq, d = q.shape
-        lk, hkv = k.shape[0], k.shape[1]
+        s, lq, hq, d = q.shape
+        lk, hkv = k.shape[1], k.shape[2]
         g, n, wide = hq // hkv, ctx.q_offset + lq, _wide(q.dtype)
 
-        def heads(x: torch.Tensor) -> torch.Tensor:  # [L, H, D] -> [H, L, D] in the wide dtype
-            return x.to(wide).transpose(0, 1)
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [S, L, H, D] -> [S, H, L, D], contiguous, in the wide dtype
+            return x.to(wide).transpose(1, 2).contiguous()
+
+        def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [S, H, m, k] @ [S, H, k, n] -> [S, H, m, n]
+            return _bmm(a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:])).view(*a.shape[:3], b.shape[3])
 
         qh, dout, oh = heads(q), heads(grad), heads(out)
-        kh, vh = (heads(x[:n]).repeat_interleave(g, dim=0) for x in (k, v))  # [Hq, n, D]: query head h reads h // g
+        kh, vh = (heads(x[:, :n]).repeat_interleave(g, dim=1) for x in (k, v))  # query head h reads h // g
         future = torch.arange(n, device=q.device) > ctx.q_offset + torch.arange(lq, device=q.device)[:, None]
-        p = torch.softmax(torch.matmul(qh, kh.transpose(1, 2)).mul_(ctx.scale).masked_fill_(future, float("-inf")), -1)
-        dp = torch.matmul(dout, vh.transpose(1, 2))
+        p = torch.softmax(mm(qh, kh.transpose(2, 3)).mul_(ctx.scale).masked_fill_(future, float("-inf")), -1)
+        dp = mm(dout, vh.transpose(2, 3))
         ds = p * (dp - (dout * oh).sum(-1, keepdim=True))
-        dq = torch.matmul(ds, kh).mul_(ctx.scale).transpose(0, 1).to(q.dtype)
+        dq = mm(ds, kh).mul_(ctx.scale).transpose(1, 2).to(q.dtype)
 
-        def per_kv_head(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [Hq, n, D] -> [Lk, Hkv, D]
-            x = x.view(hkv, g, n, d).sum(1).transpose(0, 1).to(like.dtype)
-            return F.pad(x, (0, 0, 0, 0, 0, lk - n)) if lk > n else x
+        def per_kv_head(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [S, Hq, n, D] -> [S, Lk, Hkv, D]
+            x = x.view(s, hkv, g, n, d)
+            total = x[:, :, 0]
+            for j in range(1, g):  # a group's heads added in order
+                total = total + x[:, :, j]
+            total = total.transpose(1, 2).to(like.dtype)
+            return F.pad(total, (0, 0, 0, 0, 0, lk - n)) if lk > n else total
 
-        dk = per_kv_head(torch.matmul(ds.transpose(1, 2), qh).mul_(ctx.scale), k)
-        dv = per_kv_head(torch.matmul(p.transpose(1, 2), dout), v)
+        dk = per_kv_head(mm(ds.transpose(2, 3), qh).mul_(ctx.scale), k)
+        dv = per_kv_head(mm(p.transpose(2, 3), dout), v)
         return dq, dk, dv, None, None, None
 
 
@@ -482,30 +523,49 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset:
 
 
 def _keys(x: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """x[:n] ([Lk, Hkv, D] keys or values) in ``dtype``, zero rows appended up to n: the [n, Hkv, D] grid whose
-    [KEY_CHUNK, D] blocks (one kv head's slice, a strided view) the products read.
+    """x[:, :n] ([S, Lk, Hkv, D] keys or values) in ``dtype``, zero rows appended up to n: the [S, n, Hkv, D]
+    grid whose [KEY_CHUNK, D] blocks (one kv head's slice, a strided view) the products read.
 
     Keys from q_offset + Lq on are in every query's future, scored -inf and weighted exactly 0, so
     whatever finite value fills them (zeros here and in a caller's spare KV-cache slots) never reaches a
     result bit.
     """
-    x = x[:n].to(dtype)
-    return F.pad(x, (0, 0, 0, 0, 0, n - x.shape[0])) if x.shape[0] < n else x
+    x = x[:, :n].to(dtype)
+    return F.pad(x, (0, 0, 0, 0, 0, n - x.shape[1])) if x.shape[1] < n else x
+
+
+def _per_tile(lhs: torch.Tensor, x: torch.Tensor, c: int, h: int, transpose: bool) -> torch.Tensor:
+    """lhs [S, m, t, K] (m row tiles of each sequence) times key chunk c of kv head h of x [S, n, Hkv, D]
+    (``.T`` when ``transpose``) -> [S, m, t, N]: one [t, K] product per tile, the chunk read in one layout.
+
+    One sequence's tiles share its chunk as a view expanded over them; several sequences' chunks are copied
+    once per tile (the batch then has one chunk per product), in the same layout, transposed the same way.
+    """
+    s, m = lhs.shape[:2]
+    block = x[:, c * KEY_CHUNK : (c + 1) * KEY_CHUNK, h]  # [S, 64, D]
+    if s == 1:
+        block = block[0].expand(m, *block.shape[1:])
+    else:
+        block = block[:, None].expand(s, m, *block.shape[1:]).reshape(s * m, *block.shape[1:])
+    out = _bmm(lhs.reshape(s * m, *lhs.shape[2:]), block.transpose(1, 2) if transpose else block)
+    return out.view(s, m, *out.shape[1:])
 
 
 def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
                        t: int) -> torch.Tensor:
-    lq, hq, d = q.shape
-    hkv = k.shape[1]
+    """Invariant attention of S sequences sharing ``q_offset``: q [S, Lq, Hq, D], k/v [S, Lk, Hkv, D]."""
+    s, lq, hq, d = q.shape
+    hkv = k.shape[2]
     g = hq // hkv
     wide = _wide(q.dtype)
     # Row i * g + j of kv head h is query i of head h * g + j: a GQA group is consecutive rows.
     # Padding rows sit past the last query and take its position, so they stay finite.
-    rows = _pad_rows((q.to(wide) * scale).reshape(lq, hkv, g, d).transpose(0, 1).reshape(hkv, lq * g, d), t)
-    tiles = rows.shape[1] // t
-    mine = rows.view(hkv, tiles, t, d)
+    rows = (q.to(wide) * scale).reshape(s, lq, hkv, g, d).transpose(1, 2).reshape(s, hkv, lq * g, d)
+    rows = _pad_rows(rows, t)
+    tiles = rows.shape[2] // t
+    mine = rows.view(s, hkv, tiles, t, d)
     chunks = (q_offset + lq - 1) // KEY_CHUNK + 1  # up to the last key any query sees
-    keys, values = (_keys(x, chunks * KEY_CHUNK, wide) for x in (k, v))  # [n, Hkv, D]
+    keys, values = (_keys(x, chunks * KEY_CHUNK, wide) for x in (k, v))  # [S, n, Hkv, D]
     position = q_offset + torch.arange(tiles * t, device=q.device).clamp(max=lq * g - 1) // g  # [R]
     firsts, lasts = position[::t].tolist(), position[t - 1 :: t].tolist()  # each tile's first and last row
     # Chunk c meets tiles[seen[c]:] (a tile before seen[c] has the whole chunk in its future); of those, the
@@ -514,38 +574,34 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
     whole = [bisect.bisect_left(firsts, (c + 1) * KEY_CHUNK - 1) for c in range(chunks)]
     key = torch.arange(KEY_CHUNK, device=q.device)
 
-    def block(x: torch.Tensor, c: int, h: int, f: int) -> torch.Tensor:
-        """Chunk c of kv head h as [KEY_CHUNK, D], shared (expanded, never copied) by tiles f onwards."""
-        return x[c * KEY_CHUNK : (c + 1) * KEY_CHUNK, h].expand(tiles - f, KEY_CHUNK, d)
-
-    scores = []  # chunk c: [Hkv, tiles - seen[c], t, 64]
+    scores = []  # chunk c: [S, Hkv, tiles - seen[c], t, 64]
     for c in range(chunks):
         f, e = seen[c], whole[c]
-        s = torch.stack([_bmm(mine[h, f:], block(keys, c, h, f).transpose(1, 2)) for h in range(hkv)])
+        sc = torch.stack([_per_tile(mine[:, h, f:], keys, c, h, transpose=True) for h in range(hkv)], dim=1)
         if e > f:
             future = c * KEY_CHUNK + key > position[f * t : e * t].view(e - f, t, 1)
-            s[:, : e - f].masked_fill_(future, float("-inf"))
-        scores.append(s)
+            sc[:, :, : e - f].masked_fill_(future, float("-inf"))
+        scores.append(sc)
     # The row max only stabilises exp (the result does not depend on it, so it carries no gradient); it is
     # exact in any order. Every row sees key 0, so it is finite.
     with torch.no_grad():
         top = scores[0].amax(-1, keepdim=True)
         for c in range(1, chunks):
-            top[:, seen[c] :] = torch.maximum(top[:, seen[c] :], scores[c].amax(-1, keepdim=True))
+            top[:, :, seen[c] :] = torch.maximum(top[:, :, seen[c] :], scores[c].amax(-1, keepdim=True))
     # Each chunk's probabilities meet its values (numerators) and are summed (denominators); chunk results are
     # added one by one in chunk order, as decode adds them.
     def chunk_result(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        f = seen[c]
-        p = torch.exp(scores[c] - top[:, f:])
-        return torch.stack([_bmm(p[h], block(values, c, h, f)) for h in range(hkv)]), p.sum(-1, keepdim=True)
+        p = torch.exp(scores[c] - top[:, :, seen[c] :])
+        num = torch.stack([_per_tile(p[:, h], values, c, h, transpose=False) for h in range(hkv)], dim=1)
+        return num, p.sum(-1, keepdim=True)
 
     num, den = chunk_result(0)
     for c in range(1, chunks):
         part, total = chunk_result(c)
-        num[:, seen[c] :] += part
-        den[:, seen[c] :] += total
-    out = (num / den).reshape(hkv, tiles * t, d)[:, : lq * g]
-    return out.reshape(hkv, lq, g, d).transpose(0, 1).reshape(lq, hq, d).to(q.dtype)
+        num[:, :, seen[c] :] += part
+        den[:, :, seen[c] :] += total
+    out = (num / den).reshape(s, hkv, tiles * t, d)[:, :, : lq * g]
+    return out.reshape(s, hkv, lq, g, d).transpose(1, 2).reshape(s, lq, hq, d).to(q.dtype)
 
 
 def decode_attention(

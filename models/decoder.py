@@ -171,16 +171,37 @@ class Decoder(torch.nn.Module):
             ks, vs, positions = decode(i, k, v)
             o = ops.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant)
             return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
-        outs = []
+        if kv is None:
+            o = self._attention_by_length(q, k, v, cu)
+        else:
+            outs = []
+            for s in range(len(cu) - 1):
+                ks, vs, offset = kv.extend(i, s, k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]])
+                outs.append(ops.attention(q[cu[s]:cu[s + 1]], ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
+                                          invariant=self.invariant, tiles=self.attn_tiles))
+            o = torch.cat(outs, dim=0)
+        return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
+
+    def _attention_by_length(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]
+                             ) -> torch.Tensor:
+        """Attention of a packed batch's sequences (no KV cache), the sequences of each length at once
+        (``ops.attention_batch``, the bits of each alone); q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        by_length: dict[int, list[int]] = {}
         for s in range(len(cu) - 1):
-            qs, ks, vs = q[cu[s]:cu[s + 1]], k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]]
-            offset = 0
-            if kv is not None:
-                ks, vs, offset = kv.extend(i, s, ks, vs)
-            outs.append(ops.attention(qs, ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
-                                      invariant=self.invariant, tiles=self.attn_tiles))
-        o = torch.cat(outs, dim=0).reshape(t, cfg.num_heads * cfg.head_dim)
-        return self._linear(o, p + "o_proj", (i, "o_proj"), lora)
+            by_length.setdefault(cu[s + 1] - cu[s], []).append(s)
+        outs: list[torch.Tensor] = [q.new_empty(0)] * (len(cu) - 1)
+        for length, seqs in by_length.items():
+            if len(seqs) == len(cu) - 1:  # every sequence has this length: the batch itself, viewed
+                qs, ks, vs = (x.view(len(seqs), length, *x.shape[1:]) for x in (q, k, v))
+            else:
+                qs, ks, vs = (torch.stack([x[cu[s]:cu[s + 1]] for s in seqs]) for x in (q, k, v))
+            o = ops.attention_batch(qs, ks, vs, scale=self.cfg.head_dim**-0.5, invariant=self.invariant,
+                                    tiles=self.attn_tiles)
+            if len(seqs) == len(cu) - 1:
+                return o.reshape(q.shape)
+            for j, s in enumerate(seqs):
+                outs[s] = o[j]
+        return torch.cat(outs, dim=0)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraDeltas | None) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."

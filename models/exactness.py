@@ -551,6 +551,15 @@ def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.devi
         part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True, tiles=tiles)
         if _differing(part, prefill[s0:s1]):
             return Check(name, False, f"chunked prefill of tokens {s0}:{s1} differs from the {n}-token prefill")
+    for length, count in ((64, 2), (ATTENTION_SPLITS[3], 3)):  # several sequences of one length at once
+        together = ops.attention_batch(*(x[: length * count].view(count, length, *x.shape[1:]) for x in (q, k, v)),
+                                       scale=scale, invariant=True, tiles=tiles)
+        for j in range(count):
+            alone = ops.attention(*(x[j * length : (j + 1) * length] for x in (q, k, v)), q_offset=0, scale=scale,
+                                  invariant=True, tiles=tiles)
+            if _differing(alone, together[j]):
+                return Check(name, False, f"sequence {j} of {count} {length}-token sequences attended together "
+                                          "differs from it alone")
     positions = [0, 2, 12, 16, 63, 64, 200, n - 1]
     slots = -(-n // ops.KEY_CHUNK) * ops.KEY_CHUNK
     ks = torch.zeros(len(positions), slots, hkv, d, dtype=dt, device=dev)

@@ -138,6 +138,45 @@ def test_attention_matches_float64_values_and_grads(
     )
 
 
+@pytest.mark.parametrize("tiles", [(ops.ATTN_ROW_TILE,), (ops.ATTN_ROW_TILE, *ops.ATTN_TILE_CANDIDATES)],
+                         ids=["reference", "ladder"])
+@pytest.mark.parametrize("length", [1, 33, 130])
+def test_sequences_attended_together_have_the_bits_and_gradients_of_each_alone(
+    threads: int, tiles: tuple[int, ...], length: int
+) -> None:
+    """``attention_batch`` over S sequences of one length: each output and each input gradient bitwise what
+    ``attention`` gives the sequence alone, whatever S."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(5, length, h, 16, generator=gen).requires_grad_() for h in (6, 2, 2))
+    dout = torch.randn(5, length, 6, 16, generator=gen)
+    for count in (1, 2, 5):
+        together = ops.attention_batch(q[:count], k[:count], v[:count], scale=0.25, invariant=True, tiles=tiles)
+        grads = torch.autograd.grad(together, [q, k, v], dout[:count])
+        for j in range(count):
+            alone = ops.attention(q[j], k[j], v[j], q_offset=0, scale=0.25, invariant=True, tiles=tiles)
+            assert torch.equal(alone, together[j]), (count, j)
+            for mine, theirs in zip(torch.autograd.grad(alone, [q, k, v], dout[j]), grads, strict=True):
+                assert torch.equal(mine[j], theirs[j]), (count, j)
+
+
+def test_plain_attention_batch_matches_attention_per_sequence() -> None:
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(3, 20, h, 16, generator=gen) for h in (6, 2, 2))
+    together = ops.attention_batch(q, k, v, scale=0.25, invariant=False)
+    for j in range(3):
+        alone = ops.attention(q[j], k[j], v[j], q_offset=0, scale=0.25, invariant=False)
+        torch.testing.assert_close(together[j], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_batch_rejects_bad_shapes() -> None:
+    q, kv = torch.zeros(2, 4, 6, 16), torch.zeros(2, 5, 2, 16)
+    with pytest.raises(ValueError, match=r"\[S, L, Hkv, D\]"):
+        ops.attention_batch(q, kv, kv, scale=1.0, invariant=True)
+    kv = torch.zeros(2, 4, 4, 16)
+    with pytest.raises(ValueError, match="Hq=6"):
+        ops.attention_batch(q, kv, kv, scale=1.0, invariant=True)
+
+
 def test_attention_rejects_bad_shapes() -> None:
     q, kv = torch.zeros(4, 6, 16), torch.zeros(10, 4, 16)
     with pytest.raises(ValueError, match="Hq=6"):
