@@ -15,6 +15,9 @@ Prometheus metrics. Beside the packed run: the arithmetic floor of a round (its 
 machine's measured fp32 GEMM rate), the trainer's own cycle time per round (its metrics), and the
 overhead per tenant-step: (round time - floor) / tenants, the time a tenant's step costs beyond its
 arithmetic.
+
+Shared VMs drift (the same round read 1.8 and 2.6 s minutes apart on one 2-core machine), so every case
+is measured ``--repeats`` times, packed and one-big alternating in one stack, and the median is printed.
 """
 
 from __future__ import annotations
@@ -88,20 +91,49 @@ def trainer_metrics(stack: Stack) -> str:
     return urllib.request.urlopen(url, timeout=10).read().decode()
 
 
-def measure(stack: Stack, model: str, tenants: int, n: int, length: int, steps: int) -> dict[str, float]:
-    with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") as sc:
-        clients = [sc.create_lora_training_client(model, rank=RANK, seed=i) for i in range(tenants)]
-        data = [batch(n, length, i) for i in range(tenants)]
-        with cf.ThreadPoolExecutor(tenants) as pool:  # warm-up: every adapter's first step (its rank check)
-            list(pool.map(lambda i: tenant_loop(clients[i], data[i], 1), range(tenants)))
+class Tenants:
+    """``tenants`` training clients of one stack, each with its own adapter and batch of n x length tokens."""
+
+    def __init__(self, sc: lathe.ServiceClient, model: str, tenants: int, n: int, length: int, first_seed: int
+                 ) -> None:
+        self.clients = [sc.create_lora_training_client(model, rank=RANK, seed=first_seed + i) for i in range(tenants)]
+        self.data = [batch(n, length, first_seed + i) for i in range(tenants)]
+        self.tokens = tenants * n * length
+        self.run(1)  # warm-up: every adapter's first step (its rank check)
+
+    def run(self, steps: int) -> list[list[float]]:
+        """Every tenant steps ``steps`` times at once; each one's step latencies."""
+        with cf.ThreadPoolExecutor(len(self.clients)) as pool:
+            return list(pool.map(lambda i: tenant_loop(self.clients[i], self.data[i], steps), range(len(self.clients))))
+
+    def measure(self, stack: Stack, steps: int) -> dict[str, float]:
         cycles0 = metric(trainer_metrics(stack), "lathe_trainer_cycle_seconds_sum")
         t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(tenants) as pool:
-            lats = list(pool.map(lambda i: tenant_loop(clients[i], data[i], steps), range(tenants)))
+        lats = self.run(steps)
         wall = time.perf_counter() - t0
         cycles = metric(trainer_metrics(stack), "lathe_trainer_cycle_seconds_sum") - cycles0
-    return {"tokens_per_s": tenants * n * length * steps / wall, "round_s": wall / steps,
-            "cycle_s": cycles / steps, "latency_s": statistics.mean(x for lat in lats for x in lat)}
+        return {"tokens_per_s": self.tokens * steps / wall, "round_s": wall / steps,
+                "cycle_s": cycles / steps, "latency_s": statistics.mean(x for lat in lats for x in lat)}
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run of median throughput (its other figures with it)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
+def measure(stack: Stack, model: str, tenants: int, n: int, length: int, steps: int, repeats: int,
+            big: bool) -> dict[str, dict[str, float]]:
+    """``tenants`` tenants stepping at once ("many"), and with ``big`` one tenant with their whole batch
+    ("big"), ``repeats`` times each, alternating; the median run of each."""
+    runs: dict[str, list[dict[str, float]]] = {"many": [], "big": []}
+    with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") as sc:
+        cases = {"many": Tenants(sc, model, tenants, n, length, 0)}
+        if big:
+            cases["big"] = Tenants(sc, model, 1, n * tenants, length, tenants)
+        for _ in range(repeats):
+            for label, case in cases.items():
+                runs[label].append(case.measure(stack, steps))
+    return {label: median_run(r) for label, r in runs.items() if r}
 
 
 def planning_share(stack: Stack) -> float:
@@ -113,7 +145,7 @@ def planning_share(stack: Stack) -> float:
 
 def run_model(key: str, args: argparse.Namespace) -> None:
     model = MODELS[key]
-    print(f"\n{model}: {args.tenants} tenants, LoRA rank {RANK}, {args.steps} steps each, "
+    print(f"\n{model}: {args.tenants} tenants, LoRA rank {RANK}, median of {args.repeats} runs of {args.steps} steps, "
           f"trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens; {cpu_line()}")
     print(f"{'tokens/tenant':<14}{'packed tok/s':>13}{'serial tok/s':>13}{'one-big tok/s':>14}"
           f"{'packed/serial':>14}{'packed/one-big':>15}{'lat packed s':>13}{'lat serial s':>13}")
@@ -125,9 +157,10 @@ def run_model(key: str, args: argparse.Namespace) -> None:
                           trainer_args=("--metrics-port", "0", "--cycle-tokens", str(args.cycle_tokens), *extra))
         with Stack(cfg) as stack:
             for n, length in shapes:
-                rows[(label, n, length)] = measure(stack, model, args.tenants, n, length, args.steps)
-                if label == "packed":
-                    rows[("big", n, length)] = measure(stack, model, 1, n * args.tenants, length, args.steps)
+                got = measure(stack, model, args.tenants, n, length, args.steps, args.repeats, label == "packed")
+                rows[(label, n, length)] = got["many"]
+                if "big" in got:
+                    rows[("big", n, length)] = got["big"]
             if label == "packed":
                 share = planning_share(stack)
     for n, length in shapes:
@@ -152,7 +185,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="both", choices=["tiny", "smollm2", "both"])
     ap.add_argument("--tenants", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="steps per tenant in one measured run")
+    ap.add_argument("--repeats", type=int, default=3, help="measured runs per case (the median is printed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cycle-tokens", type=int, default=2048, help="the trainer's cycle capacity")
     ap.add_argument("--shapes", default="1x32,1x128,4x128", help="tokens per tenant, e.g. 1x32,4x128")
