@@ -62,11 +62,25 @@ def test_the_migrated_schema_is_the_stores_and_migrations_run_once(db_url: str) 
     second = ControlStore(StoreConfig(db_url))  # a restart (or a second gateway): nothing runs again, nothing lost
     with second.engine.connect() as c:
         assert compare_metadata(MigrationContext.configure(c), metadata) == []
-        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0004"]  # the head
+        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0005"]  # the head
     upgrade(second.engine)
     assert [s.session_id for s in second.load().sessions] == ["s1"]
     first.close()
     second.close()
+
+
+def test_custom_losses_keep_the_first_of_an_id_and_each_tenants_newest(db_url: str) -> None:
+    store = ControlStore(StoreConfig(db_url))
+    try:
+        for i in range(5):
+            store.put_loss("mallory", pb.CustomLoss(loss_id=f"m:{i}", name=f"v{i}"), created=float(i), keep=2)
+        store.put_loss("victim", pb.CustomLoss(loss_id="v:0", name="mine"), created=0.5, keep=2)
+        store.put_loss("victim", pb.CustomLoss(loss_id="v:0", name="again"), created=9.0, keep=2)  # a repeat
+        assert [store.get_loss(f"m:{i}") is None for i in range(5)] == [True, True, True, False, False]
+        assert store.get_loss("m:4") == ("mallory", pb.CustomLoss(loss_id="m:4", name="v4"))
+        assert store.get_loss("v:0") == ("victim", pb.CustomLoss(loss_id="v:0", name="mine"))
+    finally:
+        store.close()
 
 
 def test_records_round_trip(db_url: str) -> None:

@@ -4,6 +4,7 @@ against a float64 reference, Lathe's encoder against tinker's, and one loss thro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,11 +14,14 @@ import torch.nn.functional as F
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 import lathe
-from lathe.errors import InvalidArgument
+from lathe.errors import InvalidArgument, NotFound
+from lathe.gateway.custom_losses import CustomLosses
+from lathe.gateway.store import ControlStore, StoreConfig
 from lathe.loss_graph import FUNCTIONS, MAX_DEPTH, MAX_NODES, METHODS, check_graph
 from lathe.loss_trace import trace
 from lathe.stack import Stack
 from lathe.trainer.custom_loss import FUNCTION_IMPLS, CustomLoss
+from lathe.v1 import lathe_pb2 as pb
 
 BASE = "lathe/tiny-llama"
 
@@ -190,3 +194,48 @@ def test_one_graph_trains_bit_for_bit_alike_through_both_sdks(stack: Stack) -> N
         t.forward_backward(bad, "custom", {"loss_id": theirs.loss_id}).result()
     sc.close("success").result()
     lc.close()
+
+
+def test_losses_are_kept_per_tenant_in_the_database_for_every_replica(tmp_path: Path) -> None:
+    """Two gateways over one database resolve each other's losses; a tenant past its ``max_custom_losses``
+    loses its own oldest, never another tenant's; no tenant resolves another's id."""
+    url = f"sqlite:///{tmp_path}/control.db"
+    one, two = ControlStore(StoreConfig(url=url)), ControlStore(StoreConfig(url=url))
+    try:
+        here, there = CustomLosses(one, lambda tenant: 3), CustomLosses(two, lambda tenant: 3)
+        loss = trace(dpo_like, RANKS[dpo_like]).to_proto()
+        victim = here.create("victim", "s-victim", 0, loss)
+        flood = [here.create("mallory", "s-mallory", i, loss) for i in range(10)]
+
+        def resolve(registry: CustomLosses, tenant: str, loss_id: str) -> pb.CustomLoss:
+            req = pb.ForwardBackwardRequest(custom_loss=pb.CustomLoss(loss_id=loss_id))
+            registry.resolve(tenant, req)
+            return req.custom_loss
+
+        got = resolve(there, "victim", victim)
+        assert (got.loss_id, got.graph_json, list(got.inputs)) == (victim, loss.graph_json, list(loss.inputs))
+        assert [resolve(there, "mallory", i).loss_id for i in flood[-3:]] == flood[-3:]
+        for gone in flood[:-3]:
+            with pytest.raises(NotFound, match=f"{gone!r} names no custom loss of this account"):
+                resolve(there, "mallory", gone)
+        with pytest.raises(NotFound, match="names no custom loss of this account"):
+            resolve(here, "mallory", victim)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_created_loss_trains_after_a_gateway_restart(stack: Stack) -> None:
+    """The official SDK's handle names a loss the restarted gateway still has (it used to live in its memory)."""
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-custom-restart")
+    handle = sc.create_custom_loss(dpo_like, RANKS[dpo_like]).result()
+    t = sc.create_lora_training_client(BASE, rank=4, seed=9).result()
+    before = t.forward_backward_custom(_data(tinker), handle).result()
+    stack.kill("gateway")
+    stack.restart("gateway")
+    after = t.forward_backward_custom(_data(tinker), handle).result()
+    assert after.metrics == before.metrics  # no step between them: the same loss of the same weights
+    other = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-custom-other")
+    theirs = other.create_lora_training_client(BASE, rank=4, seed=9).result()
+    with pytest.raises(tinker.NotFoundError, match="names no custom loss of this account"):
+        theirs.forward_backward(_data(tinker), "custom", {"loss_id": handle.loss_id}).result()

@@ -27,6 +27,9 @@ state behind. Each quota binds in one place:
                              run's, a save's)
     max_resident_adapters    trainer (sent with ``CreateAdapterRequest``): beyond it the tenant's own least
                              recently used adapters are paged out; the pool's capacity still binds for all
+    max_custom_losses        gateway, creating a custom loss (Tinker's HTTP door): the losses the tenant keeps
+                             in the database; beyond it its own oldest go first (a loop that traces a loss per
+                             step keeps working), never another tenant's
     max_checkpoint_bytes     checkpoints service (sent with every ``TrainerOp`` and on with the save): bytes
                              of the tenant's live checkpoints; deleting or expiry frees them
 
@@ -133,6 +136,7 @@ class TenantQuotas:
     max_checkpoint_bytes: int = 64 << 30
     max_user_metadata_bytes: int = 16 << 10
     max_resident_adapters: int = 64  # of the trainer pool's capacity (256 by default) for all tenants
+    max_custom_losses: int = 1024
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

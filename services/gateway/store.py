@@ -9,6 +9,8 @@ Tables (created and changed only by the alembic scripts in ``migrations/``, whic
   creation;
 - ``sampling_sessions``: sampling session id -> tenant, base model, pinned checkpoint and version, how many
   clients joined it (``join_sampling``);
+- ``custom_losses``: loss id -> tenant, the checked loss (``pb.CustomLoss`` bytes), when it was created (a
+  tenant keeps its newest ``TenantQuotas.max_custom_losses``);
 - ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
   the serialized request sent on, state (``pending``/``done``), the serialized ``pb.FutureResult`` and times.
   ``(key, seq_id)`` is unique (NULL while an operation answers no ``seq_id``), so the database, not a
@@ -85,6 +87,14 @@ sampling_sessions = sa.Table(
     sa.Column("model_path", sa.Text, nullable=False),
     sa.Column("version", sa.Float, nullable=False),
     sa.Column("clients", sa.Integer, nullable=False, server_default="0"),
+)
+custom_losses = sa.Table(
+    "custom_losses", metadata,
+    sa.Column("loss_id", sa.String(128), primary_key=True),
+    sa.Column("tenant", sa.String(256), nullable=False),
+    sa.Column("loss", sa.LargeBinary, nullable=False),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Index("ix_custom_losses_tenant_created", "tenant", "created"),
 )
 operations = sa.Table(
     "operations", metadata,
@@ -316,6 +326,25 @@ class ControlStore:
             c.execute(insert.values(sampling_session_id=rec.sampling_session_id, tenant=rec.tenant,
                                     base_model=rec.base_model, model_path=rec.model_path, version=rec.version
                                     ).on_conflict_do_nothing())
+
+    def put_loss(self, tenant: str, loss: pb.CustomLoss, created: float, keep: int) -> None:
+        """Keep ``loss`` for ``tenant`` under its ``loss_id`` (a repeated id keeps the first), then drop the
+        tenant's oldest losses beyond its newest ``keep``: no tenant's losses push out another's."""
+        mine = custom_losses.c.tenant == tenant
+        with self.engine.begin() as c:
+            insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(custom_losses)
+            c.execute(insert.values(loss_id=loss.loss_id, tenant=tenant, loss=loss.SerializeToString(),
+                                    created=created).on_conflict_do_nothing())
+            older = sa.select(custom_losses.c.loss_id).where(mine).order_by(
+                custom_losses.c.created.desc(), custom_losses.c.loss_id.desc()).offset(keep)
+            c.execute(custom_losses.delete().where(mine, custom_losses.c.loss_id.in_(older)))
+
+    def get_loss(self, loss_id: str) -> tuple[str, pb.CustomLoss] | None:
+        """The tenant and the loss kept as ``loss_id``, if any."""
+        with self.engine.begin() as c:
+            row = c.execute(sa.select(custom_losses.c.tenant, custom_losses.c.loss)
+                            .where(custom_losses.c.loss_id == loss_id)).first()
+        return None if row is None else (row.tenant, pb.CustomLoss.FromString(row.loss))
 
     # ---- the ledger ----
 

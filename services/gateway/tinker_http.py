@@ -117,7 +117,7 @@ class TinkerHttpDoor:
         self.downloads = Downloads(core.checkpoints, url_signer,
                                    quota=lambda tenant: core.quotas.of(tenant).max_checkpoint_bytes)
         self._notes: OrderedDict[str, _Note] = OrderedDict()
-        self.custom_losses = CustomLosses()
+        self.custom_losses = CustomLosses(core.store, lambda tenant: core.quotas.of(tenant).max_custom_losses)
 
     def app(self) -> Starlette:
         routes = [
