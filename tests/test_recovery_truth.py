@@ -17,13 +17,13 @@ import torch
 
 from lathe.errors import FailedPrecondition, NotFound
 from lathe.gateway.core import GatewayCore
-from lathe.gateway.records import Run
+from lathe.gateway.records import Operation, Run
 from lathe.models.catalog import ModelCatalog
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.recovery import SnapshotPolicy
 from lathe.types import recovery_path
 from lathe.v1 import lathe_pb2 as pb
-from tests.test_trainer_engine import BASE, batch, fb, submit, weights
+from tests.test_trainer_engine import BASE, batch, fb, opt, submit, weights
 from tests.test_trainer_recovery import LORA, OPS, ServiceStore, run
 
 
@@ -173,3 +173,101 @@ def test_a_run_that_never_steps_is_snapshotted_every_few_seq_ids(restart: Restar
     assert [r.receipt.recovery_seq_id for r in original] == [0, 0, 0, 0, 5, 0, 0]
     assert restart.trainer.create_adapter(rebuild("fwd")).next_seq_id == 6
     assert [submit(restart.trainer, op).result(timeout=60) for op in FORWARDS[:5]] == original[:5]
+
+
+
+def _save(model_id: str, seq: int, kind: str) -> pb.TrainerOp:
+    return pb.TrainerOp(model_id=model_id, seq_id=seq, tenant="t", request_id=f"{model_id}-{seq}",
+                        save=pb.SaveRequest(model_id=model_id, seq_id=seq, name=f"{kind}-{seq}", kind=kind))
+
+
+def _load(model_id: str, seq: int, path: str) -> pb.TrainerOp:
+    return pb.TrainerOp(model_id=model_id, seq_id=seq, tenant="t", request_id=f"{model_id}-{seq}",
+                        load=pb.LoadRequest(model_id=model_id, seq_id=seq, path=path, with_optimizer=True))
+
+
+def _engine(store: ServiceStore, model_cache: Path) -> TrainerEngine:
+    eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, snapshots=POLICY),
+                        ModelCatalog.from_spec(BASE, model_cache), store)
+    eng.start()
+    return eng
+
+
+def _rebuilt_by_the_gateway(trainer: TrainerEngine, model: str, logged: list[pb.TrainerOp],
+                            next_op: pb.TrainerOp) -> pb.FutureResult:
+    """A gateway whose ledger holds ``logged``, all answered without error, sends ``next_op`` to ``trainer``,
+    which lost the run: the answer, once the gateway has rebuilt the run there (``GatewayCore._rebuild``)."""
+    async def scenario() -> pb.FutureResult:
+        core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1")
+        stub = EngineStub(trainer)
+        core.router.trainer = lambda base_model, key: stub
+        core.runs[model] = Run(model, "t", "s", BASE, LORA, {})
+        core.runs[model].ready.set()
+        for op in logged:
+            rid = f"{model}-{op.seq_id}"
+            core.store.add_op(Operation(rid, "t", model, op.seq_id, op.WhichOneof("op"), op.SerializeToString()))
+            core.store.finish_op(rid, pb.FutureResult(), 0.0, release_key=False)
+        kind = next_op.WhichOneof("op")
+        sent = await core.submit("t", model, next_op.seq_id, **{kind: getattr(next_op, kind)})
+        out = await core.retrieve("t", sent.request_id, 60.0)
+        await core.close()
+        return out
+
+    return asyncio.run(scenario())
+
+
+def test_a_rebuild_neither_saves_again_nor_reads_a_load_again(tmp_path: Path, model_cache: Path,
+                                                               tiny_dir: Path) -> None:
+    """A load is snapshotted, so a rebuild never reads the checkpoint it loaded (overwritten or deleted since); an
+    answered save is not run again by a replay (it changed no state and its answer stands), so a sampler
+    checkpoint the user deleted since stays deleted; and the rebuilt run is the one the first trainer left."""
+    store = ServiceStore(tmp_path / "store")
+    first = _engine(store, model_cache)
+    first.create_adapter(creation("ld"))
+    state = run(first, [_save("ld", 1, "weights")])[0].save.path
+    assert run(first, [_load("ld", 2, state)])[0].receipt.recovery_seq_id == 2  # the load was snapshotted
+    first.create_adapter(creation("sv"))
+    logged = [fb("sv", 1, batch(1)), opt("sv", 2), _save("sv", 3, "sampler_weights"), fb("sv", 4, batch(2))]
+    answers = run(first, logged)
+    assert [r.receipt.recovery_seq_id for r in answers] == [0, 0, 0, 0]
+    applied = weights(first, "sv")
+    first.stop()
+    store.service.delete("t", state)
+    store.service.delete("t", answers[2].save.path)
+    second = _engine(store, model_cache)
+    try:
+        assert second.create_adapter(rebuild("ld")).next_seq_id == 3  # the load is not replayed
+        out = _rebuilt_by_the_gateway(second, "sv", logged, fb("sv", 5, batch(3)))
+        assert out.WhichOneof("result") == "forward_backward", out.error
+        with pytest.raises(NotFound):
+            store.service.get("t", answers[2].save.path)  # not brought back by the replay
+        assert all(torch.equal(v, applied[k]) for k, v in weights(second, "sv").items())
+    finally:
+        second.stop()
+
+
+def test_a_replayed_operation_that_fails_now_fails_the_rebuild_naming_it(
+        tmp_path: Path, model_cache: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load whose snapshot could not be written is replayed by a rebuild; if its checkpoint is gone by then, the
+    rebuild fails with FailedPrecondition naming the run and the load, never a run that skipped it."""
+    store = ServiceStore(tmp_path / "store")
+    first = _engine(store, model_cache)
+    first.create_adapter(creation("bad"))
+    state = run(first, [_save("bad", 1, "weights")])[0].save.path  # snapshotted at 1
+
+    def unwritable(*args: object) -> None:
+        raise OSError("store down")
+
+    monkeypatch.setattr(first, "_write_snapshot", unwritable)
+    assert run(first, [_load("bad", 2, state)])[0].receipt.recovery_seq_id == 0  # applied, snapshot skipped
+    first.stop()
+    store.service.delete("t", state)
+    second = _engine(store, model_cache)
+    try:
+        out = _rebuilt_by_the_gateway(second, "bad", [_save("bad", 1, "weights"), _load("bad", 2, state)],
+                                      fb("bad", 3, batch(1)))
+        assert out.error.code == "FailedPrecondition", out
+        assert out.error.message.startswith("run 'bad' cannot be rebuilt as it was: replaying its load of seq_id 2, "
+                                            "which succeeded, failed now (NotFound: ")
+    finally:
+        second.stop()

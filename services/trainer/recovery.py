@@ -5,7 +5,8 @@ them. The classic answer is a write-ahead log plus checkpoints, split between tw
 
 - the gateway's ledger holds every acknowledged operation's request (the log);
 - the trainer writes a **recovery snapshot** of a run right after applying some of its operations: every
-  ``every_steps``-th optimizer step, every training-state save, and at least every ``every_ops`` seq_ids (so a
+  ``every_steps``-th optimizer step, every training-state save, every load (so a rebuild never reads a checkpoint
+  again: it may have been overwritten or deleted since), and at least every ``every_ops`` seq_ids (so a
   forward-only run has them too). A snapshot is the run's whole state at that point, in the paging format (LoRA
   weights, AdamW moments, step and the gradients accumulated but not yet applied), stored through the
   checkpoints service at ``tinker://<run>/recovery/latest`` (overwritten in place; it expires ``ttl_s`` after
@@ -43,7 +44,7 @@ import json
 from dataclasses import dataclass, field
 
 from lathe.trainer.intake import result_to_proto
-from lathe.trainer.ops import Body, OptimStep, Result, Save
+from lathe.trainer.ops import Body, Load, OptimStep, Result, Save
 from lathe.types import LoadWeightsResponse, OptimStepResponse, SaveWeightsResponse
 from lathe.v1 import lathe_pb2 as pb
 from lathe.wire import error_from_proto, forward_backward_output_from_proto, receipt_from_proto
@@ -109,6 +110,6 @@ class SnapshotPolicy:
     def due(self, body: Body, step_after: int, since: int) -> bool:
         """Is a snapshot due right after a successful operation ``body`` that left the adapter at ``step_after``,
         ``since`` seq_ids after the last one that was due (written or not)?"""
-        if (isinstance(body, Save) and body.kind == "weights") or 0 < self.every_ops <= since:
+        if (isinstance(body, Save) and body.kind == "weights") or isinstance(body, Load) or 0 < self.every_ops <= since:
             return True
         return isinstance(body, OptimStep) and self.every_steps > 0 and step_after % self.every_steps == 0
