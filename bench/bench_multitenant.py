@@ -3,8 +3,8 @@
     python bench/bench_multitenant.py [--model tiny|smollm2|both] [--tenants 8] [--steps 4]
 
 Through the SDK and the services, as users see it. Every tenant has its own LoRA adapter and submits
-forward_backward + optim_step pairs concurrently, for ``--steps`` steps. Three servers, one process
-run, the same operations:
+forward_backward + optim_step pairs concurrently, for ``--steps`` steps. Three cases on two servers, one
+process run, the same operations:
 - packed:   Lathe's trainer, every ready tenant shares each cycle (one packed forward/backward);
 - serial:   the same trainer with ``--max-runs-per-cycle 1``: one tenant's batch per cycle, adapter
             swapped per batch (how open clones serve tenants);
@@ -16,14 +16,16 @@ machine's measured fp32 GEMM rate), the trainer's own cycle time per round (its 
 overhead per tenant-step: (round time - floor) / tenants, the time a tenant's step costs beyond its
 arithmetic.
 
-Shared VMs drift (the same round read 1.8 and 2.6 s minutes apart on one 2-core machine), so every case
-is measured ``--repeats`` times, packed and one-big alternating in one stack, and the median is printed.
+Shared VMs drift (the same round read 1.8 and 2.6 s minutes apart on one 2-core machine), so both servers run
+at once (only the one being measured works) and every case is measured ``--repeats`` times, packed, serial and
+one-big in turn, and the median is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import os
 import random
 import re
@@ -121,19 +123,24 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
 
 
-def measure(stack: Stack, model: str, tenants: int, n: int, length: int, steps: int, repeats: int,
-            big: bool) -> dict[str, dict[str, float]]:
-    """``tenants`` tenants stepping at once ("many"), and with ``big`` one tenant with their whole batch
-    ("big"), ``repeats`` times each, alternating; the median run of each."""
-    runs: dict[str, list[dict[str, float]]] = {"many": [], "big": []}
-    with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") as sc:
-        cases = {"many": Tenants(sc, model, tenants, n, length, 0)}
-        if big:
-            cases["big"] = Tenants(sc, model, 1, n * tenants, length, tenants)
+def measure(stacks: dict[str, Stack], model: str, tenants: int, n: int, length: int, steps: int,
+            repeats: int) -> dict[str, dict[str, float]]:
+    """Every case ``repeats`` times, the cases alternating, and the median run of each: ``tenants`` tenants
+    stepping at once on each stack (``packed``, ``serial``), and one tenant with their whole batch on the packed
+    stack (``big``)."""
+    clients = [lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") for stack in stacks.values()]
+    try:
+        by_stack = dict(zip(stacks, clients, strict=True))
+        cases = {label: (stacks[label], Tenants(by_stack[label], model, tenants, n, length, 0)) for label in stacks}
+        cases["big"] = (stacks["packed"], Tenants(by_stack["packed"], model, 1, n * tenants, length, tenants))
+        runs: dict[str, list[dict[str, float]]] = {label: [] for label in cases}
         for _ in range(repeats):
-            for label, case in cases.items():
+            for label, (stack, case) in cases.items():
                 runs[label].append(case.measure(stack, steps))
-    return {label: median_run(r) for label, r in runs.items() if r}
+    finally:
+        for c in clients:
+            c.close()
+    return {label: median_run(r) for label, r in runs.items()}
 
 
 def planning_share(stack: Stack) -> float:
@@ -151,18 +158,17 @@ def run_model(key: str, args: argparse.Namespace) -> None:
           f"{'packed/serial':>14}{'packed/one-big':>15}{'lat packed s':>13}{'lat serial s':>13}")
     rows = {}
     shapes = [s for s in SHAPES if f"{s[0]}x{s[1]}" in args.shapes.split(",")]
-    for label, extra in (("packed", ()), ("serial", ("--max-runs-per-cycle", "1"))):
-        cfg = StackConfig(models=model, store_root=CACHE / "bench-store", cache_root=CACHE,
-                          trainer_threads=args.threads, sampler_threads=1,
-                          trainer_args=("--metrics-port", "0", "--cycle-tokens", str(args.cycle_tokens), *extra))
-        with Stack(cfg) as stack:
-            for n, length in shapes:
-                got = measure(stack, model, args.tenants, n, length, args.steps, args.repeats, label == "packed")
-                rows[(label, n, length)] = got["many"]
-                if "big" in got:
-                    rows[("big", n, length)] = got["big"]
-            if label == "packed":
-                share = planning_share(stack)
+    with contextlib.ExitStack() as up:  # both stacks up at once, measured in turn (an idle stack costs ~nothing)
+        stacks = {}
+        for label, extra in (("packed", ()), ("serial", ("--max-runs-per-cycle", "1"))):
+            cfg = StackConfig(models=model, store_root=CACHE / f"bench-store-{label}", cache_root=CACHE,
+                              trainer_threads=args.threads, sampler_threads=1,
+                              trainer_args=("--metrics-port", "0", "--cycle-tokens", str(args.cycle_tokens), *extra))
+            stacks[label] = up.enter_context(Stack(cfg))
+        for n, length in shapes:
+            for label, row in measure(stacks, model, args.tenants, n, length, args.steps, args.repeats).items():
+                rows[(label, n, length)] = row
+        share = planning_share(stacks["packed"])
     for n, length in shapes:
         p, s, b = rows[("packed", n, length)], rows[("serial", n, length)], rows[("big", n, length)]
         print(f"{f'{n}x{length}':<14}{p['tokens_per_s']:>13.0f}{s['tokens_per_s']:>13.0f}{b['tokens_per_s']:>14.0f}"
