@@ -432,9 +432,10 @@ def attention_batch(
     k/v [S, L, Hkv, D] -> [S, L, Hq, D].
 
     o[s] = attention(q[s], k[s], v[s], q_offset=0), bit for bit in invariant mode: every product has the
-    shape and operand layout it has for the sequence alone, and the sums run in the same order, but each
-    kind of product runs once for all S sequences (a training pass's attention costs a few ops per layer,
-    not a few per sequence). Differentiable, with gradients that do not depend on S either.
+    shape and transposition it has for the sequence alone (a key chunk is copied where alone it is a view: the
+    pool's self-check holds the two to the same bits), and the sums run in the same order, but each kind of
+    product runs once for all S sequences (a training pass's attention costs a few ops per layer, not a few per
+    sequence). Differentiable, with gradients that do not depend on S either.
     """
     if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"attention_batch: q {tuple(q.shape)} must be [S, L, Hq, D] and k {tuple(k.shape)}, "
@@ -539,7 +540,8 @@ def _per_tile(lhs: torch.Tensor, x: torch.Tensor, c: int, h: int, transpose: boo
     (``.T`` when ``transpose``) -> [S, m, t, N]: one [t, K] product per tile, the chunk read in one layout.
 
     One sequence's tiles share its chunk as a view expanded over them; several sequences' chunks are copied
-    once per tile (the batch then has one chunk per product), in the same layout, transposed the same way.
+    once per tile (the batch then has one chunk per product), rows of D values as in the cache, transposed the
+    same way.
     """
     s, m = lhs.shape[:2]
     block = x[:, c * KEY_CHUNK : (c + 1) * KEY_CHUNK, h]  # [S, 64, D]

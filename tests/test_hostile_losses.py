@@ -6,7 +6,10 @@ get the bits they get alone. A hypothesis corpus fuzzes the checker, the shape r
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ from lathe.loss_graph import (
 from lathe.loss_trace import LossHandle
 from lathe.stack import Stack
 from lathe.trainer import custom_loss
-from lathe.trainer.custom_loss import MAX_LOSS_CALLS, MAX_LOSS_ELEMENTS, CustomLoss
+from lathe.trainer.custom_loss import MAX_LOSS_CALLS, MAX_LOSS_ELEMENTS, CustomLoss, LossBudget
 from lathe.trainer.engine import TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
 from tests.test_hostile_doors import Grpc, Http, _datum, _tensor
@@ -131,6 +134,22 @@ def test_a_jobs_datums_are_held_to_the_element_and_call_budgets() -> None:
     many = len(loss.graph.calls)
     with pytest.raises(InvalidArgument, match=rf"{MAX_LOSS_CALLS // many + 1} datums x {many} calls = "):
         loss.plan([(1, {})] * (MAX_LOSS_CALLS // many + 1))
+    two = loss.elements([(side, {})] * 2)
+    tight = CustomLoss(loss.graph, LossBudget(elements=two, calls=3 * many))  # a pool's own budgets
+    tight.plan([(side, {})] * 2)
+    with pytest.raises(InvalidArgument, match=rf"datums 0-2 make \d+ elements in its nodes, over the limit of {two} "
+                                              "per pass"):
+        tight.plan([(side, {})] * 3)
+    with pytest.raises(InvalidArgument, match=rf"4 datums x {many} calls = {4 * many} node evaluations, over the "
+                                              rf"limit of {3 * many} per pass"):
+        tight.plan([(1, {})] * 4)
+
+
+def test_the_trainer_takes_its_custom_loss_budgets_as_flags_and_refuses_bad_ones() -> None:
+    bad = subprocess.run([sys.executable, "-m", "lathe.trainer", "--max-loss-calls", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "custom-loss budgets must be integers >= 1, got elements=67108864 and calls=0" \
+        in bad.stderr, bad.stderr
 
 
 # ---------- H2: every exception of the evaluator fails its own operation alone ----------
@@ -228,7 +247,7 @@ def test_a_cycle_holds_custom_loss_elements_of_all_its_jobs_to_the_budget(
     def data() -> list[pb.Datum]:
         return [datum(list(range(5, 17))) for _ in range(2)]  # 2 x (12 + 144 + 1) = 314 elements
 
-    monkeypatch.setattr(custom_loss, "MAX_LOSS_ELEMENTS", 400)
+    monkeypatch.setattr(eng, "cfg", replace(eng.cfg, loss_budget=LossBudget(elements=400)))  # --max-loss-elements
     for name in ("outer-a", "outer-b", "plain"):
         create(eng, name)
     futs = [submit(eng, _custom_fb("outer-a", 1, outer, data())), submit(eng, _custom_fb("outer-b", 1, outer, data())),

@@ -15,6 +15,7 @@ from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.serving import run
 from lathe.trainer import ranks
+from lathe.trainer.custom_loss import LossBudget
 from lathe.trainer.dist import PoolFormationError, join
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.recovery import SnapshotPolicy
@@ -41,6 +42,10 @@ def main() -> None:
                     help="operations that wait this long for a seq_id that never arrives fail, naming it")
     ap.add_argument("--snapshot-every", type=int, default=d.snapshots.every_steps,
                     help="write a run's recovery snapshot every this many optimizer steps (0: only at saves)")
+    ap.add_argument("--max-loss-elements", type=int, default=d.loss_budget.elements,
+                    help="elements of a custom loss's nodes over one pass's datums, and over one cycle's jobs")
+    ap.add_argument("--max-loss-calls", type=int, default=d.loss_budget.calls,
+                    help="custom-loss node evaluations over one pass's datums (datums x nodes)")
     add_metrics_port(ap)
     ranks.add_arguments(ap, os.environ)
     args = ap.parse_args()
@@ -49,6 +54,10 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     apply_threads(args)
+    try:
+        loss_budget = LossBudget(args.max_loss_elements, args.max_loss_calls)
+    except ValueError as e:
+        ap.error(str(e))
     cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
                         invariant=not args.no_invariant, sgmv=args.sgmv,
                         activation_checkpointing=args.activation_checkpointing,
@@ -57,7 +66,7 @@ def main() -> None:
                         page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle,
                         order_wait_s=args.order_wait_s, max_queue=args.max_queue,
                         max_queue_per_tenant=args.max_queue_per_tenant,
-                        snapshots=SnapshotPolicy(every_steps=args.snapshot_every))
+                        snapshots=SnapshotPolicy(every_steps=args.snapshot_every), loss_budget=loss_budget)
     store = None
     if args.checkpoints:
         from lathe.checkpoints.client import CheckpointsClient

@@ -13,14 +13,15 @@ built-in losses); its metrics are summed over datums and ``reduce_metrics`` divi
 number of datums, as tinker's SDK combines them client-side.
 
 Budgets, all checked before anything is computed (``plan`` for a job's datums, then each call per datum): every
-node's shape comes from ``lathe.loss_graph.infer_shapes`` (at most ``MAX_NODE_ELEMENTS`` elements per node);
-over a job's datums, the nodes' elements (which autograd keeps until the backward) add up to at most
-``MAX_LOSS_ELEMENTS`` and the node evaluations to at most ``MAX_LOSS_CALLS``; the cycle planner
-(``lathe.trainer.cycle``) holds all the jobs of one cycle together to ``MAX_LOSS_ELEMENTS`` too
-(``elements``). Every call is a torch op on a tensor of known size, linear in its elements, so these bound a
-job's time and memory; no Python arithmetic runs on client values (the checker sees to it). Whatever a node
-raises (a torch error, MemoryError, ...) fails its job with ``InvalidArgument`` naming the node; a result whose
-shape is not the inferred one fails it with ``Internal``.
+node's shape comes from ``lathe.loss_graph.infer_shapes`` (at most ``MAX_NODE_ELEMENTS`` elements per node); over a
+job's datums, the nodes' elements (which autograd keeps until the backward) add up to at most the pool's
+``LossBudget.elements`` and the node evaluations to at most its ``LossBudget.calls`` (``MAX_LOSS_ELEMENTS`` and
+``MAX_LOSS_CALLS`` by default, the trainer's ``--max-loss-elements`` and ``--max-loss-calls``); the cycle planner
+(``lathe.trainer.cycle``) holds all the jobs of one cycle together to the element budget too (``elements``). Every
+call is a torch op on a tensor of known size, linear in its elements, so these bound a job's time and memory; no
+Python arithmetic runs on client values (the checker sees to it). Whatever a node raises (a torch error,
+MemoryError, ...) fails its job with ``InvalidArgument`` naming the node; a result whose shape is not the inferred
+one fails it with ``Internal``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import torch.nn.functional as F
 from lathe.errors import Internal, InvalidArgument
 from lathe.loss_graph import FUNCTIONS, LossGraph, Ref, Shape, infer_shapes
 
-MAX_LOSS_ELEMENTS = 2**26  # elements of all nodes over a job's datums, and a cycle's (256 MiB in fp32)
-MAX_LOSS_CALLS = 2**15  # node evaluations over a job's datums (datums x calls)
+MAX_LOSS_ELEMENTS = 2**26  # default: elements of all nodes over a job's datums, and a cycle's (256 MiB in fp32)
+MAX_LOSS_CALLS = 2**15  # default: node evaluations over a job's datums (datums x calls)
 _CACHED_SHAPES = 256  # input shapes whose node shapes a CustomLoss remembers
 
 FUNCTION_IMPLS: dict[str, Any] = {
@@ -63,10 +64,24 @@ def _resolve(value: Any, env: dict[str, torch.Tensor]) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
+class LossBudget:
+    """A pool's budgets for custom losses (the trainer's ``--max-loss-elements`` and ``--max-loss-calls``)."""
+
+    elements: int = MAX_LOSS_ELEMENTS  # elements of all nodes over one pass's datums, and over a cycle's jobs
+    calls: int = MAX_LOSS_CALLS  # node evaluations over one pass's datums (datums x calls)
+
+    def __post_init__(self) -> None:
+        if type(self.elements) is not int or type(self.calls) is not int or self.elements < 1 or self.calls < 1:
+            raise ValueError(f"custom-loss budgets must be integers >= 1, got elements={self.elements!r} and "
+                             f"calls={self.calls!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class CustomLoss:
-    """A checked graph, callable per datum (see the module docstring)."""
+    """A checked graph, callable per datum, under ``budget`` (see the module docstring)."""
 
     graph: LossGraph
+    budget: LossBudget = LossBudget()
     _shapes: dict[tuple[Shape, ...], dict[str, Shape]] = field(default_factory=dict, compare=False, repr=False)
 
     def shapes(self, length: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, Shape]:
@@ -81,15 +96,15 @@ class CustomLoss:
 
     def elements(self, datums: Sequence[tuple[int, Mapping[str, torch.Tensor]]]) -> int:
         """The elements this loss's nodes hold over ``datums`` ``(length, inputs)``, counted up to just past
-        ``MAX_LOSS_ELEMENTS``, for the cycle planner. Datums that ``plan`` refuses count 0 (over the call budget:
+        the element budget, for the cycle planner. Datums that ``plan`` refuses count 0 (over the call budget:
         none is sized; a datum whose shapes are refused): ``plan`` then refuses them by name."""
         total = 0
-        if len(datums) * len(self.graph.calls) > MAX_LOSS_CALLS:
+        if len(datums) * len(self.graph.calls) > self.budget.calls:
             return total
         for length, inputs in datums:
             with contextlib.suppress(InvalidArgument):
                 total += self._elements(self.shapes(length, inputs))
-            if total > MAX_LOSS_ELEMENTS:
+            if total > self.budget.elements:
                 break
         return total
 
@@ -101,9 +116,9 @@ class CustomLoss:
         and node or the budget, before any of them is evaluated."""
         g, elements = self.graph, 0
         calls = len(datums) * len(g.calls)
-        if calls > MAX_LOSS_CALLS:
+        if calls > self.budget.calls:
             raise InvalidArgument(f"custom loss {g.name!r}: {len(datums)} datums x {len(g.calls)} calls = {calls} "
-                                  f"node evaluations, over the limit of {MAX_LOSS_CALLS} per pass (a cycle's "
+                                  f"node evaluations, over the limit of {self.budget.calls} per pass (a cycle's "
                                   "share of a request); send fewer datums per request")
         for i, (length, inputs) in enumerate(datums):
             try:
@@ -111,9 +126,9 @@ class CustomLoss:
             except InvalidArgument as e:
                 raise InvalidArgument(f"datum {i}: {e.message}") from None
             elements += self._elements(shapes)
-            if elements > MAX_LOSS_ELEMENTS:
+            if elements > self.budget.elements:
                 raise InvalidArgument(f"custom loss {g.name!r}: datums 0-{i} make {elements} elements in its "
-                                      f"nodes, over the limit of {MAX_LOSS_ELEMENTS} per pass (a cycle's share of "
+                                      f"nodes, over the limit of {self.budget.elements} per pass (a cycle's share of "
                                       "a request); send fewer or shorter datums per request")
 
     def __call__(self, lp: torch.Tensor, inputs: dict[str, torch.Tensor]

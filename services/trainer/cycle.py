@@ -12,9 +12,10 @@ starves behind a large one. For every run the planner takes its next operation i
   returned when the last part is done). When the last part is planned and the run's next operation
   is an optim_step, that step lands in the same cycle.
 
-A cycle also holds at most ``custom_loss.MAX_LOSS_ELEMENTS`` elements of custom-loss nodes, all its jobs together
-(what autograd keeps until the backward): a part whose custom loss would take the cycle past that waits for a
-later cycle, unless it is the cycle's first (it then runs, and the step refuses it by name if it alone is over).
+A cycle also holds at most ``loss_elements`` (the pool's ``LossBudget.elements``) elements of custom-loss nodes,
+all its jobs together (what autograd keeps until the backward): a part whose custom loss would take the cycle past
+that waits for a later cycle, unless it is the cycle's first (it then runs, and the step refuses it by name if it
+alone is over).
 
 The planner owns no tensors; ``Partial`` carries a split request's progress between cycles. A pool of several
 ranks sends each ``Work`` to its followers as a ``lathe.trainer.plan.Step``.
@@ -82,6 +83,7 @@ def plan_cycle(
     capacity: int,
     begin: Callable[[object, Pending], Partial | None],
     max_runs: int = 0,
+    loss_elements: int = custom_loss.MAX_LOSS_ELEMENTS,
 ) -> list[Work]:
     """Plan one cycle. ``runs`` are (run, its sequencer, its request in progress), in visiting order.
 
@@ -91,7 +93,7 @@ def plan_cycle(
     share a cycle (1 = one tenant at a time, the unpacked baseline of the benchmarks).
     """
     works: list[Work] = []
-    budget, room = capacity, custom_loss.MAX_LOSS_ELEMENTS
+    budget, room = capacity, loss_elements
     for run, seq, partial in runs:
         if max_runs and len(works) >= max_runs:
             break
@@ -117,7 +119,7 @@ def plan_cycle(
         custom = partial.request.custom
         elements = 0 if custom is None else custom.elements(
             [(len(ex), ex.inputs) for ex in partial.examples[partial.done:end]])
-        if elements > room and room < custom_loss.MAX_LOSS_ELEMENTS:
+        if elements > room and room < loss_elements:
             continue  # its custom loss waits for a cycle with room for it
         room -= elements
         budget -= sum(len(x) for x in partial.examples[partial.done:end])

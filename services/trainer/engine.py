@@ -69,7 +69,7 @@ from lathe.models.lora import LoraSpec, default_seed
 from lathe.models.pool import DTYPES, check_device, check_dtype, default_device, on_passing_thread
 from lathe.trainer import shard
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
-from lathe.trainer.custom_loss import reduce_metrics
+from lathe.trainer.custom_loss import LossBudget, reduce_metrics
 from lathe.trainer.cycle import Partial, Work, plan_cycle
 from lathe.trainer.dist import Group, RankLost
 from lathe.trainer.metrics import CycleMetrics
@@ -125,6 +125,7 @@ class TrainerConfig:
     page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
     order_wait_s: float = 300.0  # operations waiting this long for a seq_id that has not arrived fail
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)  # recovery snapshots (lathe.trainer.recovery)
+    loss_budget: LossBudget = field(default_factory=LossBudget)  # custom losses (lathe.trainer.custom_loss)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -415,7 +416,7 @@ class TrainerEngine:
                 raise NotFound(f"unknown model_id {model_id!r}")
             base = self.bank.base_model(model_id)
         cfg = self.base(base).cfg
-        return Limits(cfg.vocab_size, cfg.max_position_embeddings, self.cfg.max_request_tokens)
+        return Limits(cfg.vocab_size, cfg.max_position_embeddings, self.cfg.max_request_tokens, self.cfg.loss_budget)
 
     def submit(self, op: Op) -> Future[Result]:
         """Queue one ordered operation (a ``Skip`` is answered at once); the future resolves to its ``Result``."""
@@ -612,7 +613,7 @@ class TrainerEngine:
                 k = self.cycle % len(runs)
                 runs = runs[k:] + runs[:k]
             works = plan_cycle([(m, m.seq, m.partial) for m in runs], self.cfg.cycle_tokens, self._begin,
-                               self.cfg.max_runs_per_cycle)
+                               self.cfg.max_runs_per_cycle, self.cfg.loss_budget.elements)
             creates, self._creates = self._creates, []
             self.cycle += bool(works)
             cycle = self.cycle

@@ -74,7 +74,7 @@ def _body(msg: pb.TrainerOp, limits: Limits) -> Body:
             graph = check_graph(c.name, [(x.name, x.rank) for x in c.inputs], c.graph_json)
         examples, cfg = check_request(req.data, req.loss_fn, dict(req.loss_fn_config), limits, graph)
         return ForwardBackward(examples, req.loss_fn, cfg, backward=not req.forward_only,
-                               custom=None if graph is None else CustomLoss(graph))
+                               custom=None if graph is None else CustomLoss(graph, limits.loss_budget))
     if kind == "optim_step":
         return OptimStep(optim_params_from_proto(msg.optim_step).check())
     if kind == "save":

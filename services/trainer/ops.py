@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from lathe.errors import LatheError
-from lathe.trainer.custom_loss import CustomLoss
+from lathe.trainer.custom_loss import CustomLoss, LossBudget
 from lathe.types import (
     ForwardBackwardOutput,
     LoadWeightsResponse,
@@ -40,11 +40,12 @@ SAVE_KINDS = ("weights", "sampler_weights")  # a training state (adapter + optim
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What a forward_backward on a run must fit: its base model's vocabulary and context, the pool's
-    request size."""
+    request size and custom-loss budgets."""
 
     vocab_size: int
     max_context: int
     max_request_tokens: int
+    loss_budget: LossBudget = LossBudget()
 
 
 @dataclass(slots=True)
