@@ -65,17 +65,17 @@ class Restart:
     trainer: TrainerEngine  # the restarted one
 
 
+def _engine(store: ServiceStore, model_cache: Path) -> TrainerEngine:
+    eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, snapshots=POLICY),
+                        ModelCatalog.from_spec(BASE, model_cache), store)
+    eng.start()
+    return eng
+
+
 @pytest.fixture(scope="module")
 def restart(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Restart]:
     store = ServiceStore(tmp_path_factory.mktemp("recovery-truth"))
-
-    def trainer() -> TrainerEngine:
-        eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, snapshots=POLICY),
-                            ModelCatalog.from_spec(BASE, model_cache), store)
-        eng.start()
-        return eng
-
-    first = trainer()
+    first = _engine(store, model_cache)
     plan = {"m": of("m", OPS[:4]), "gone": of("gone", OPS[:4]), "live": of("live", OPS[:4]),
             "src": of("src", OPS[:6]), "fwd": FORWARDS}  # OPS[:4]: 2 steps, a snapshot after seq 4
     answers = {}
@@ -88,7 +88,7 @@ def restart(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_di
     first.stop()  # the crash: none of these answers reached the gateway
     for model in ("gone", "resumed"):
         store.service.delete("t", recovery_path(model))  # expired or swept
-    second = trainer()
+    second = _engine(store, model_cache)
     yield Restart(store, answers, applied, second)
     second.stop()
 
@@ -107,6 +107,17 @@ class EngineStub:
         return await asyncio.wrap_future(await asyncio.to_thread(submit, self.eng, op))
 
 
+def _gateway(trainer: TrainerEngine, *models: str) -> GatewayCore:
+    """A gateway whose trainer is ``trainer`` in-process, holding ``models`` as its runs."""
+    core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1")
+    stub = EngineStub(trainer)
+    core.router.trainer = lambda base_model, key: stub
+    for model in models:
+        core.runs[model] = Run(model, "t", "s", BASE, LORA, {})
+        core.runs[model].ready.set()
+    return core
+
+
 def test_through_the_gateway_applied_steps_are_answered_from_the_snapshot_and_a_lost_run_is_named(
         restart: Restart) -> None:
     """Through the gateway's rebuild: the forward_backward and optim_step applied and snapshotted just before the
@@ -114,12 +125,7 @@ def test_through_the_gateway_applied_steps_are_answered_from_the_snapshot_and_a_
     results), and the weights are those of one application; a run whose snapshot is gone fails its operation
     with FailedPrecondition naming the run and the snapshot, and nothing is created in its place."""
     async def scenario() -> list[pb.FutureResult]:
-        core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1")
-        stub = EngineStub(restart.trainer)
-        core.router.trainer = lambda base_model, key: stub
-        for model in ("m", "gone"):
-            core.runs[model] = Run(model, "t", "s", BASE, LORA, {})
-            core.runs[model].ready.set()
+        core = _gateway(restart.trainer, "m", "gone")
         fb3, opt4 = of("m", OPS[2:4])
         sent = [await core.submit("t", "m", 3, forward_backward=fb3.forward_backward),
                 await core.submit("t", "m", 4, optim_step=opt4.optim_step),
@@ -186,23 +192,12 @@ def _load(model_id: str, seq: int, path: str) -> pb.TrainerOp:
                         load=pb.LoadRequest(model_id=model_id, seq_id=seq, path=path, with_optimizer=True))
 
 
-def _engine(store: ServiceStore, model_cache: Path) -> TrainerEngine:
-    eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, snapshots=POLICY),
-                        ModelCatalog.from_spec(BASE, model_cache), store)
-    eng.start()
-    return eng
-
-
 def _rebuilt_by_the_gateway(trainer: TrainerEngine, model: str, logged: list[pb.TrainerOp],
                             next_op: pb.TrainerOp) -> pb.FutureResult:
     """A gateway whose ledger holds ``logged``, all answered without error, sends ``next_op`` to ``trainer``,
     which lost the run: the answer, once the gateway has rebuilt the run there (``GatewayCore._rebuild``)."""
     async def scenario() -> pb.FutureResult:
-        core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1")
-        stub = EngineStub(trainer)
-        core.router.trainer = lambda base_model, key: stub
-        core.runs[model] = Run(model, "t", "s", BASE, LORA, {})
-        core.runs[model].ready.set()
+        core = _gateway(trainer, model)
         for op in logged:
             rid = f"{model}-{op.seq_id}"
             core.store.add_op(Operation(rid, "t", model, op.seq_id, op.WhichOneof("op"), op.SerializeToString()))
