@@ -98,7 +98,7 @@ class TileLayout:
         -> [m, n] each, where ``seg`` is a segment's own tiles as one ``[tiles_s * tile, .]`` block (its padding
         rows are zero).
 
-        A segment's rows are cut into ``parts`` equal spans (``split``: as many as the threads, so a segment
+        A segment's rows are cut into ``parts`` equal spans (``_spans``: as many as the threads, so a segment
         alone keeps every thread busy), each span's product runs on one thread (``ops._bmm``), and the parts
         are added in order: the bits depend on the segment and the thread count, never on the other segments.
         Consecutive segments of as many tiles share one ``ops._bmm`` (their spans are views of the same tiles).
@@ -110,7 +110,7 @@ class TileLayout:
             k, j = t1 - t0, i + 1
             while j < len(self.runs) and self.runs[j][1] - self.runs[j][0] == k:
                 j += 1
-            end, parts = t0 + (j - i) * k, split(k * self.tile)
+            end, parts = t0 + (j - i) * k, _spans(k * self.tile)
             span = k * self.tile // parts
             # contiguous: a column block of a wider gradient gets one layout however many segments share it
             left = lhs[t0:end].contiguous().view(-1, span, lhs.shape[2])
@@ -124,7 +124,7 @@ class TileLayout:
         return out
 
 
-def split(rows: int) -> int:
+def _spans(rows: int) -> int:
     """Spans a segment of ``rows`` rows is cut into for its weight-gradient products: the most, up to the
     thread count, that divide it evenly."""
     return max(p for p in range(1, max(torch.get_num_threads(), 1) + 1) if rows % p == 0)
