@@ -70,6 +70,7 @@ class StackConfig:
     tls_cert: Path | None = None  # PEM certificate and key: both public doors serve TLS
     tls_key: Path | None = None
     trainer_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.trainer`
+    gateway_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.gateway`
     trainer_ranks: int = 1  # processes in the trainer pool: one service, whose rank 0 starts the others
     log_dir: Path | None = None
     # the gateway's control-plane database (sqlite:///FILE, postgresql+psycopg://...); "": a SQLite file of this
@@ -191,6 +192,7 @@ class Stack:
                 gw_args += ["--quotas", str(c.quotas_file)]
             if c.tls_cert or c.tls_key:
                 gw_args += ["--tls-cert", str(c.tls_cert or ""), "--tls-key", str(c.tls_key or "")]
+            gw_args += c.gateway_args
             self._spawn("gateway", gw_args, {"--port": c.gateway_port, "--http-port": c.http_port})
             for _ in range(c.gateways - 1):
                 self._spawn("gateway", gw_args, {"--port": 0, "--http-port": min(c.http_port, 0)})

@@ -30,6 +30,7 @@ from lathe.gateway.auth import ApiKeys
 from lathe.gateway.downloads import EXPORT_NOTE_KEY, ExportNote, UrlSigner
 from lathe.internal_auth import TOKEN_ENV
 from lathe.stack import Stack, StackConfig
+from lathe.trainer.dist import free_port
 
 weights = pytest.importorskip("tinker_cookbook.weights")
 
@@ -144,12 +145,17 @@ def test_an_export_a_gateway_restart_lost_is_built_by_the_next_urls_request(
 
 @pytest.fixture(scope="module")
 def s3_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    """A stack whose checkpoints live in a SeaweedFS with auth (``s3://``, keys in the environment)."""
+    """A stack whose checkpoints live in a SeaweedFS with auth (``s3://``, keys in the environment) that no client
+    is meant to reach, as the chart's in-release MinIO: it presigns no URL (``LATHE_S3_PUBLIC_ENDPOINT=none``), and
+    the gateway signs its own for the address clients reach its HTTP door at (``--http-public-url``; here
+    ``localhost`` where the door listens on 127.0.0.1, as an Ingress's host differs from the pod's)."""
+    port = free_port()
     with LocalS3(tmp_path_factory.mktemp("seaweed")) as s3, pytest.MonkeyPatch.context() as env:
-        for name, value in s3.env().items():
+        for name, value in {**s3.env(), "LATHE_S3_PUBLIC_ENDPOINT": "none"}.items():
             env.setenv(name, value)
         cfg = StackConfig(models="lathe/tiny-llama", store_root=f"{s3.url}/stack", cache_root=model_cache,
-                          trainer_threads=1, sampler_threads=1)
+                          trainer_threads=1, sampler_threads=1, http_port=port,
+                          gateway_args=("--http-public-url", f"http://localhost:{port}/"))
         with Stack(cfg) as s:
             yield s
 
@@ -160,7 +166,8 @@ def test_the_tinker_cli_downloads_an_export_from_s3(s3_stack: Stack, tmp_path: P
     tc = _train(tinker.ServiceClient(base_url=s3_stack.http_url, api_key=key))
     path = tc.save_weights_external("cli").result().path
     urls = tinker.RestClient(base_url=s3_stack.http_url, api_key=key).get_external_weights_urls(path).result().urls
-    assert all(u.startswith(os.environ["LATHE_S3_ENDPOINT"]) for u in urls.values())  # S3's own presigned URLs
+    port = s3_stack.http_url.rsplit(":", 1)[1]
+    assert all(u.startswith(f"http://localhost:{port}/api/v1/") for u in urls.values())  # the door's, signed
 
     cli = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", path, "--output",
                           str(tmp_path)], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,

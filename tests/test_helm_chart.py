@@ -232,6 +232,29 @@ def test_the_gateway_metrics_port_is_cluster_internal_and_names_no_tenant_by_def
     assert tenant_labels(str(on)) == ["--metrics-tenant-labels=50"]
 
 
+def test_download_urls_point_where_clients_reach_the_doors_and_the_store(tmp_path: Path) -> None:
+    """The in-release MinIO answers only the checkpoints service, so it presigns no URL unless told where clients
+    reach it; the gateway signs its own for the Ingress's host; an external store presigns for its own endpoint."""
+
+    def render_with(name: str, text: str) -> tuple[list[str], object]:
+        values = tmp_path / name
+        values.write_text(text)
+        objs = objects(str(values))
+        gw = one(objs, "Deployment", f"{RELEASE}-lathe-gateway")["spec"]["template"]["spec"]["containers"][0]
+        ck = one(objs, "Deployment", f"{RELEASE}-lathe-checkpoints")["spec"]["template"]["spec"]["containers"][0]
+        return [a for a in gw["args"] if a.startswith("--http-public-url")], env_of(ck).get("LATHE_S3_PUBLIC_ENDPOINT")
+
+    assert render_with("default.yaml", "{}\n") == ([], "none")
+    assert render_with("ingress.yaml", "gateway:\n  ingress:\n    enabled: true\n    host: l.example.com\n"
+                       "    tlsSecret: l-tls\n") == (["--http-public-url=https://l.example.com"], "none")
+    assert render_with("plain.yaml", "gateway:\n  ingress:\n    enabled: true\n    host: l.example.com\n"
+                       "store:\n  minio:\n    publicEndpoint: https://s3.example.com\n") == (
+        ["--http-public-url=http://l.example.com"], "https://s3.example.com")
+    external = ("gateway:\n  publicUrl: https://door.example.com/lathe\nstore:\n  minio:\n    enabled: false\n"
+                "  external:\n    endpoint: https://s3.amazonaws.com\n    credentialsSecret: s3\n")
+    assert render_with("external.yaml", external) == (["--http-public-url=https://door.example.com/lathe"], None)
+
+
 def test_the_generated_api_key_has_the_tinker_form_the_http_door_takes() -> None:
     secret = one(objects(), "Secret", f"{RELEASE}-lathe-api-keys")
     line = base64.b64decode(secret["data"]["api-keys"]).decode()

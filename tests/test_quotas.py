@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
 RANK = 4
-TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free", "held", "adapters", "sessions")
+TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free", "held", "adapters", "sessions",
+           "inflate")
 
 
 def _fresh(tiny_dir: Path, rank: int, **targets: bool) -> Adapter:
@@ -73,7 +74,7 @@ def quota_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tin
         "adapters": {"max_adapter_bytes": 2 * adapter + adapter // 2},
         "sessions": {"max_sessions": 2, "max_sampling_sessions": 2},
         "runs": {"max_runs": 2}, "tokens": {"max_tokens_per_minute": 40}, "busy": {"max_inflight_ops": 2},
-        "held": {"max_inflight_ops": 2},
+        "held": {"max_inflight_ops": 2}, "inflate": {"max_inflated_bytes": 1 << 16},
         "meta": {"max_user_metadata_bytes": 32}, "pager": {"max_resident_adapters": 1},
         "roomy": {"max_resident_adapters": 2}, "bytes": {"max_checkpoint_bytes": 2 * ckpt + ckpt // 2}}}))
     pages = root / "pages"
@@ -356,6 +357,25 @@ def test_user_metadata_bytes(quota_stack: tuple) -> None:
         _refused(http.post("/create_session", json={"user_metadata": big}), re.escape(want), retry_after=False)
     with _client(stack, "free", user_metadata=big) as other:
         other.create_lora_training_client(BASE, rank=RANK, user_metadata=big)
+
+
+def test_a_zstd_body_inflates_no_further_than_the_tenants_own_quota(quota_stack: tuple) -> None:
+    """The tenant's ``max_inflated_bytes`` (64 KiB here) bounds what its zstd bodies decompress to, below the
+    gateway's own 16 MiB: 100 KB of valid JSON in a few hundred bytes is refused with 413 naming the quota, and the
+    same bytes open a session for another tenant."""
+    import zstandard
+
+    stack = quota_stack[0]
+    body = zstandard.ZstdCompressor().compress(b'{"tags": []}' + b" " * 100_000)
+    headers = {"content-type": "application/json", "content-encoding": "zstd"}
+    with _http(stack, "inflate") as http:
+        r = http.post("/create_session", content=body, headers=headers)
+    assert r.status_code == 413 and r.headers["x-should-retry"] == "false", r.text
+    assert r.json()["error"] == (f"the zstd request body ({len(body)} bytes) decompresses to over the limit of "
+                                 f"{1 << 16} bytes (the tenant's max_inflated_bytes quota)")
+    with _http(stack, "free") as http:
+        r = http.post("/create_session", content=body, headers=headers)
+    assert r.status_code == 200 and r.json()["session_id"], r.text
 
 
 def _paged(pages: Path, model_id: str) -> bool:

@@ -7,6 +7,7 @@ import io
 import os
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +85,27 @@ def test_wrong_credentials_fail_clearly(s3: LocalS3) -> None:
         assert s3.endpoint in e.value.message and "'lathe'" in e.value.message and "access denied" in e.value.message
     with pytest.raises(InvalidArgument, match="LATHE_S3_ACCESS_KEY"):
         S3Config.from_env(s3.url, {"LATHE_S3_ENDPOINT": s3.endpoint})
+
+
+def test_presigned_urls_are_signed_for_the_address_clients_reach(s3: LocalS3) -> None:
+    """A URL carries the host it was signed for: with ``LATHE_S3_PUBLIC_ENDPOINT`` it names (and works at) that
+    address and not the service's own; ``none`` hands out no URL, and ``locate`` then names none, with no expiry."""
+    public = s3.endpoint.replace("127.0.0.1", "localhost")
+    svc = CheckpointService(store(s3, "public", LATHE_S3_PUBLIC_ENDPOINT=public))
+    path = svc.put(tenant="erin", run_id=RUN, kind="weights", name="pub", files={"a.bin": b"public bytes"}).path
+    _, files, expires = svc.locate("erin", path, 60)
+    url = files["a.bin"].url
+    assert url.startswith(public + "/") and expires > 0
+    assert urllib.request.urlopen(url).read() == b"public bytes"
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the host is part of the signature
+        urllib.request.urlopen(url.replace(public, s3.endpoint))
+    assert refused.value.code == 403
+
+    hidden = CheckpointService(store(s3, "public", LATHE_S3_PUBLIC_ENDPOINT="none"))
+    _, files, expires = hidden.locate("erin", path, 60)
+    assert {n: (f.url, f.size) for n, f in files.items()} == {"a.bin": ("", 12)} and expires == 0.0
+    with pytest.raises(InvalidArgument, match="public endpoint 's3.example.com' must be http://host"):
+        store(s3, "public", LATHE_S3_PUBLIC_ENDPOINT="s3.example.com")
 
 
 def test_a_corrupted_object_is_an_error_naming_its_key(client: CheckpointsClient, s3: LocalS3) -> None:

@@ -6,9 +6,14 @@ layout, hashes and the commit protocol are ``service.py``'s.
 
 Configuration never comes from argv (a secret there is visible to every user of the machine):
 ``S3Config.from_env`` reads ``LATHE_S3_ENDPOINT`` (``http://host:port`` or ``https://host``),
-``LATHE_S3_ACCESS_KEY``, ``LATHE_S3_SECRET_KEY`` and ``LATHE_S3_REGION``, each of which overrides
-the same field (``endpoint``, ``access_key``, ``secret_key``, ``region``) of the JSON file named by
-``LATHE_S3_CREDENTIALS_FILE``.
+``LATHE_S3_ACCESS_KEY``, ``LATHE_S3_SECRET_KEY``, ``LATHE_S3_REGION`` and ``LATHE_S3_PUBLIC_ENDPOINT``, each of
+which overrides the same field (``endpoint``, ``access_key``, ``secret_key``, ``region``, ``public_endpoint``) of the
+JSON file named by ``LATHE_S3_CREDENTIALS_FILE``.
+
+Presigned URLs (``presign_get``) carry the host they were signed for, so they are signed for the address
+*clients* reach the store at: ``public_endpoint``, when the service reaches the store at an address no client can
+(an in-cluster MinIO behind its own Ingress); ``endpoint`` when it is unset (AWS S3, reached by everyone at one
+address); and none at all with ``public_endpoint = "none"`` (clients then download through the gateway's HTTP door).
 
 Errors: a missing key is ``KeyError`` (the store contract); refused credentials are
 ``PermissionDenied`` naming the endpoint and bucket; a missing bucket ``FailedPrecondition``; an
@@ -41,7 +46,13 @@ ENV_ENDPOINT = "LATHE_S3_ENDPOINT"
 ENV_ACCESS_KEY = "LATHE_S3_ACCESS_KEY"
 ENV_SECRET_KEY = "LATHE_S3_SECRET_KEY"
 ENV_REGION = "LATHE_S3_REGION"
+ENV_PUBLIC_ENDPOINT = "LATHE_S3_PUBLIC_ENDPOINT"
 ENV_CREDENTIALS_FILE = "LATHE_S3_CREDENTIALS_FILE"
+NO_URLS = "none"
+"""The ``public_endpoint`` of a store whose objects no client can reach: it presigns no URL."""
+DEFAULT_REGION = "us-east-1"
+"""The region a URL for ``public_endpoint`` is signed in when ``region`` is unset (S3's, MinIO's and SeaweedFS's
+default): a presigning client that knows its region asks the (possibly unreachable) public endpoint nothing."""
 MIN_PART_BYTES = 5 << 20  # S3's smallest multipart part
 _DENIED = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
 
@@ -56,6 +67,7 @@ class S3Config:
     secret_key: str = field(repr=False)
     prefix: str = ""
     region: str | None = None
+    public_endpoint: str = ""  # where clients reach the store, for presigned URLs ("": endpoint; NO_URLS: none)
     part_bytes: int = 16 << 20  # multipart part size (and the most one upload holds in memory per thread)
     parallel_uploads: int = 3
     connect_timeout_s: float = 5.0
@@ -67,6 +79,11 @@ class S3Config:
         if scheme not in ("http", "https") or not urlparse(self.endpoint).netloc:
             raise InvalidArgument(f"S3 endpoint {self.endpoint!r} must be http://host[:port] or https://host[:port] "
                                   f"(set {ENV_ENDPOINT})")
+        public = urlparse(self.public_endpoint)
+        if self.public_endpoint not in ("", NO_URLS) and (public.scheme not in ("http", "https") or not public.netloc
+                                                          or public.path.strip("/")):
+            raise InvalidArgument(f"S3 public endpoint {self.public_endpoint!r} must be http://host[:port], "
+                                  f"https://host[:port] or {NO_URLS!r} (set {ENV_PUBLIC_ENDPOINT})")
         if not self.bucket:
             raise InvalidArgument("S3 bucket is empty: the store URL must be s3://<bucket>[/<prefix>]")
         if not (self.access_key and self.secret_key):
@@ -87,7 +104,8 @@ class S3Config:
         if env.get(ENV_CREDENTIALS_FILE):
             doc = _read_credentials_file(Path(env[ENV_CREDENTIALS_FILE]))
         for key, var in (("endpoint", ENV_ENDPOINT), ("access_key", ENV_ACCESS_KEY),
-                         ("secret_key", ENV_SECRET_KEY), ("region", ENV_REGION)):
+                         ("secret_key", ENV_SECRET_KEY), ("region", ENV_REGION),
+                         ("public_endpoint", ENV_PUBLIC_ENDPOINT)):
             if env.get(var):
                 doc[key] = env[var]
         if "endpoint" not in doc:
@@ -95,7 +113,7 @@ class S3Config:
         prefix = parsed.path.strip("/")
         return cls(endpoint=doc["endpoint"], bucket=parsed.netloc, access_key=doc.get("access_key", ""),
                    secret_key=doc.get("secret_key", ""), prefix=f"{prefix}/" if prefix else "",
-                   region=doc.get("region"))
+                   region=doc.get("region"), public_endpoint=doc.get("public_endpoint", ""))
 
 
 def _read_credentials_file(path: Path) -> dict[str, str]:
@@ -103,7 +121,7 @@ def _read_credentials_file(path: Path) -> dict[str, str]:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise InvalidArgument(f"{ENV_CREDENTIALS_FILE} {str(path)!r} is not a readable JSON file: {e}") from None
-    allowed = {"endpoint", "access_key", "secret_key", "region"}
+    allowed = {"endpoint", "access_key", "secret_key", "region", "public_endpoint"}
     if not isinstance(doc, dict) or not set(doc) <= allowed or not all(isinstance(v, str) for v in doc.values()):
         raise InvalidArgument(f"{ENV_CREDENTIALS_FILE} {str(path)!r} must be a JSON object of strings with keys "
                               f"among {sorted(allowed)}")
@@ -147,6 +165,13 @@ class S3Store:
             retries=urllib3.Retry(total=cfg.retries, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]))
         self.client = Minio(parsed.netloc, access_key=cfg.access_key, secret_key=cfg.secret_key,
                             secure=parsed.scheme == "https", region=cfg.region, http_client=http)
+        self.signer: Minio | None = self.client  # signs presigned URLs: for the address clients reach
+        if cfg.public_endpoint == NO_URLS:
+            self.signer = None
+        elif cfg.public_endpoint:
+            public = urlparse(cfg.public_endpoint)
+            self.signer = Minio(public.netloc, access_key=cfg.access_key, secret_key=cfg.secret_key,
+                                secure=public.scheme == "https", region=cfg.region or DEFAULT_REGION)
 
     @classmethod
     def from_url(cls, url: str) -> S3Store:
@@ -207,9 +232,11 @@ class S3Store:
         with self._errors("delete", key):
             self.client.remove_object(self.cfg.bucket, self._key(key))
 
-    def presign_get(self, key: str, expires_s: int) -> str:
+    def presign_get(self, key: str, expires_s: int) -> str | None:
+        if self.signer is None:
+            return None
         with self._errors("sign a URL for", key):
-            return self.client.presigned_get_object(self.cfg.bucket, self._key(key),
+            return self.signer.presigned_get_object(self.cfg.bucket, self._key(key),
                                                     expires=timedelta(seconds=expires_s))
 
     def exists(self, key: str) -> bool:

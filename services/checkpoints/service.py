@@ -392,16 +392,18 @@ class CheckpointService:
         return info
 
     def locate(self, tenant: str, path: str, expires_in_s: int) -> tuple[CheckpointInfo, dict[str, StoredFile], float]:
-        """The checkpoint's info, each file's size, sha256 and (on a ``PresigningStore``) a GET URL valid for
-        ``expires_in_s`` seconds, and when those URLs expire (0.0: there are none). The store checks nothing on
-        such a read: the reader compares each file with its size and sha256."""
+        """The checkpoint's info, each file's size, sha256 and (on a ``PresigningStore`` that presigns) a GET URL
+        valid for ``expires_in_s`` seconds, and when those URLs expire (0.0: there are none). The store checks
+        nothing on such a read: the reader compares each file with its size and sha256."""
         if not 1 <= expires_in_s <= MAX_URL_S:
             raise InvalidArgument(f"expires_in_s = {expires_in_s} must be in [1, {MAX_URL_S}]")
         m = self._visible(tenant, self._parse(tenant, path))
         signer = self.store if isinstance(self.store, PresigningStore) else None
-        files = {n: StoredFile(f.size, f.sha256, signer.presign_get(m.blob_prefix() + n, expires_in_s) if signer
-                               else "") for n, f in sorted(m.files.items())}
-        return m.info, files, self.clock() + expires_in_s if signer else 0.0
+        urls = {n: signer.presign_get(m.blob_prefix() + n, expires_in_s) for n in m.files} if signer else {}
+        if None in urls.values():  # a store that hands out no URLs
+            urls = {}
+        files = {n: StoredFile(f.size, f.sha256, urls.get(n) or "") for n, f in sorted(m.files.items())}
+        return m.info, files, self.clock() + expires_in_s if urls else 0.0
 
     def export(self, *, tenant: str, source_path: str, name: str, ttl_seconds: int = 0,
                age_recipients: Sequence[str] = (), max_tenant_bytes: int = 0) -> CheckpointInfo:

@@ -66,8 +66,9 @@ class ObjectStore(Protocol):
 class PresigningStore(ObjectStore, Protocol):
     """A store whose objects can be read without it: by a URL that carries its own, expiring, signature."""
 
-    def presign_get(self, key: str, expires_s: int) -> str:
-        """A GET URL for ``key`` that works without credentials for ``expires_s`` seconds."""
+    def presign_get(self, key: str, expires_s: int) -> str | None:
+        """A GET URL for ``key`` that works without credentials for ``expires_s`` seconds; None where this store is
+        configured to hand out none (no client can reach it)."""
         ...
 
 

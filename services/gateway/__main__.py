@@ -26,6 +26,7 @@ import asyncio
 import os
 import sys
 from dataclasses import fields
+from urllib.parse import urlparse
 
 from lathe.probes import Probes, add_metrics_port, serve_metrics
 from lathe.serving import READY_MARK, serve_until_stopped
@@ -83,10 +84,11 @@ async def serve(args: argparse.Namespace) -> None:
         serve_metrics("lathe.gateway", probes.registry, args.host, args.metrics_port)
     http, door, files_url = None, None, ""
     if args.http_port >= 0:
-        door = TinkerHttpDoor(core, keys, http_limits=http_limits)
+        door = TinkerHttpDoor(core, keys, http_limits=http_limits, public_url=args.http_public_url)
         http = await HttpServer.start(door.app(), args.host, args.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
-        files_url = (args.http_public_url or f"{'https' if tls else 'http'}://{args.host}:{http.port}") + PREFIX
+        root = args.http_public_url.rstrip("/") or f"{'https' if tls else 'http'}://{args.host}:{http.port}"
+        files_url = root + PREFIX
     servicer = GatewayServicer(core, keys, door.downloads if door is not None else None, files_url)
 
     async def stop() -> None:
@@ -103,15 +105,24 @@ async def serve(args: argparse.Namespace) -> None:
                               credentials=tls.grpc_credentials() if tls else None, probes=probes)
 
 
+def _public_url(text: str) -> str:
+    """``--http-public-url``: empty, or an http(s) URL with a host (a path is kept: a door served under one)."""
+    url = urlparse(text)
+    if text and (url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment):
+        raise argparse.ArgumentTypeError(f"{text!r} is not http(s)://host[:port][/path]")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m lathe.gateway")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     ap.add_argument("--http-port", type=int, default=-1,
                     help="serve the Tinker HTTP API (/api/v1) on this port (0: any free port, -1: off)")
-    ap.add_argument("--http-public-url", default="",
-                    help="the HTTP door's root as clients reach it (e.g. https://lathe.example.com), for the "
-                         "download URLs the gRPC door hands out (default: the scheme, --host and the HTTP port)")
+    ap.add_argument("--http-public-url", default="", type=_public_url,
+                    help="the HTTP door's root as clients reach it (e.g. https://lathe.example.com behind an "
+                         "Ingress), for the download URLs both doors sign (default: the gRPC door the scheme, --host "
+                         "and the HTTP port; the HTTP door the scheme and host each request arrived with)")
     discovery = DiscoveryConfig()
     ap.add_argument("--discovery", choices=sorted(DIRECTORIES), default=discovery.kind,
                     help="how the trainer and sampler pools are found (default %(default)s: --trainer, --sampler)")

@@ -137,6 +137,7 @@ class TenantQuotas:
     max_user_metadata_bytes: int = 16 << 10
     max_resident_adapters: int = 64  # of the trainer pool's capacity (256 by default) for all tenants
     max_custom_losses: int = 1024
+    max_inflated_bytes: int = 16 << 20  # a zstd body decompressed, at most; the gateway's flag caps it
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

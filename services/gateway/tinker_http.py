@@ -12,10 +12,11 @@ the core error's HTTP status with the same ``{"error", "category"}`` body, never
 when waiting helps). The key is checked before the body is read. A body longer than the core's
 ``limits.max_message_bytes`` is refused with 413 before it is read to its end; a ``Content-Encoding: zstd`` body
 (the SDK's compressed forward_backward) is inflated a piece at a time and refused with 413 as soon as it passes
-``HttpLimits.max_inflated_bytes``; a body holding more than ``max_request_tokens`` values is refused before they
-become Python lists; and only ``max_concurrent_decodes`` large or compressed bodies are decoded at once
-(``limits.DecodeGate``). An ordered operation refused while its body is decoded still passes over its ``seq_id``
-(``GatewayCore.refusing``), so the run's next operations are not held up behind it.
+``HttpLimits.max_inflated_bytes`` or the tenant's quota of that name; a body holding more than
+``max_request_tokens`` values is refused before they become Python lists; and only ``max_concurrent_decodes``
+large or compressed bodies are decoded at once (``limits.DecodeGate``). An ordered operation refused while its
+body is decoded still passes over its ``seq_id`` (``GatewayCore.refusing``), so the run's next operations are not
+held up behind it.
 
 State of its own: only what an HTTP request said that its result does not carry (the layout of a sample's sparse
 ``target_prompt_logprobs``), kept by request id for the latest requests; a gateway restart forgets it, and the
@@ -109,8 +110,11 @@ class TinkerHttpDoor:
     """The ``/api/v1`` routes over one core; ``app()`` is the ASGI application to serve."""
 
     def __init__(self, core: GatewayCore, keys: ApiKeys, url_signer: UrlSigner | None = None,
-                 http_limits: HttpLimits | None = None) -> None:
+                 http_limits: HttpLimits | None = None, public_url: str = "") -> None:
+        """``public_url``: this door's root as clients reach it (``https://lathe.example.com`` behind an Ingress that
+        ends TLS), for the download URLs it signs; "": the scheme and host each request arrived with."""
         self.core = core
+        self.public_url = public_url.rstrip("/")
         self.keys = keys
         self.http_limits = http_limits or HttpLimits()
         self.gate = DecodeGate(self.http_limits.max_concurrent_decodes)
@@ -177,7 +181,8 @@ class TinkerHttpDoor:
     def _endpoint(self, fn: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             try:
-                result = await fn(request, self.keys.tinker_tenant(request.headers.get("x-api-key")))
+                request.state.tenant = tenant = self.keys.tinker_tenant(request.headers.get("x-api-key"))
+                result = await fn(request, tenant)
             except LatheError as e:
                 return error_response(e)
             except Exception as e:  # noqa: BLE001 - a bug answers 500 (retried by the SDK), never a hang
@@ -189,7 +194,8 @@ class TinkerHttpDoor:
     @contextlib.asynccontextmanager
     async def _body(self, request: Request) -> AsyncIterator[bytes]:
         """The request body while it is decoded: read no further than ``max_message_bytes``, a zstd one inflated
-        no further than ``max_inflated_bytes``, a large or compressed one holding a place in the decode gate."""
+        no further than ``max_inflated_bytes`` (the gateway's, or its tenant's quota if smaller), a large or
+        compressed one holding a place in the decode gate."""
         cap = self.core.limits.max_message_bytes
         declared = request.headers.get("content-length", "")
         known = declared.isascii() and declared.isdigit()
@@ -206,18 +212,21 @@ class TinkerHttpDoor:
                     raise RequestTooLarge(f"the request body is over the limit of {cap} bytes")
                 chunks.append(chunk)
             body = b"".join(chunks)
-            yield body if encoding == "identity" else self._inflate(body)
+            yield body if encoding == "identity" else self._inflate(body, request.state.tenant)
 
-    def _inflate(self, body: bytes) -> bytes:
-        """A zstd body decompressed piece by piece, refused as soon as it passes ``max_inflated_bytes``."""
-        limit, pieces, size = self.http_limits.max_inflated_bytes, [], 0
+    def _inflate(self, body: bytes, tenant: str) -> bytes:
+        """A zstd body decompressed piece by piece, refused as soon as it passes the gateway's
+        ``max_inflated_bytes`` or the tenant's quota of that name, whichever is smaller."""
+        mine, cap = self.core.quotas.of(tenant).max_inflated_bytes, self.http_limits.max_inflated_bytes
+        limit, pieces, size = min(cap, mine), [], 0
+        which = "the tenant's max_inflated_bytes quota" if mine < cap else "max_inflated_bytes"
         try:
             with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
                 while piece := reader.read(INFLATE_PIECE_BYTES):
                     size += len(piece)
                     if size > limit:
                         raise RequestTooLarge(f"the zstd request body ({len(body)} bytes) decompresses to over the "
-                                              f"limit of {limit} bytes (max_inflated_bytes)")
+                                              f"limit of {limit} bytes ({which})")
                     pieces.append(piece)
         except zstandard.ZstdError as e:
             raise InvalidArgument(f"the zstd request body does not decompress: {e}") from None
@@ -552,7 +561,8 @@ class TinkerHttpDoor:
         return self._future(sub)
 
     async def external_weights_urls(self, request: Request, tenant: str) -> dict[str, Any]:
-        return await self.downloads.urls(tenant, self._checkpoint_path(request), str(request.base_url) + PREFIX[1:])
+        root = self.public_url or str(request.base_url).rstrip("/")
+        return await self.downloads.urls(tenant, self._checkpoint_path(request), root + PREFIX)
 
     async def checkpoint_file(self, request: Request) -> Response:
         """The file a signed download URL names (no API key: the signature is the authority)."""
