@@ -53,6 +53,13 @@ class FailedPrecondition(LatheError):
     status, http_status, category = grpc.StatusCode.FAILED_PRECONDITION, 400, "user"
 
 
+class SessionGone(FailedPrecondition):
+    """The session has finished (closed by its client, or expired for want of heartbeats): HTTP 410, on which the
+    official SDK stops its heartbeat loop."""
+
+    http_status = 410
+
+
 class Cancelled(LatheError):
     """The caller cancelled the request before it finished (HTTP 499, nginx's "client closed request")."""
 

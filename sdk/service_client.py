@@ -95,6 +95,9 @@ class ServiceClient:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._conn.call("Heartbeat", pb.HeartbeatRequest(session_id=session_id))
+            except FailedPrecondition as e:  # finished: closed, or expired while no heartbeat got through
+                log.warning("session %s is over, heartbeats stop: %s", session_id, e)
+                return
             except LatheError as e:
                 log.warning("heartbeat of session %s failed: %s", session_id, e)
 

@@ -199,6 +199,10 @@ def test_open_sessions_and_sampling_sessions_are_capped_until_a_session_finishes
         third = session()
         assert third.status_code == 200, third.text
         _refused(session(), re.escape(full_sessions), retry_after=False)
+        # a finished session's heartbeat answers 410, on which the official SDK stops beating
+        gone = http.post("/session_heartbeat", json={"session_id": first})
+        assert gone.status_code == 410 and gone.json()["error"] == f"session {first!r} has finished (success)"
+        assert http.post("/session_heartbeat", json={"session_id": second}).status_code == 200
 
 
 def test_tokens_per_minute_count_datums_prompts_and_sampled_tokens(quota_stack: tuple) -> None:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from pathlib import Path
 
 import pytest
 
-from lathe.errors import NotFound, ResourceExhausted
+from lathe.errors import NotFound, ResourceExhausted, SessionGone
 from lathe.gateway.core import GatewayCore
 from lathe.gateway.futures import FutureStore
 from lathe.gateway.quotas import MODEL_SHAPES, QuotaConfig, Quotas, TenantQuotas, adapter_bytes, model_shape
 from lathe.gateway.records import Operation, SamplingSession, Session
 from lathe.gateway.session_search import MAX_SCANNED, SessionQuery, search
+from lathe.gateway.store import ControlStore, StoreConfig
 from lathe.v1 import lathe_pb2 as pb
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -158,5 +160,42 @@ def test_a_finished_session_and_its_sampling_sessions_leave_the_gateways_memory(
         assert core.session("t", done).finished == "success"  # read from the database again when asked for
         core.create_session("t", {})
         await core.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_session_not_heard_from_expires_on_every_replica_and_its_heartbeat_answers_gone(tmp_path: Path) -> None:
+    """The official SDK never finishes a session: one not heard from for ``session_idle_s`` is finished when its
+    tenant next opens a session, and frees its place under ``max_sessions``. A heartbeat through either of two
+    gateway replicas over one database keeps a session alive; one to an expired session answers SessionGone,
+    even through the replica that still held it open in memory."""
+    async def scenario() -> None:
+        now = [1000.0]
+        url = f"sqlite:///{tmp_path}/control.db"
+
+        def replica() -> GatewayCore:
+            return GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", store=ControlStore(StoreConfig(url)),
+                               quotas=Quotas(QuotaConfig(TenantQuotas(max_sessions=2))), session_idle_s=100.0,
+                               clock=lambda: now[0])
+
+        a, b = replica(), replica()
+        alive, idle = a.create_session("t", {}), a.create_session("t", {})
+        assert not b.session("t", idle).finished  # b holds it, open
+        with pytest.raises(ResourceExhausted, match="quota max_sessions: tenant has 2 open sessions"):
+            a.create_session("t", {})
+        now[0] += 90
+        b.heartbeat("t", alive)  # heard through the other replica: recorded in the database
+        now[0] += 20  # idle: 110 s unheard; alive: 20 s
+        third = a.create_session("t", {})
+        assert a.store.get_session(idle).finished == "expired: not heard from for 100 s"
+        assert not a.store.get_session(alive).finished and idle not in a.sessions
+        assert a.store.open_sessions("t")[0] == 2  # alive and third
+        with pytest.raises(SessionGone, match=re.escape(f"session {idle!r} has finished (expired: not heard from")):
+            b.heartbeat("t", idle)
+        assert b.session("t", idle).finished and not b.session("t", third).finished
+        with pytest.raises(ValueError, match="session_idle_s = 0 must be > 0"):
+            GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", session_idle_s=0)
+        await a.close()
+        await b.close()
 
     asyncio.run(scenario())

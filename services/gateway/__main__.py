@@ -34,7 +34,7 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import KEYS_FILE_ENV, ApiKeys
 from .calls import CallPolicy
-from .core import GatewayCore
+from .core import SESSION_IDLE_S, GatewayCore
 from .discovery import DIRECTORIES, DiscoveryConfig, make_directory
 from .futures import KEEP_DONE_BYTES
 from .http_server import HttpServer
@@ -75,7 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     await asyncio.to_thread(pools.start)
     core = GatewayCore(args.trainer, args.checkpoints, args.sampler, limits, quotas=quotas, store=store,
                        calls=CallPolicy(retry_budget_s=args.retry_budget_s), pools=pools, metrics=metrics,
-                       keep_result_bytes=args.keep_result_bytes)
+                       keep_result_bytes=args.keep_result_bytes, session_idle_s=args.session_idle_s)
     resumed = core.restore()
     if resumed:
         print(f"lathe.gateway: resumed {resumed} operations pending in {store.engine.url!r}", file=sys.stderr,
@@ -151,6 +151,9 @@ def main() -> None:
     ap.add_argument("--retry-budget-s", type=float, default=call_defaults.retry_budget_s,
                     help="how long an idempotent internal call waits for its service to come back "
                          "(default %(default)s)")
+    ap.add_argument("--session-idle-s", type=float, default=SESSION_IDLE_S,
+                    help="a session not heard from this long (no heartbeat; both SDKs send one every 10 s) is "
+                         "finished when its tenant next opens a session or sampling session (default %(default)s)")
     add_metrics_port(ap)
     ap.add_argument("--metrics-tenant-labels", type=int, default=0,
                     help="name this many tenants in the usage metrics' tenant label (default 0: every tenant is "
@@ -159,7 +162,10 @@ def main() -> None:
     for f in (*fields(DoorLimits), *fields(HttpLimits)):
         ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
                         help=f"request limit (default {f.default})")
-    asyncio.run(serve(ap.parse_args()))
+    args = ap.parse_args()
+    if not args.session_idle_s > 0:
+        ap.error(f"--session-idle-s must be > 0, got {args.session_idle_s}")
+    asyncio.run(serve(args))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from lathe.errors import (
     LatheError,
     NotFound,
     PermissionDenied,
+    SessionGone,
 )
 from lathe.internal_auth import internal_aio_channel
 from lathe.serving import CHANNEL_OPTIONS
@@ -92,6 +93,8 @@ REBUILD_ATTEMPTS = 3  # an operation finding its run gone from the trainer rebui
 CAPABILITIES_TTL_S = 30.0
 PURGE_EVERY_S = 60.0  # how often finished operations past the retention are deleted from the ledger
 MAX_DISPLAY_NAME = 256  # characters of a session's display name (its column's width)
+SESSION_IDLE_S = 900.0  # a session not heard from for this long is finished when its tenant next opens one
+SESSION_TOUCH_S = 60.0  # how often (at most) a gateway records in the database that a session was heard from
 
 
 def _not_reserved(path: str, action: str) -> None:
@@ -119,11 +122,17 @@ class GatewayCore:
     def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str,
                  limits: DoorLimits | None = None, quotas: Quotas | None = None, store: ControlStore | None = None,
                  calls: CallPolicy | None = None, pools: PoolDirectory | None = None,
-                 metrics: GatewayMetrics | None = None, keep_result_bytes: int = KEEP_DONE_BYTES) -> None:
+                 metrics: GatewayMetrics | None = None, keep_result_bytes: int = KEEP_DONE_BYTES,
+                 session_idle_s: float = SESSION_IDLE_S, clock: Callable[[], float] = time.time) -> None:
         """``store``: the control plane's database (default: SQLite in memory, gone with the process).
         ``pools``: where each base model's trainer and sampler are (``discovery``; default: one fixed pool at
         ``trainer_target`` and ``sampler_target``). ``metrics``: where usage is counted (``metrics``).
-        ``keep_result_bytes``: the bytes of finished results kept in memory (``futures``)."""
+        ``keep_result_bytes``: the bytes of finished results kept in memory (``futures``). ``session_idle_s``: how
+        long a session may go unheard (no heartbeat, no request naming it) before it is finished; ``clock`` reads
+        the time for that."""
+        if not session_idle_s > 0:
+            raise ValueError(f"session_idle_s = {session_idle_s} must be > 0")
+        self.session_idle_s, self.clock = session_idle_s, clock
         self.metrics = metrics or GatewayMetrics()
         self.limits = limits or DoorLimits()
         self.quotas = quotas or Quotas()
@@ -278,11 +287,38 @@ class GatewayCore:
             delay = min(2 * delay, FOREIGN_POLL_S)
 
     def session(self, tenant: str, session_id: str) -> Session:
+        """The tenant's session; an open one is heard from (recorded in the database at most every
+        ``SESSION_TOUCH_S``), and one that another gateway finished (or expired) since is read as finished."""
         s = self._find_session(session_id)
         if s is None or s.tenant != tenant:
             raise NotFound(f"unknown session_id {session_id!r}")
-        s.last_seen = time.time()
+        now = self.clock()
+        if not s.finished and now - s.last_seen >= min(SESSION_TOUCH_S, self.session_idle_s / 4):
+            if self.store.touch_session(session_id, now):
+                s.last_seen = now
+            else:
+                self._let_go(s.session_id)
+                s = self._find_session(session_id) or s
         return s
+
+    def heartbeat(self, tenant: str, session_id: str) -> None:
+        """Keep an open session alive; a finished one answers ``SessionGone`` (HTTP 410: the SDK stops beating)."""
+        s = self.session(tenant, session_id)
+        if s.finished:
+            raise SessionGone(f"session {session_id!r} has finished ({s.finished})")
+
+    def _expire_idle(self, tenant: str) -> None:
+        """Finish the tenant's sessions not heard from for ``session_idle_s`` (the official SDK never finishes a
+        session, so each script it runs would otherwise hold one of the tenant's ``max_sessions`` for ever)."""
+        reason = f"expired: not heard from for {self.session_idle_s:g} s"
+        for session_id in self.store.expire_sessions(tenant, self.clock() - self.session_idle_s, reason):
+            self._let_go(session_id)
+
+    def _let_go(self, session_id: str) -> None:
+        """Drop a finished session and its sampling sessions from memory (the database keeps them)."""
+        self.sessions.pop(session_id, None)
+        for sampling_session_id in self.store.session_members(session_id)[1]:
+            self.sampling.pop(sampling_session_id, None)
 
     def _open_session(self, tenant: str, session_id: str) -> Session:
         """The session, which must still be open to create models or sampling clients in it."""
@@ -305,11 +341,13 @@ class GatewayCore:
     # ---- sessions and capabilities ----
 
     def create_session(self, tenant: str, user_metadata: dict[str, str], display_name: str | None = None) -> str:
+        self._expire_idle(tenant)
         self.quotas.admit_session(tenant, self.store.open_sessions(tenant)[0], user_metadata)
         if display_name is not None and not 0 < len(display_name) <= MAX_DISPLAY_NAME:
             raise InvalidArgument(f"display_name has {len(display_name)} characters; give 1 to {MAX_DISPLAY_NAME}, "
                                   "or none")
-        s = Session("sess-" + uuid.uuid4().hex[:16], tenant, dict(user_metadata), display_name=display_name)
+        s = Session("sess-" + uuid.uuid4().hex[:16], tenant, dict(user_metadata), display_name=display_name,
+                    created_at=self.clock())
         self.store.put_session(s)
         self.sessions[s.session_id] = s
         return s.session_id
@@ -322,9 +360,7 @@ class GatewayCore:
         if not s.finished:
             s.finished = reason or "finished"
             self.store.finish_session(s)
-        del self.sessions[session_id]
-        for sampling_session_id in self.store.session_members(session_id)[1]:
-            self.sampling.pop(sampling_session_id, None)
+        self._let_go(session_id)
 
     async def capabilities(self) -> pb.ServerCapabilities:
         """The models of the pools present, each with its trainer's and sampler's exactness joined (cached while
@@ -840,6 +876,7 @@ class GatewayCore:
         """Refuse a new sampling session in ``session_id`` over the tenant's ``max_sampling_sessions``; a repeat of
         the client's ``seq_id`` makes none and passes."""
         if seq_id is None or self._find_sampling(f"{session_id}:sample:{seq_id}") is None:
+            self._expire_idle(tenant)
             self.quotas.admit_sampling_session(tenant, self.store.open_sessions(tenant)[1])
 
     def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:

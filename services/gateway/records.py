@@ -21,7 +21,7 @@ class Session:
     user_metadata: dict[str, str]
     next_model: int = 0
     next_sampler: int = 0
-    last_seen: float = field(default_factory=time.time)
+    last_seen: float = 0.0  # when this gateway last recorded in the database that the session was heard from
     finished: str = ""  # why the client closed it ("success", "errored", ...); "" while open
     created_at: float = field(default_factory=time.time)
     display_name: str | None = None  # a name for people (Tinker's), matched by session search

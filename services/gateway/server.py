@@ -154,7 +154,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     @authed
     async def Heartbeat(self, request: pb.HeartbeatRequest, tenant: str) -> pb.Empty:
-        self.core.session(tenant, request.session_id)
+        self.core.heartbeat(tenant, request.session_id)
         return pb.Empty()
 
     @authed

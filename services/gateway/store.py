@@ -3,7 +3,8 @@
 Tables (created and changed only by the alembic scripts in ``migrations/``, which ``upgrade`` runs; alembic's
 ``alembic_version`` table says which ran):
 - ``sessions``: session id -> tenant, metadata, the next model and sampler numbers, why it finished, when it
-  was created (listings are newest first), its display name (NULL: none);
+  was created (listings are newest first), its display name (NULL: none), when it was last heard from (NULL: not
+  since it was created);
 - ``runs``: model id -> tenant (its owner), session, base model, LoRA config (``pb.LoraConfig`` bytes),
   optimizer family, metadata, creation and last-request times, the last checkpoints, the request id of its
   creation;
@@ -59,6 +60,7 @@ sessions = sa.Table(
     sa.Column("finished", sa.String(64), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False, server_default="0"),
     sa.Column("display_name", sa.String(256), nullable=True),
+    sa.Column("last_seen", sa.Float, nullable=True),
     sa.Index("ix_sessions_tenant_created", "tenant", "created_at"),
 )
 runs = sa.Table(
@@ -272,6 +274,24 @@ class ControlStore:
         """Record why the session finished (its counters are the database's own, see ``number``)."""
         with self.engine.begin() as c:
             c.execute(sessions.update().where(sessions.c.session_id == s.session_id).values(finished=s.finished))
+
+    def touch_session(self, session_id: str, now: float) -> bool:
+        """Record that the open session was heard from at ``now``; False if it has finished (on any gateway)."""
+        with self.engine.begin() as c:
+            return c.execute(sessions.update().where(sessions.c.session_id == session_id, sessions.c.finished == "")
+                             .values(last_seen=now)).rowcount == 1
+
+    def expire_sessions(self, tenant: str, idle_before: float, reason: str) -> list[str]:
+        """Finish, with ``reason``, the tenant's open sessions not heard from since ``idle_before`` (their
+        ``last_seen``, or ``created_at`` where none); their ids."""
+        heard = sa.func.coalesce(sessions.c.last_seen, sessions.c.created_at)
+        with self.engine.begin() as c:
+            ids = list(c.execute(sa.select(sessions.c.session_id).where(
+                sessions.c.tenant == tenant, sessions.c.finished == "", heard < idle_before)).scalars())
+            if ids:
+                c.execute(sessions.update().where(sessions.c.session_id.in_(ids), sessions.c.finished == "")
+                          .values(finished=reason))
+        return ids
 
     def run_configs(self, tenant: str) -> list[tuple[str, pb.LoraConfig, str]]:
         """The base model, LoRA config and optimizer family of each of the tenant's training runs (what their

@@ -268,7 +268,7 @@ class TinkerHttpDoor:
         return {"type": "create_session", "session_id": session_id}
 
     async def session_heartbeat(self, request: Request, tenant: str) -> dict[str, Any]:
-        self.core.session(tenant, (await self._fields(request)).get("session_id", str))
+        self.core.heartbeat(tenant, (await self._fields(request)).get("session_id", str))
         return {"type": "session_heartbeat"}
 
     async def telemetry(self, request: Request, tenant: str) -> dict[str, Any]:
