@@ -79,6 +79,12 @@ def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     }[target]
 
 
+def values_per_rank(cfg: ModelConfig, targets: tuple[str, ...]) -> int:
+    """Values of A [r, in] and B [out, r] per unit of rank over ``targets``, in every layer (the unembedding once):
+    what one more rank of LoRA on them holds, per tensor of the adapter (weights, gradients, each optimizer moment)."""
+    return sum(sum(module_shape(cfg, t)) * (1 if t == UNEMBED else cfg.num_layers) for t in targets)
+
+
 def peft_name(key: Key, which: str) -> str:
     """PEFT's state-dict name for ``which`` in {"lora_A", "lora_B"} of a target."""
     layer, target = key

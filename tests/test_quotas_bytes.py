@@ -16,7 +16,7 @@ import pytest
 from lathe.errors import NotFound, ResourceExhausted, SessionGone
 from lathe.gateway.core import GatewayCore
 from lathe.gateway.futures import FutureStore
-from lathe.gateway.quotas import MODEL_SHAPES, QuotaConfig, Quotas, TenantQuotas, adapter_bytes, model_shape
+from lathe.gateway.quotas import QuotaConfig, Quotas, TenantQuotas, adapter_bytes
 from lathe.gateway.records import Operation, SamplingSession, Session
 from lathe.gateway.session_search import MAX_SCANNED, SessionQuery, search
 from lathe.gateway.store import ControlStore, StoreConfig
@@ -25,26 +25,29 @@ from lathe.v1 import lathe_pb2 as pb
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_adapter_bytes_of_the_built_in_models_follow_the_catalogs_shapes(model_cache: Path) -> None:
-    from lathe.models.catalog import ModelCatalog
+def test_adapter_bytes_follow_the_lora_cost_the_trainer_reports(model_cache: Path) -> None:
+    """The trainer reports each model's LoRA cost per rank from the model's own config (so a model directory only
+    the pools can read is counted too); the quota's bytes are what a fresh adapter and its AdamW moments hold."""
+    from lathe.models.catalog import BUILTIN, ModelCatalog
     from lathe.models.config import ModelConfig
-    from lathe.models.lora import LoraSpec, module_shape
+    from lathe.models.lora import LoraSpec, LoraWeights
+    from lathe.trainer.engine import lora_cost
 
-    for name, shape in MODEL_SHAPES.items():
+    for name in BUILTIN:
         path = ModelCatalog.default(model_cache, [name]).resolve(name).path
         cfg = ModelConfig.from_dir(path)
-        assert model_shape(str(path)) == shape  # the same model served from its directory: read from its config
         for attn, mlp, unembed in itertools.product((False, True), repeat=3):
             if not (attn or mlp or unembed):
                 continue
-            spec = LoraSpec(rank=1, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
-            lora = pb.LoraConfig(rank=1, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
-            want = sum(sum(module_shape(cfg, target)) for _, target in spec.keys(cfg))
-            assert shape.values_per_rank(lora) == want, (name, attn, mlp, unembed)
+            spec = LoraSpec(rank=3, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
+            lora = pb.LoraConfig(rank=3, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
+            held = sum(t.numel() * t.element_size() for t in LoraWeights.init(cfg, spec, 0).named_parameters().values())
+            assert adapter_bytes(lora_cost(path), lora, "adamw") == 3 * held, (name, attn, mlp, unembed)
+            assert adapter_bytes(lora_cost(path), lora, "dimuon") == 2 * held
+    smollm2 = lora_cost(ModelCatalog.default(model_cache, [SMOLLM2]).resolve(SMOLLM2).path)
     every = pb.LoraConfig(rank=256, train_attn=True, train_mlp=True, train_unembed=True)
-    assert adapter_bytes(SMOLLM2, every, "adamw") == 1_090_584_576  # the issue's ~1.09 GB per rank-256 run
-    assert adapter_bytes(SMOLLM2, every, "dimuon") == 1_090_584_576 * 2 // 3  # one moment, not two
-    assert adapter_bytes("/no/such/model", every, "adamw") == 0  # a shape the gateway cannot know
+    assert adapter_bytes(smollm2, every, "adamw") == 1_090_584_576  # the issue's ~1.09 GB per rank-256 run
+    assert adapter_bytes(None, every, "adamw") == 0  # a model no pool present reports
 
 
 def _sample(prompt: int, num_samples: int, max_tokens: int | None) -> pb.SampleRequest:

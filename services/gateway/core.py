@@ -150,6 +150,7 @@ class GatewayCore:
         self.runs: dict[str, Run] = {}
         self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
         self._caps: tuple[float, int, pb.ServerCapabilities] | None = None  # (when, router generation, caps)
+        self._lora_costs: dict[str, pb.LoraCost] = {}  # base model -> its trainer's LoRA cost, as last reported
         self._tasks: set[asyncio.Task] = set()
         self._next_purge = 0.0
 
@@ -373,6 +374,7 @@ class GatewayCore:
             caps.limits.max_sample_tokens = sample_budget
             settled = all(m.trainer_exactness.checked and m.sampler_exactness.checked for m in caps.supported_models)
             self._caps = (now if settled else -math.inf, generation, caps)
+            self._lora_costs |= {m.model_name: m.lora_cost for m in caps.supported_models if m.HasField("lora_cost")}
         return self._caps[2]
 
     async def _context_length(self, base_model: str) -> int:
@@ -409,8 +411,11 @@ class GatewayCore:
             if known is not None:
                 return pb.SubmitResponse(request_id=known.create_request_id, model_id=known.model_id)
         lora = adapter.lora_config if lora is None else lora
-        held = [adapter_bytes(*config) for config in self.store.run_configs(tenant)]
-        self.quotas.admit_run(tenant, held, adapter_bytes(adapter.base_model, lora, adapter.optimizer or OPTIMIZERS[0]),
+        costs = self._lora_costs
+        held = [adapter_bytes(costs.get(base), config, optimizer)
+                for base, config, optimizer in self.store.run_configs(tenant)]
+        self.quotas.admit_run(tenant, held, adapter_bytes(costs.get(adapter.base_model), lora,
+                                                          adapter.optimizer or OPTIMIZERS[0]),
                               self.futures.pending(tenant), user_metadata)
         n = self.store.number(session_id, "next_model", model_seq_id)  # the database numbers, for every gateway
         s.next_model = max(s.next_model, n + 1)
@@ -454,6 +459,8 @@ class GatewayCore:
         saved_base = meta.get("base_model", "")
         if base_model and base_model != saved_base:
             raise InvalidArgument(f"base_model {base_model!r} is not the base model {saved_base!r} of {req.path!r}")
+        with contextlib.suppress(LatheError):  # no pool answering: the creation itself fails, and says why
+            await self.capabilities()  # the LoRA costs the adapter-bytes quota reads
         return self._start_run(tenant, req.session_id, model_seq_id, pb.CreateAdapterRequest(
             base_model=saved_base, from_path=req.path, with_optimizer=req.with_optimizer, optimizer=req.optimizer),
             dict(req.user_metadata), lora_of_checkpoint(meta))

@@ -39,7 +39,6 @@ A refusal is ``ResourceExhausted`` naming the quota, the tenant's use and the li
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -59,63 +58,16 @@ VALUE_BYTES = 4  # an adapter's tensors and its optimizer's are fp32
 MOMENTS = {"adamw": 2, "dimuon": 1}  # optimizer tensors per trained tensor (``lathe.trainer.optim_state``)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The sizes of a decoder that the shapes of its LoRA targets follow from (``lathe.models.lora.module_shape``:
-    q h -> q_width, k and v h -> kv_width, o q_width -> h, gate and up h -> intermediate, down intermediate -> h,
-    the unembedding h -> vocab)."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    q_width: int  # num_heads x head_dim
-    kv_width: int  # num_kv_heads x head_dim
-    vocab: int
-
-    @classmethod
-    def from_hf_config(cls, raw: Mapping[str, Any]) -> ModelShape:
-        """The shape a Hugging Face ``config.json`` gives (read as ``lathe.models.config.ModelConfig.from_hf`` does)."""
-        heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        return cls(int(raw["num_hidden_layers"]), hidden, int(raw["intermediate_size"]), heads * head_dim,
-                   int(raw.get("num_key_value_heads") or heads) * head_dim, int(raw["vocab_size"]))
-
-    def values_per_rank(self, lora: pb.LoraConfig) -> int:
-        """Values of A [r, in] and B [out, r] per unit of rank over the targets ``lora`` trains: in + out each."""
-        h = self.hidden
-        attn = 2 * (h + self.q_width) + 2 * (h + self.kv_width) if lora.train_attn else 0
-        mlp = 3 * (h + self.intermediate) if lora.train_mlp else 0
-        return self.layers * (attn + mlp) + (h + self.vocab if lora.train_unembed else 0)
-
-
-# The built-in models' shapes (``lathe.models.catalog.BUILTIN``; the gateway imports no model code, so they are
-# written out here, and tests/test_quotas_bytes.py checks them against the catalog).
-MODEL_SHAPES = {
-    "lathe/tiny-llama": ModelShape(2, 64, 128, 64, 32, 512),
-    "lathe/tiny-qwen2": ModelShape(2, 64, 128, 64, 32, 512),
-    "lathe/tiny-qwen3": ModelShape(2, 64, 128, 128, 64, 512),
-    "HuggingFaceTB/SmolLM2-135M-Instruct": ModelShape(30, 576, 1536, 576, 192, 49152),
-}
-
-
-def model_shape(base_model: str) -> ModelShape | None:
-    """A built-in model's shape, else that of the model served from the local directory ``base_model`` when the
-    gateway can read its ``config.json`` (as under ``lathe serve``, where the pools share its filesystem); else None.
-    ``base_model`` is one the pools serve (the core checked it, or a trainer wrote it into a checkpoint)."""
-    shape = MODEL_SHAPES.get(base_model)
-    if shape is None and base_model:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            shape = ModelShape.from_hf_config(json.loads((Path(base_model) / "config.json").read_text()))
-    return shape
-
-
-def adapter_bytes(base_model: str, lora: pb.LoraConfig, optimizer: str) -> int:
+def adapter_bytes(cost: pb.LoraCost | None, lora: pb.LoraConfig, optimizer: str) -> int:
     """What the trainer allocates for a run's adapter: A and B of every trained target in fp32, and the optimizer's
-    moments of each (two for AdamW, one for Dimuon); 0 for a model whose shape the gateway does not know."""
-    shape = model_shape(base_model)
-    if shape is None:
+    moments of each (two for AdamW, one for Dimuon). ``cost``: its model's, as its trainer pool reports it in the
+    capabilities (``SupportedModel.lora_cost``); 0 for a model no pool present reports."""
+    if cost is None:
         return 0
-    return lora.rank * shape.values_per_rank(lora) * VALUE_BYTES * (1 + MOMENTS.get(optimizer, MOMENTS["adamw"]))
+    per_rank = ((cost.attn_values_per_rank if lora.train_attn else 0)
+                + (cost.mlp_values_per_rank if lora.train_mlp else 0)
+                + (cost.unembed_values_per_rank if lora.train_unembed else 0))
+    return lora.rank * per_rank * VALUE_BYTES * (1 + MOMENTS.get(optimizer, MOMENTS["adamw"]))
 
 
 def lora_of_checkpoint(meta: Mapping[str, Any]) -> pb.LoraConfig:

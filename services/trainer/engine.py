@@ -63,9 +63,10 @@ from lathe.errors import (
     Unavailable,
 )
 from lathe.models.catalog import ModelCatalog
+from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
-from lathe.models.lora import LoraSpec, default_seed
+from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, default_seed, values_per_rank
 from lathe.models.pool import DTYPES, check_device, check_dtype, default_device, on_passing_thread
 from lathe.trainer import shard
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
@@ -171,6 +172,15 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
+@functools.cache
+def lora_cost(path: Path) -> pb.LoraCost:
+    """What LoRA costs per rank on the model in ``path`` (its config alone), for the gateway's adapter-bytes quota."""
+    cfg = ModelConfig.from_dir(path)
+    return pb.LoraCost(attn_values_per_rank=values_per_rank(cfg, ATTN_TARGETS),
+                       mlp_values_per_rank=values_per_rank(cfg, MLP_TARGETS),
+                       unembed_values_per_rank=values_per_rank(cfg, (UNEMBED,)))
+
+
 class TrainerEngine:
     def __init__(self, cfg: TrainerConfig, catalog: ModelCatalog, store: CheckpointStore | None = None,
                  group: Group | None = None, on_rank_lost: Callable[[], None] | None = None) -> None:
@@ -244,7 +254,8 @@ class TrainerEngine:
         self._check_alive()
         return pb.ServerCapabilities(supported_models=[
             pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length,
-                              trainer_exactness=pb.Exactness(**self.exactness.fields(e.name)))
+                              trainer_exactness=pb.Exactness(**self.exactness.fields(e.name)),
+                              lora_cost=lora_cost(e.path))
             for e in self.catalog.entries()
         ])
 
