@@ -21,7 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import lathe
 from lathe.errors import ResourceExhausted
+from lathe.gateway.auth import ApiKeys
 from lathe.gateway.limits import DecodeGate, HttpLimits
+from lathe.gateway.server import GateDecodes, RequireApiKey
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
@@ -134,8 +136,54 @@ def test_the_decode_gate_holds_large_bodies_to_its_places_and_refuses_one_more()
             pass
         return e.value.message
 
-    assert asyncio.run(scenario()) == ("max_concurrent_decodes = 1: that many large request bodies (compressed, or "
-                                       "over 1048576 bytes) are being decoded, and this one waited 0 s for a place")
+    assert asyncio.run(scenario()) == ("max_concurrent_decodes = 1: that many large requests (HTTP bodies "
+                                       "compressed or over 1048576 bytes, gRPC forward_backward and sample messages) "
+                                       "are being decoded, and this one waited 0 s for a place")
+
+
+def test_the_grpc_door_reads_forward_backward_and_sample_only_with_a_place_of_the_gate() -> None:
+    """A real grpc server with the gateway's interceptors: while the gate's one place is held, a keyed
+    ForwardBackward waits for it and is refused RESOURCE_EXHAUSTED without its handler running (its message was not
+    read); a stranger is refused at once without taking a place; other methods pass; with the place free the
+    request reaches its handler whole."""
+    class Door(pb_grpc.GatewayServicer):
+        def __init__(self) -> None:
+            self.seen: list[pb.ForwardBackwardRequest] = []
+
+        async def ForwardBackward(self, request: pb.ForwardBackwardRequest, context: object) -> pb.SubmitResponse:
+            self.seen.append(request)
+            return pb.SubmitResponse(request_id="req-1", model_id=request.model_id)
+
+        async def Whoami(self, request: pb.WhoamiRequest, context: object) -> pb.WhoamiResponse:
+            return pb.WhoamiResponse(user_urn="alice")
+
+    async def scenario() -> None:
+        gate, door = DecodeGate(1, wait_s=0.2), Door()
+        server = grpc.aio.server(interceptors=[RequireApiKey(ApiKeys.parse("tml-alice=alice\n")), GateDecodes(gate)],
+                                 options=CHANNEL_OPTIONS)
+        pb_grpc.add_GatewayServicer_to_server(door, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        big = pb.ForwardBackwardRequest(model_id="m", seq_id=7, data=[_datum(TOKENS, weights=pb.Tensor(
+            data=b"\1" * (8 * MIB), dtype="float32", shape=[2 * MIB]))])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            keyed = [("x-api-key", "tml-alice")]
+            async with gate.place(needed=True):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.ForwardBackward(big, metadata=keyed, timeout=WAIT_S)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert e.value.details().startswith("max_concurrent_decodes = 1: that many large requests")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.ForwardBackward(big, metadata=[("x-api-key", "tml-bob")], timeout=0.1)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert (await stub.Whoami(pb.WhoamiRequest(), metadata=keyed, timeout=WAIT_S)).user_urn == "alice"
+                assert door.seen == []
+            answer = await stub.ForwardBackward(big, metadata=keyed, timeout=WAIT_S)
+            assert answer.model_id == "m" and door.seen == [big]
+        await server.stop(None)
+
+    asyncio.run(scenario())
 
 
 # ---------- the null learning rate, and L6: a refusal while decoding passes over its seq_id ----------

@@ -38,10 +38,10 @@ from .core import SESSION_IDLE_S, GatewayCore
 from .discovery import DIRECTORIES, DiscoveryConfig, make_directory
 from .futures import KEEP_DONE_BYTES
 from .http_server import HttpServer
-from .limits import DoorLimits, HttpLimits
+from .limits import DecodeGate, DoorLimits, HttpLimits
 from .metrics import GatewayMetrics
 from .quotas import QuotaConfig, Quotas
-from .server import GatewayServicer, RequireApiKey
+from .server import GateDecodes, GatewayServicer, RequireApiKey
 from .store import ControlStore, StoreConfig
 from .tinker_http import PREFIX, TinkerHttpDoor
 from .tls import TlsFiles
@@ -83,8 +83,9 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port >= 0:
         serve_metrics("lathe.gateway", probes.registry, args.host, args.metrics_port)
     http, door, files_url = None, None, ""
+    gate = DecodeGate(http_limits.max_concurrent_decodes)  # both doors' large requests, decoded a few at a time
     if args.http_port >= 0:
-        door = TinkerHttpDoor(core, keys, http_limits=http_limits, public_url=args.http_public_url)
+        door = TinkerHttpDoor(core, keys, http_limits=http_limits, public_url=args.http_public_url, gate=gate)
         http = await HttpServer.start(door.app(), args.host, args.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
         root = args.http_public_url.rstrip("/") or f"{'https' if tls else 'http'}://{args.host}:{http.port}"
@@ -101,7 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
     await serve_until_stopped("lathe.gateway", args.host, args.port,
                               lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server),
                               on_stop=stop, max_receive_bytes=limits.max_message_bytes,
-                              interceptors=[RequireApiKey(keys)],
+                              interceptors=[RequireApiKey(keys), GateDecodes(gate)],
                               credentials=tls.grpc_credentials() if tls else None, probes=probes)
 
 

@@ -122,9 +122,10 @@ class DecodeGate:
             async with asyncio.timeout(self.wait_s):
                 await self._free.acquire()
         except TimeoutError:
-            raise ResourceExhausted(f"max_concurrent_decodes = {self.slots}: that many large request bodies "
-                                    f"(compressed, or over {SMALL_BODY_BYTES} bytes) are being decoded, and this "
-                                    f"one waited {self.wait_s:.0f} s for a place", retry_after_s=1.0) from None
+            raise ResourceExhausted(f"max_concurrent_decodes = {self.slots}: that many large requests (HTTP bodies "
+                                    f"compressed or over {SMALL_BODY_BYTES} bytes, gRPC forward_backward and sample "
+                                    f"messages) are being decoded, and this one waited {self.wait_s:.0f} s for a "
+                                    "place", retry_after_s=1.0) from None
         try:
             yield
         finally:

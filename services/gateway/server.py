@@ -2,8 +2,9 @@
 
 Authentication: the ``x-api-key`` metadata entry, mapped to a tenant by ``ApiKeys``, checked twice: by
 ``RequireApiKey`` before the request is received (a stranger's message is never read, let alone parsed), then by each
-handler, which needs the tenant. Core errors become gRPC status codes (``lathe.errors``); no handler writes error
-text of its own.
+handler, which needs the tenant. Requests that carry datums or prompts are read only while they hold a place of the
+gateway's decode gate (``GateDecodes``). Core errors become gRPC status codes (``lathe.errors``); no handler
+writes error text of its own.
 
 Each registry call is the HTTP door's, through the same core call (sessions, search, storage usage, weights info,
 copies, TTL, publishing). External weights go through the HTTP door's ``downloads.Downloads`` (the same staging
@@ -30,6 +31,7 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from .auth import ApiKeys
 from .core import GatewayCore
 from .downloads import Downloads, export_note
+from .limits import DecodeGate
 from .records import Session
 from .session_search import FINISH_REASONS, SessionQuery, session_status
 
@@ -69,6 +71,38 @@ class RequireApiKey(grpc.aio.ServerInterceptor):
 
 async def _refuse(error: LatheError, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
     await context.abort(error.status, error.message)
+
+
+GATED_METHODS = frozenset({"/lathe.v1.Gateway/ForwardBackward", "/lathe.v1.Gateway/Sample"})
+"""The methods whose requests carry datums or prompts: up to ``max_message_bytes`` each."""
+
+
+class GateDecodes(grpc.aio.ServerInterceptor):
+    """Reads a request of ``GATED_METHODS`` only while it holds a place of ``gate`` (the HTTP door's
+    ``limits.DecodeGate``, so both doors together decode at most ``max_concurrent_decodes`` such requests at once);
+    one that waits ``gate.wait_s`` for a place is refused with RESOURCE_EXHAUSTED. As in ``RequireApiKey``, the
+    method's handler takes its request as a stream: until it reads the one message, the bytes wait in the
+    transport's flow-control window, not in the gateway. Placed after ``RequireApiKey``: a stranger takes no place."""
+
+    def __init__(self, gate: DecodeGate) -> None:
+        self.gate = gate
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or details.method not in GATED_METHODS or handler.unary_unary is None:
+            return handler
+
+        async def gated(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
+            try:
+                async with self.gate.place(needed=True):
+                    request = await anext(aiter(requests))
+            except LatheError as e:
+                await context.abort(e.status, e.message)
+            return await handler.unary_unary(request, context)
+
+        return grpc.stream_unary_rpc_method_handler(gated, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
 
 
 def authed(fn: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:

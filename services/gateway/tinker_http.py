@@ -110,14 +110,16 @@ class TinkerHttpDoor:
     """The ``/api/v1`` routes over one core; ``app()`` is the ASGI application to serve."""
 
     def __init__(self, core: GatewayCore, keys: ApiKeys, url_signer: UrlSigner | None = None,
-                 http_limits: HttpLimits | None = None, public_url: str = "") -> None:
+                 http_limits: HttpLimits | None = None, public_url: str = "", gate: DecodeGate | None = None
+                 ) -> None:
         """``public_url``: this door's root as clients reach it (``https://lathe.example.com`` behind an Ingress that
-        ends TLS), for the download URLs it signs; "": the scheme and host each request arrived with."""
+        ends TLS), for the download URLs it signs; "": the scheme and host each request arrived with. ``gate``: the
+        places for decoding large bodies, shared with the gRPC door (default: this door's own)."""
         self.core = core
         self.public_url = public_url.rstrip("/")
         self.keys = keys
         self.http_limits = http_limits or HttpLimits()
-        self.gate = DecodeGate(self.http_limits.max_concurrent_decodes)
+        self.gate = gate or DecodeGate(self.http_limits.max_concurrent_decodes)
         self.downloads = Downloads(core.checkpoints, url_signer,
                                    quota=lambda tenant: core.quotas.of(tenant).max_checkpoint_bytes)
         self._notes: OrderedDict[str, _Note] = OrderedDict()
