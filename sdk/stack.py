@@ -95,6 +95,11 @@ class StackConfig:
                              f"{self.restart_window_s} > 0")
 
 
+def _stop_turn(name: str) -> int:
+    """When ``Stack.stop`` stops a child: the gateways first, then the pools, then the checkpoints service."""
+    return 0 if name == "gateway" else 2 if name == "checkpoints" else 1
+
+
 @dataclass(slots=True)
 class Service:
     """One child of the stack: the flags it runs with, its current process and what that process printed.
@@ -181,9 +186,9 @@ class Stack:
                 root = self.local_s3.url
             ckpt = self._spawn("checkpoints", ["--root", root])
             ranks = ["--world-size", str(c.trainer_ranks)] if c.trainer_ranks > 1 else []
-            trainer = self._spawn("trainer", [*self._pool_args(ckpt.address, c.trainer_threads), *ranks,
-                                              *c.trainer_args])
-            sampler = self._spawn("sampler", self._pool_args(ckpt.address, c.sampler_threads))
+            trainer, sampler = self._spawn_together(
+                ("trainer", [*self._pool_args(ckpt.address, c.trainer_threads), *ranks, *c.trainer_args]),
+                ("sampler", self._pool_args(ckpt.address, c.sampler_threads)))
             gw_args = ["--trainer", trainer.address, "--checkpoints", ckpt.address, "--sampler", sampler.address,
                        "--db", c.db_url or f"sqlite:///{Path(c.cache_root).resolve()}/control/{os.urandom(6).hex()}.db"]
             if c.api_keys_file:
@@ -263,13 +268,26 @@ class Stack:
         return args
 
     def _spawn(self, name: str, args: list[str], ports: dict[str, int] | None = None) -> Service:
-        s = Service(name, args, {**(ports or {"--port": 0}), **({"--metrics-port": 0} if self.cfg.metrics else {})})
-        self.services.append(s)
-        self._launch(s)
-        return s
+        return self._spawn_together((name, args, ports or {"--port": 0}))[0]
+
+    def _spawn_together(self, *specs: tuple[str, list[str]] | tuple[str, list[str], dict[str, int]]
+                        ) -> list[Service]:
+        """Start the services ``(name, args[, ports])`` at once (trainer and sampler import torch side by side),
+        then wait for each to be ready."""
+        metrics = {"--metrics-port": 0} if self.cfg.metrics else {}
+        made = [Service(spec[0], spec[1], {**(spec[2] if len(spec) > 2 else {"--port": 0}), **metrics})
+                for spec in specs]
+        self.services += made
+        for s, ready in [(s, self._start(s)) for s in made]:
+            self._await_ready(s, ready)
+        return made
 
     def _launch(self, s: Service) -> None:
         """Start ``s``'s process and wait (bounded) for its ready line; pins the ports it bound."""
+        self._await_ready(s, self._start(s))
+
+    def _start(self, s: Service) -> threading.Event:
+        """Start ``s``'s process and the thread that reads its output; the event its ready line sets."""
         cmd = [sys.executable, "-m", f"lathe.{s.name}", "--host", self.cfg.host, *s.args]
         for flag, port in s.ports.items():
             cmd += [flag, str(port)]
@@ -300,6 +318,12 @@ class Stack:
                         ready.set()
 
         threading.Thread(target=drain, name=f"{s.name}-stdout", daemon=True).start()
+        return ready
+
+    def _await_ready(self, s: Service, ready: threading.Event) -> None:
+        """Wait (bounded) for ``s``'s ready line; pin the ports it bound."""
+        proc, addresses = s.proc, s.addresses
+        assert proc is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.wait(0.05):
             if proc.poll() is not None:
@@ -358,19 +382,22 @@ class Stack:
         return {**env, "PYTHONUNBUFFERED": "1"}
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop the supervisor, then every child in reverse order (SIGTERM, SIGKILL after ``grace_s``)."""
+        """Stop the supervisor, then the children, callers first (SIGTERM, SIGKILL after ``grace_s``)."""
         self._stopping.set()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join()
         with self._lock:
-            for s in reversed(self.services):
-                if s.proc is not None and s.proc.poll() is None:
-                    s.proc.send_signal(signal.SIGTERM)
+            for turn in range(3):  # callers before what they call; each turn's children at once
+                group = [s.proc for s in self.services if _stop_turn(s.name) == turn and s.proc is not None]
+                for proc in group:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                for proc in group:
                     try:
-                        s.proc.wait(timeout=grace_s)
+                        proc.wait(timeout=grace_s)
                     except subprocess.TimeoutExpired:
-                        s.proc.kill()
-                        s.proc.wait(timeout=grace_s)
+                        proc.kill()
+                        proc.wait(timeout=grace_s)
             self.services.clear()
             if self.local_s3 is not None:
                 self.local_s3.stop()
