@@ -1,8 +1,10 @@
 """Shared fixtures: a model cache under the repo (or $LATHE_CACHE), the generated tiny models, torch's thread
-count at 1 and 2, and the embedded stack of real service processes."""
+count at 1 and 2, and the embedded stack of real service processes, one shared by the modules that need the plain
+one (starting one costs seconds, and about twenty modules need it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,12 +43,27 @@ def tiny_dir(model_cache: Path) -> Path:
     return ensure_tiny_model(model_cache, "llama")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator:
-    """Every service as its own process on loopback, serving the tiny model (one stack per test module)."""
+@contextlib.contextmanager
+def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator:
+    """Every service as its own process on loopback, serving the tiny model, one thread per pool."""
     from lathe.stack import Stack, StackConfig
 
     cfg = StackConfig(models="lathe/tiny-llama", store_root=tmp_path_factory.mktemp("store"),
                       cache_root=model_cache, trainer_threads=1, sampler_threads=1)
     with Stack(cfg) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator:
+    """One ``tiny_stack`` for the whole session. The modules that share it keep out of each other's way by their
+    tenants (each uses API keys of its own, and in open mode a key is its own tenant)."""
+    with tiny_stack(tmp_path_factory, model_cache) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stack(shared_stack: object) -> object:
+    """The shared stack; a module that needs one of its own (it reads a service's peak memory, say) overrides this
+    fixture with ``tiny_stack``."""
+    return shared_stack

@@ -44,9 +44,7 @@ def test_sft_loss_falls_and_restart_from_state_continues_exactly(stack: Stack) -
         caps = sc.get_server_capabilities()
         assert BASE in [m.model_name for m in caps.supported_models]
         tc = sc.create_lora_training_client(BASE, rank=8, seed=1)
-        fb, opt = tc.forward_backward(data, "cross_entropy"), tc.optim_step(lathe.AdamParams(learning_rate=5e-3))
-        assert fb.result().receipt.cycle == opt.result().receipt.cycle  # submitted together: one cycle
-        losses = [step(tc, data) for _ in range(20)]
+        losses = [step(tc, data) for _ in range(21)][1:]  # (cycle packing is tests/test_trainer_engine.py's)
         assert losses[-1] < 0.5 * losses[0], losses
         path = tc.save_state("after-20", user_metadata={"step": "20"}).result().path
         assert path == f"tinker://{tc.model_id}/weights/after-20"

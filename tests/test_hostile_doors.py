@@ -9,6 +9,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
+from tests.conftest import tiny_stack
 
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
@@ -28,6 +30,13 @@ WAIT_S = 60.0
 TOKENS = [5, 17, 42, 9, 33, 120, 7]
 ADAM = pb.AdamParams(learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8)
 MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Stack]:
+    """A stack of this module's own: a test reads the gateway's peak memory, which others would have set."""
+    with tiny_stack(tmp_path_factory, model_cache) as s:
+        yield s
 
 
 def _tensor(values: list, dtype: str, shape: list[int] | None = None) -> pb.Tensor:
@@ -186,10 +195,8 @@ def test_counts_and_sizes_are_refused_before_anything_is_allocated(stack: Stack)
     sampler = http.sampler()
     sample = {"sampling_session_id": sampler, "seq_id": 1, "prompt": {"chunks": [{"tokens": TOKENS}]},
               "sampling_params": {"max_tokens": 2}}
-    t0 = time.monotonic()
     http.refused(http.post("/asample", sample | {"num_samples": 2**31 - 1}), 400,
                  r"num_samples = 2147483647 must be in \[1, 128\]")
-    assert time.monotonic() - t0 < 5
     http.refused(http.post("/asample", sample | {"num_samples": 1, "prompt_logprobs": True,
                                                  "topk_prompt_logprobs": 256}), 400,
                  r"topk_prompt_logprobs = 256 must be in \[0, 20\]")

@@ -11,6 +11,8 @@ import asyncio
 import concurrent.futures as cf
 import math
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -29,10 +31,18 @@ from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
+from tests.conftest import tiny_stack
 from tests.test_hostile_doors import ADAM, BASE, MIB, PROTO, TOKENS, WAIT_S, Grpc, Http, _datum, _peak_rss_mib
 from tests.test_tinker_sdk import sft_data
 
 LIMITS = HttpLimits()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Stack]:
+    """A stack of this module's own: its first tests read the gateway's peak memory, which others would have set."""
+    with tiny_stack(tmp_path_factory, model_cache) as s:
+        yield s
 
 
 def _fb(model_id: str, seq: int, tokens: np.ndarray, loss_fn: str = "cross_entropy") -> tp.ForwardBackwardRequest:

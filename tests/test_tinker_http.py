@@ -232,7 +232,7 @@ def test_early_and_repeated_seq_ids_run_in_order_exactly_once(stack: Stack) -> N
     held = api.post("/retrieve_future", {"request_id": opt["request_id"]}, headers={"x-stainless-read-timeout": "17"})
     assert held.json() == {"type": "try_again", "request_id": opt["request_id"], "queue_state": "active",
                            "queue_state_reason": None}
-    assert 1.5 <= time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 >= 1.5  # it was held, and ended before the client's 17 s read timeout
     assert api.ok("/optim_step", {"model_id": late, "seq_id": 2, "adam_params": ADAM}) == opt  # a repeat
     fb = api.forward_backward(late, 1, TOKENS).json()
     assert api.forward_backward(late, 1, TOKENS).json() == fb  # a repeat
