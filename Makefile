@@ -7,7 +7,7 @@ STAMP := $(VENV)/.lathe-installed
 PROTOS := $(wildcard protos/lathe/v1/*.proto)
 GEN_STAMP := sdk/v1/.generated
 
-.PHONY: demo test lint protos serve clean bench
+.PHONY: demo test test-fast lint protos serve clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ serve: $(GEN_STAMP)
 
 test: $(GEN_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# the in-process tests only: no service processes, no stacks (a quick loop while editing)
+test-fast: $(GEN_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not processes"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -13,6 +13,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+PROCESS_FIXTURES = frozenset({"shared_stack", "stack", "quota_stack", "s3_stack", "pool_stack", "live", "secured",
+                              "server", "s3", "client", "postgres"})
+"""Fixtures that start service processes (a stack, a checkpoints or S3 server, PostgreSQL)."""
+PROCESS_MODULES = frozenset({"test_supervision", "test_trainer_ranks", "test_isa_paths", "test_sampler",
+                             "test_hostile_losses", "test_service_trust", "test_checkpoint_large"})
+"""Modules whose tests start such processes themselves."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``processes`` every test that starts service processes, so ``make test-fast`` can leave them out."""
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__.split(".")[-1] in \
+                PROCESS_MODULES:
+            item.add_marker(pytest.mark.processes)
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("LATHE_CACHE", REPO / ".cache" / "lathe"))
