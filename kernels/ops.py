@@ -262,16 +262,11 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     (a height of its tile ladder).
     """
     x = x.contiguous()  # the rows' layout the self-check admitted the heights with
-    m, k = x.shape
+    m = x.shape[0]
     n = w.shape[1]
-    cap = col_cap(k, w.element_size())
 
     def product(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if n <= cap:
-            return torch.mm(rows, w, out=out)
-        for c0 in range(0, n, cap):
-            out[:, c0:c0 + cap] = rows @ w[:, c0:c0 + cap]
-        return out
+        return direct_tile(rows, w, out)
 
     smallest = min(heights, default=0)
 
@@ -292,6 +287,18 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     elif start < m:
         y[start:] = tiled_matmul(x[start:], w, tile=lone or ROW_TILE)
     return y
+
+
+def direct_tile(rows: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [h, K] @ w [K, N] -> [h, N] as ``direct_matmul`` runs one tile of an admitted height: one plain product
+    per column block of ``col_cap`` width, written into ``out`` when given."""
+    n, cap = w.shape[1], col_cap(w.shape[0], w.element_size())
+    if n <= cap:
+        return torch.mm(rows, w, out=out)
+    out = rows.new_empty(rows.shape[0], n) if out is None else out
+    for c0 in range(0, n, cap):
+        out[:, c0:c0 + cap] = rows @ w[:, c0:c0 + cap]
+    return out
 
 
 def row_groups(rows: int, tiles: tuple[int, ...], least: int = 1) -> list[tuple[int, int, int]]:

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import TileLayout, lora_grouped, stacks
@@ -77,6 +78,16 @@ def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h), UNEMBED: (h, cfg.vocab_size),
     }[target]
+
+
+def _lone_tile(ladder: ops.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) -> int:
+    """The direct tile height ``ops.linear`` zero-pads ``rows`` rows to on ``ladder`` (a decode step's lone row,
+    fewer rows than its smallest direct height, with ``lone=0``), out of autograd on CPU; 0 where it would not."""
+    if not ladder.direct or ladder.lone or rows >= min(ladder.direct) or x.device.type != "cpu":
+        return 0
+    if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
+        return 0
+    return min(ladder.direct)
 
 
 def values_per_rank(cfg: ModelConfig, targets: tuple[str, ...]) -> int:
@@ -281,12 +292,17 @@ class LoraBatch:
         parts = []
         for s0, s1, w in self._segments:
             xs = x[s0:s1].to(wide)
-            if key in w.a:
-                ladder = ladders.get(w.spec.rank, ops.REFERENCE)
-                v = ops.linear(xs, w.a[key].to(wide), invariant=self.invariant, ladder=ladder)
-                parts.append(ops.linear(v * w.spec.scale, w.b[key].to(wide), invariant=self.invariant, ladder=ladder))
-            else:
+            if key not in w.a:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
+                continue
+            a, b, ladder = w.a[key].to(wide), w.b[key].to(wide), ladders.get(w.spec.rank, ops.REFERENCE)
+            tile = _lone_tile(ladder, s1 - s0, x, a)
+            if tile:  # both products in one zero-padded direct tile, as ``ops.linear`` runs each of them
+                v = ops.direct_tile(F.pad(xs, (0, 0, 0, tile - (s1 - s0))), a.t())
+                parts.append(ops.direct_tile(v * w.spec.scale, b.t())[:s1 - s0])
+                continue
+            v = ops.linear(xs, a, invariant=self.invariant, ladder=ladder)
+            parts.append(ops.linear(v * w.spec.scale, b, invariant=self.invariant, ladder=ladder))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def _delta_sgmv(self, key: Key, x: torch.Tensor, out_features: int) -> torch.Tensor:

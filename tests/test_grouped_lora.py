@@ -16,7 +16,7 @@ import torch
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout
 from lathe.models.exactness import choose_direct_tiles, choose_row_tiles
-from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights, _lone_tile
 
 KEYS = {(0, "q_proj"): (96, 96), (0, "down_proj"): (1536, 96), (-1, "lm_head"): (96, 49152)}
 
@@ -122,6 +122,30 @@ def test_out_of_autograd_an_expand_too_wide_to_stack_runs_per_segment_on_the_ran
         reference = batch.delta_per_segment(key, x)
         assert torch.equal(batch.delta(key, x, {32: ladder}), reference)
         assert torch.equal(batch.delta(key, x), reference)  # grouped, as without a ladder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_lone_decode_row_runs_both_products_in_one_padded_tile_with_the_reference_bits(
+        threads: int, dtype: torch.dtype) -> None:
+    """A decode step of one sequence: out of autograd, a row fewer than the ladder's smallest direct height runs its
+    shrink and expand in one zero-padded direct tile each (the LM head's expand in its column blocks), with the
+    bits of ``ops.linear``'s padded products, which the pool's self-check holds to the reference tile's."""
+    one = adapter(32, 7)
+    gen = torch.Generator().manual_seed(8)
+    shapes = [torch.randn(32, 96, generator=gen), torch.randn(ops.col_cap(32, 4), 32, generator=gen)]
+    ladder = ops.Ladder((ops.ROW_TILE,), choose_direct_tiles(shapes, [threads]), lone=0)
+    batch = LoraBatch([0, 1], [0], [one])
+    for key, (inputs, _) in KEYS.items():
+        x = torch.randn(1, inputs, generator=gen).to(dtype)
+        assert _lone_tile(ladder, 1, x, one.a[key]) == 0  # under autograd: ops.linear's differentiable products
+        with torch.no_grad():
+            # the padded tile where this machine admits direct heights (a CPU admitting none runs ops.linear's tiles)
+            assert _lone_tile(ladder, 1, x, one.a[key]) == min(ladder.direct, default=0)
+            lean = batch.delta_per_segment(key, x, {32: ladder})
+            wide = x.float()
+            v = ops.linear(wide, one.a[key], invariant=True, ladder=ladder)
+            want = ops.linear(v * one.spec.scale, one.b[key], invariant=True, ladder=ladder)
+        assert torch.equal(lean, want), key
 
 
 def test_tile_layout_pads_each_segment_and_unpads_back() -> None:
