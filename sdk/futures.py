@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from lathe.backoff import Backoff
 from lathe.errors import FailedPrecondition, Unavailable, from_rpc_error
 from lathe.serving import CHANNEL_OPTIONS
 from lathe.v1 import lathe_pb2 as pb
@@ -126,9 +127,7 @@ class Connection:
         overrides the connection's policy for this call (a client made with its own ``retry_config``)."""
         method = getattr(self._stub, rpc)
         policy = retry or self.retry
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + policy.budget_s
-        delay = policy.first_s
+        backoff = Backoff(policy.first_s, policy.max_s, policy.budget_s)
         while True:
             try:
                 return await method(request, metadata=self._metadata, timeout=timeout)
@@ -138,11 +137,10 @@ class Connection:
                         f"the TLS handshake with the gateway at {self.target} failed, so nothing was sent: its "
                         "certificate must chain to root_certificates (or a system CA) and name this host, and a "
                         f"plaintext gateway needs grpc:// (gRPC said: {e.details()})") from None
-                if e.code() not in retry_codes or loop.time() + delay > give_up:
+                if e.code() not in retry_codes or (pause := backoff.next()) is None:
                     raise from_rpc_error(e) from None
-                log.info("Gateway.%s at %s: %s; retrying in %.1f s", rpc, self.target, e.code().name, delay)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, policy.max_s)
+                log.info("Gateway.%s at %s: %s; retrying in %.1f s", rpc, self.target, e.code().name, pause)
+            await asyncio.sleep(pause)
 
     def close(self) -> None:
         """Cancel everything in flight (their futures raise CancelledError), close the channel, stop the loop."""

@@ -27,7 +27,7 @@ PACKAGES = {  # import name -> folder (pyproject's package-dir)
 
 # the lathe package (sdk/) holds three rooms: what every room shares, the client SDK, and the operator's tools
 SHARED = ("lathe.errors", "lathe.types", "lathe.registry_types", "lathe.wire", "lathe.serving", "lathe.internal_auth",
-          "lathe.loss_graph", "lathe.probes", "lathe.v1")
+          "lathe.backoff", "lathe.loss_graph", "lathe.probes", "lathe.v1")
 CLIENT = ("lathe.service_client", "lathe.training_client", "lathe.sampling_client", "lathe.rest_client",
           "lathe.registry_wire", "lathe.futures", "lathe.connect", "lathe.tokenizer", "lathe.loss_trace")
 TOOLS = ("lathe.cli", "lathe.checkpoint_cli", "lathe.export", "lathe.stack")

@@ -661,3 +661,20 @@ def test_get_tokenizer_reads_the_base_models_own_files(sc: lathe.ServiceClient, 
     by_name = sc.create_sampling_client(base_model="lathe/tiny-llama").get_tokenizer()
     assert by_name.encode("def clamp(x):", add_special_tokens=False) == expected
     assert by_name.decode(expected) == "def clamp(x):"
+
+
+def test_the_one_backoff_doubles_to_its_cap_and_stops_at_its_budget() -> None:
+    """Every retry loop's pauses (the SDK's, the gateway's, the checkpoints client's): first_s, doubling up to
+    max_s, while the try after the pause would start within budget_s of the backoff's making."""
+    from lathe.backoff import Backoff
+
+    now = [100.0]
+    backoff = Backoff(0.1, 0.4, 1.0, clock=lambda: now[0])
+    taken = []
+    while (pause := backoff.next()) is not None:
+        taken.append(pause)
+        now[0] += pause
+    assert taken == [0.1, 0.2, 0.4] and now[0] == pytest.approx(100.7)  # one more 0.4 would start at 101.1
+    assert Backoff(0.1, 0.4, 0.0, clock=lambda: 0.0).next() is None  # no budget: never again
+    with pytest.raises(ValueError, match="0 < first_s <= max_s and budget_s >= 0"):
+        Backoff(0.5, 0.1, 1.0)

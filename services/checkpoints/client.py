@@ -38,6 +38,7 @@ import grpc
 import urllib3
 from google.protobuf.message import Message
 
+from lathe.backoff import Backoff
 from lathe.errors import AlreadyExists, Internal, Unavailable, from_rpc_error
 from lathe.internal_auth import internal_channel
 from lathe.serving import CHANNEL_OPTIONS, reconnect_options
@@ -103,18 +104,16 @@ class CheckpointsClient:
 
     def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
         """``attempt()``, tried again while it fails ``Unavailable``, within ``self.retry``."""
-        give_up = time.monotonic() + self.retry.retry_for_s
-        pause = self.retry.first_backoff_s
+        backoff = Backoff(self.retry.first_backoff_s, self.retry.max_backoff_s, self.retry.retry_for_s)
         while True:
             try:
                 return attempt()
             except Unavailable as e:
-                if time.monotonic() + pause > give_up:
+                if (pause := backoff.next()) is None:
                     raise Unavailable(f"checkpoints service at {self.target} stayed unavailable for "
                                       f"{self.retry.retry_for_s:g} s (retry_for_s) while trying to {what}: "
                                       f"{e.message}") from None
             time.sleep(pause)
-            pause = min(2 * pause, self.retry.max_backoff_s)
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: Message) -> Any:
         try:

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from lathe.backoff import Backoff
 from lathe.errors import Unavailable, from_rpc_error
 from lathe.serving import reconnect_options
 
@@ -48,17 +49,14 @@ class Caller:
     async def call(self, rpc: Callable[..., Awaitable[Any]], request: Any, *, deadline_s: float,
                    idempotent: bool) -> Any:
         p = self.policy
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + p.retry_budget_s
-        delay = p.retry_first_s
+        backoff = Backoff(p.retry_first_s, p.retry_max_s, p.retry_budget_s)
         while True:
             try:
                 return await rpc(request, timeout=deadline_s)
             except grpc.aio.AioRpcError as e:
                 if not idempotent or e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise from_rpc_error(e) from None
-                if loop.time() + delay > give_up:
+                if (pause := backoff.next()) is None:
                     raise Unavailable(f"an internal service has been unavailable for {p.retry_budget_s:.0f} s "
                                       f"(last error: {e.details()}); try again later") from None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, p.retry_max_s)
+            await asyncio.sleep(pause)

@@ -46,6 +46,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
+from lathe.backoff import Backoff
 from lathe.errors import (
     Cancelled,
     FailedPrecondition,
@@ -88,7 +89,8 @@ from .session_search import SessionQuery, search
 from .store import ControlStore
 
 MAX_WAIT_S = 30.0  # a long-poll is held at most this long
-FOREIGN_POLL_S = 0.5  # how often the ledger is read for a result another gateway is producing
+FOREIGN_POLL_FIRST_S = 0.05  # the ledger is read for a result another gateway is producing this soon, then
+FOREIGN_POLL_S = 0.5  # at most this far apart
 REBUILD_ATTEMPTS = 3  # an operation finding its run gone from the trainer rebuilds it at most this often
 CAPABILITIES_TTL_S = 30.0
 PURGE_EVERY_S = 60.0  # how often finished operations past the retention are deleted from the ledger
@@ -277,15 +279,14 @@ class GatewayCore:
     async def _recorded_result(self, request_id: str, timeout_s: float) -> pb.FutureResult | None:
         """The ledger's result of ``request_id`` (an operation another gateway runs), polled until it is there
         or ``timeout_s`` has passed (None: still pending)."""
-        deadline, delay = time.monotonic() + timeout_s, 0.05
+        backoff = Backoff(FOREIGN_POLL_FIRST_S, FOREIGN_POLL_S, timeout_s)
         while True:
             op = self.store.get_op(request_id)
             if op is None or op.result is not None:
                 return None if op is None else pb.FutureResult.FromString(op.result)
-            if time.monotonic() + delay > deadline:
+            if (pause := backoff.next()) is None:
                 return None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, FOREIGN_POLL_S)
+            await asyncio.sleep(pause)
 
     def session(self, tenant: str, session_id: str) -> Session:
         """The tenant's session; an open one is heard from (recorded in the database at most every
