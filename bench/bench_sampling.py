@@ -32,7 +32,7 @@ import torch
 
 from lathe.models.config import ModelConfig
 from lathe.models.lora import LoraSpec, LoraWeights
-from lathe.models.pool import on_passing_thread
+from lathe.models.pool import DTYPES, on_passing_thread
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.trainer.bank import Adapter
 from lathe.trainer.optimizer import AdamState
@@ -40,7 +40,6 @@ from lathe.v1 import lathe_pb2 as pb
 
 BASE = "bench-base"
 TENANT = "bench"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -41,6 +41,7 @@ from lathe.kernels.sgmv_triton import triton_available
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.pool import DTYPES
 from lathe.models.tiny import hf_config, tensor_shapes
 from lathe.sampler.adapters import adapter_dtype, load_adapter
 from lathe.sampler.blocks import blocks_for
@@ -57,7 +58,6 @@ from lathe.types import AdamParams
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "gpu-check/random-llama"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 T = TypeVar("T")
 
 

@@ -24,7 +24,7 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
-from lathe.models.pool import add_pool_arguments, default_device
+from lathe.models.pool import DTYPES, add_pool_arguments, default_device
 from lathe.sampler.adapters import adapter_dtype, load_adapter
 from lathe.sampler.blocks import blocks_for
 from lathe.sampler.kv import KVPool
@@ -36,7 +36,6 @@ from lathe.trainer.optimizer import AdamState
 from lathe.trainer.step import Job, JobResult, run_jobs
 
 BASE = "lathe/tiny-llama"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CUDA = [pytest.mark.gpu,
         pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch sees none here")]
 SGMV = [*CUDA, pytest.mark.skipif(not triton_available(), reason="needs Triton with a GPU driver")]

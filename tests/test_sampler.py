@@ -34,6 +34,7 @@ from lathe.errors import NotFound, ResourceExhausted
 from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+from lathe.models.pool import DTYPES
 from lathe.sampler.adapters import AdapterCache
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.sampler.sampling import Rule, choose, generator
@@ -48,7 +49,6 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 torch.set_num_threads(1)
 BASE = "lathe/tiny-llama"
 TENANT = "t"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------- fixtures and helpers
