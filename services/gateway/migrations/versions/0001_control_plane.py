@@ -1,4 +1,5 @@
-"""The control plane: sessions, runs, sampling sessions and the operations ledger.
+"""The control plane: sessions, training runs, sampling sessions, custom losses and the operations ledger
+(``lathe.gateway.store`` reads and writes them; its ``metadata`` is this schema, checked by a test).
 
 Revision ID: 0001
 Revises:
@@ -22,7 +23,11 @@ def upgrade() -> None:
         sa.Column("next_model", sa.Integer, nullable=False),
         sa.Column("next_sampler", sa.Integer, nullable=False),
         sa.Column("finished", sa.String(64), nullable=False),
+        sa.Column("created_at", sa.Float, nullable=False, server_default="0"),
+        sa.Column("display_name", sa.String(256), nullable=True),
+        sa.Column("last_seen", sa.Float, nullable=True),
     )
+    op.create_index("ix_sessions_tenant_created", "sessions", ["tenant", "created_at"])
     op.create_table(
         "runs",
         sa.Column("model_id", sa.String(128), primary_key=True),
@@ -39,6 +44,7 @@ def upgrade() -> None:
         sa.Column("last_sampler_checkpoint", sa.Text, nullable=False),
         sa.Column("last_sampler_checkpoint_time", sa.Float, nullable=False),
         sa.Column("recovery_seq", sa.BigInteger, nullable=False),
+        sa.Column("optimizer", sa.String(16), nullable=True),
     )
     op.create_index("ix_runs_tenant", "runs", ["tenant"])
     op.create_table(
@@ -48,7 +54,16 @@ def upgrade() -> None:
         sa.Column("base_model", sa.String(256), nullable=False),
         sa.Column("model_path", sa.Text, nullable=False),
         sa.Column("version", sa.Float, nullable=False),
+        sa.Column("clients", sa.Integer, nullable=False, server_default="0"),
     )
+    op.create_table(
+        "custom_losses",
+        sa.Column("loss_id", sa.String(128), primary_key=True),
+        sa.Column("tenant", sa.String(256), nullable=False),
+        sa.Column("loss", sa.LargeBinary, nullable=False),
+        sa.Column("created", sa.Float, nullable=False),
+    )
+    op.create_index("ix_custom_losses_tenant_created", "custom_losses", ["tenant", "created"])
     op.create_table(
         "operations",
         sa.Column("request_id", sa.String(64), primary_key=True),
@@ -68,5 +83,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for table in ("operations", "sampling_sessions", "runs", "sessions"):
+    for table in ("operations", "custom_losses", "sampling_sessions", "runs", "sessions"):
         op.drop_table(table)
