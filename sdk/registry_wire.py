@@ -30,11 +30,11 @@ def _time(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
 
 
-def _optional(msg: Any, name: str) -> Any:  # noqa: ANN401 - any proto3 optional scalar
+def _optional(msg: Any, name: str) -> Any:  # any proto3 optional scalar
     return getattr(msg, name) if msg.HasField(name) else None
 
 
-def session_search_to_proto(req: Any) -> pb.SearchSessionsRequest:  # noqa: ANN401 - Lathe's or tinker's request
+def session_search_to_proto(req: Any) -> pb.SearchSessionsRequest:  # Lathe's or tinker's request
     """A ``SessionSearchRequest`` (Lathe's, or tinker's: the same fields) as the gateway's request."""
     owner = req.owner
     cursor = req.cursor

@@ -13,11 +13,11 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run this module with TRITON_INTERPRET=1 (tests/test_invariant_triton.py does)")
 
-from lathe.kernels import ops  # noqa: E402
-from lathe.kernels.invariant_triton import invariant_bmm  # noqa: E402
-from lathe.models import exactness  # noqa: E402
-from lathe.models.decoder import Decoder  # noqa: E402
-from lathe.models.tiny import ensure_tiny_model  # noqa: E402
+from lathe.kernels import ops
+from lathe.kernels.invariant_triton import invariant_bmm
+from lathe.models import exactness
+from lathe.models.decoder import Decoder
+from lathe.models.tiny import ensure_tiny_model
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 40, 70), (67, 96, 33), (130, 64, 65)])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lathe.checkpoints.paths import CheckpointPath
-from lathe.checkpoints.service import CheckpointService, tenant_segment
+from lathe.checkpoints.service import CheckpointInfo, CheckpointService, tenant_segment
 from lathe.checkpoints.store import LocalDirStore, ObjectStore, open_store
 from lathe.errors import AlreadyExists, Internal, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
@@ -84,7 +84,7 @@ def files_v(version: int) -> dict[str, bytes]:
 
 
 def put(svc: CheckpointService, files: dict[str, bytes], *, tenant: str = "alice", run_id: str = RUN,
-        kind: str = "weights", name: str = "ckpt1", **kw: object):
+        kind: str = "weights", name: str = "ckpt1", **kw: object) -> CheckpointInfo:
     return svc.put(tenant=tenant, run_id=run_id, kind=kind, name=name, files=files, **kw)
 
 
@@ -172,7 +172,8 @@ def test_sweep_keeps_recent_uncommitted_files(svc: CheckpointService, store: Loc
     assert store.keys("") == []
 
 
-def test_local_store_put_is_atomic_when_the_rename_fails(store: LocalDirStore, monkeypatch) -> None:
+def test_local_store_put_is_atomic_when_the_rename_fails(store: LocalDirStore,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     store.put("a/b", b"old")
 
     def boom(src: str, dst: str) -> None:

@@ -70,7 +70,7 @@ class StandInApi:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 url = urlparse(self.path)
                 if url.path != f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices":
                     self.send_error(404)

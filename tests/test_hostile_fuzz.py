@@ -31,8 +31,8 @@ from google.protobuf.message import Message
 
 # hypothesis keeps caches in ./.hypothesis unless told otherwise: not in the repository
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "lathe-hypothesis"))
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import lathe
 from lathe.serving import CHANNEL_OPTIONS

@@ -505,7 +505,7 @@ def test_bank_pages_out_the_tenants_own_adapters_never_pinned_ones(tiny_dir: Pat
 
 
 def _resident(bank: object, model_id: str) -> bool:
-    return bank._slots[model_id].adapter is not None  # noqa: SLF001 - what the bank holds in memory
+    return bank._slots[model_id].adapter is not None  # what the bank holds in memory
 
 
 def test_pressure_names_the_quota_that_holds_new_work_back() -> None:

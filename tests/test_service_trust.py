@@ -119,7 +119,7 @@ async def _stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.Servi
 
 async def _calls_of_every_kind(channel: grpc.aio.Channel) -> list[Any]:
     """One call of each kind through ``channel``: what the service saw as the secret, or the status code."""
-    async def outcome(call: Any) -> Any:  # noqa: ANN401 - a unary answer or a stream
+    async def outcome(call: Any) -> Any:  # a unary answer or a stream
         try:
             return [m async for m in call] if hasattr(call, "__aiter__") else await call
         except grpc.aio.AioRpcError as e:

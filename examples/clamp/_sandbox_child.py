@@ -116,7 +116,7 @@ def main() -> None:
         exec(code, namespace)
     except MemoryError:
         report("memory limit", [])
-    except BaseException as e:  # any failure of untrusted code, SystemExit included, is a verdict
+    except BaseException as e:  # noqa: BLE001 - any failure of untrusted code, SystemExit included, is a verdict
         report(f"raised {type(e).__name__}", [])
     clamp = namespace.get("clamp")
     if not callable(clamp):
@@ -127,7 +127,7 @@ def main() -> None:
             outcomes.append(outcome(clamp(x, lo, hi)))
         except MemoryError:
             report("memory limit", [])
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - as above, per call
             outcomes.append({"error": f"raised {type(e).__name__}"})
     report(None, outcomes)
 

@@ -478,7 +478,7 @@ class GatewayCore:
             run.error = e
             self._drop_run(run)
             raise
-        except Exception as e:  # noqa: BLE001 - recorded for the waiters, then the request's own error
+        except Exception as e:  # recorded for the waiters, then the request's own error
             run.error = Internal(f"creating the adapter failed: {type(e).__name__}: {e}")
             self._drop_run(run)
             raise

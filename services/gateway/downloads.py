@@ -131,7 +131,7 @@ class Downloads:
         self.signer = signer or UrlSigner.from_secret(load_token())
         self.quota = quota
 
-    async def _call(self, rpc: Any, request: Any) -> Any:  # noqa: ANN401 - any unary stub method
+    async def _call(self, rpc: Any, request: Any) -> Any:  # any unary stub method
         try:
             return await rpc(request, timeout=_CALL_TIMEOUT_S)
         except grpc.RpcError as e:

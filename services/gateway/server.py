@@ -93,7 +93,7 @@ class GateDecodes(grpc.aio.ServerInterceptor):
         if handler is None or details.method not in GATED_METHODS or handler.unary_unary is None:
             return handler
 
-        async def gated(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
+        async def gated(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             try:
                 async with self.gate.place(needed=True):
                     request = await anext(aiter(requests))
@@ -118,7 +118,7 @@ def authed(fn: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaita
     return wrapper
 
 
-def _optional(msg: Any, name: str) -> Any:  # noqa: ANN401 - any proto3 optional scalar
+def _optional(msg: Any, name: str) -> Any:  # any proto3 optional scalar
     return getattr(msg, name) if msg.HasField(name) else None
 
 

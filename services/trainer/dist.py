@@ -111,7 +111,7 @@ class Group:
         t0 = time.monotonic()
         try:
             yield
-        except Exception as e:  # noqa: BLE001 - every failure of a collective means the same: the pool is broken
+        except Exception as e:  # every failure of a collective means the same: the pool is broken
             raise RankLost(f"trainer pool: {what} failed on rank {self.rank} of {self.world} (timeout "
                            f"{self.cfg.timeout_s:g} s): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                            "; the pool is re-forming, retry") from e
