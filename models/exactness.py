@@ -63,7 +63,8 @@ from lathe.models.lora import (
 from lathe.models.pool import on_passing_thread
 
 BATCH_ROWS = (1, 3, 13, 17, 64, 300)
-"""Row counts of the batches each op's rows are compared in (the issue's awkward sizes)."""
+"""Row counts of the batches each op's rows are compared in: a lone row, counts that leave a tile part full, and
+several tiles' worth."""
 
 SEQ_LENGTHS = (1, 3, 13, 17, 64)
 """Sequence lengths of the end-to-end check (packed together, then each alone)."""

@@ -375,33 +375,6 @@ def test_list_orders_by_creation_and_paginates(svc: CheckpointService, clock: Cl
         svc.list("alice", limit=-1)
 
 
-def test_a_store_of_the_legacy_layout_is_moved_under_tenants_and_loads(tmp_path: Path, clock: Clock) -> None:
-    """Before per-tenant prefixes: manifests/<run>/<kind>/<name>.json naming blobs/<run>/<kind>/<name>/<gen>/."""
-    store = LocalDirStore(tmp_path / "old")
-    files = files_v(1)
-    gen = f"{int(clock.t * 1000):013d}-0a0b0c0d"
-    for n, data in files.items():
-        store.put(f"blobs/{RUN}/weights/ckpt1/{gen}/{n}", data)
-    manifest = {"format": 1, "generation": gen, "path": PATH, "tenant": "alice", "run_id": RUN, "kind": "weights",
-                "name": "ckpt1", "size_bytes": sum(map(len, files.values())), "created_at": clock.t,
-                "expires_at": 0.0, "metadata_json": "",
-                "files": {n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()}}
-    store.put(f"manifests/{RUN}/weights/ckpt1.json", json.dumps(manifest).encode())
-
-    svc = CheckpointService(store, clock)
-    assert svc.migrate_layout() == 1
-    assert svc.get("alice", PATH)[1] == files
-    assert not [k for k in store.keys("") if k.startswith((f"manifests/{RUN}/", f"blobs/{RUN}/"))]
-    assert svc.migrate_layout() == 0  # nothing left to move
-    with pytest.raises(PermissionDenied, match="belongs to another tenant"):  # the run stays alice's
-        put(CheckpointService(store, clock), files_v(2), tenant="mallory", name="squat")
-    clock.t += svc.staging_grace_s + 1
-    assert svc.sweep_expired().orphan_files == 0  # the moved files are referenced
-
-
-# ---- export (external weights) ----
-
-
 def test_an_export_obeys_the_byte_quota_and_a_refused_one_leaves_nothing(svc: CheckpointService,
                                                                          store: LocalDirStore) -> None:
     peft = {"adapter_model.safetensors": os.urandom(3000), "adapter_config.json": b'{"r": 4}'}

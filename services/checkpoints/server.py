@@ -208,9 +208,6 @@ async def serve(port: int, root: Path | str, host: str = "127.0.0.1", *, sweep_i
     if sweep_interval_s <= 0:
         raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
     service = CheckpointService(open_store(root))
-    moved = await asyncio.to_thread(service.migrate_layout)  # before the first sweep, which would take old files
-    if moved:
-        log.info("moved %d checkpoints of the legacy layout under their tenants' prefixes", moved)
     probes = Probes("lathe.v1.Checkpoints", "lathe_checkpoints", ready=lambda: _store_answers(service))
     server = grpc.aio.server(options=CHANNEL_OPTIONS,
                              interceptors=[probes.requests, *server_interceptors("lathe.checkpoints", host)])

@@ -22,9 +22,6 @@ whether someone else's checkpoint exists. (Saving into another tenant's run is `
 the trainer saves, into the run it serves for that tenant.) The run's owner record makes that check one small
 read (none once this process has seen the run). A TTL is at most ``MAX_TTL_S``.
 
-Stores written before the per-tenant layout (``manifests/<run_id>/...``, ``blobs/<run_id>/...``) and before
-owner records are brought up to date by ``migrate_layout``, which the server runs before it serves.
-
 Downloads: ``locate`` names every file's size and sha256 and, on a ``PresigningStore`` (S3), a presigned GET
 URL, so clients read big checkpoints straight from the store; ``export`` copies a checkpoint's PEFT adapter
 files into an ``external_weights`` checkpoint (age-encrypted on request) for Tinker's download path.
@@ -471,41 +468,6 @@ class CheckpointService:
                 self.store.delete(key)
                 orphans += 1
         return Sweep(expired, orphans)
-
-    def migrate_layout(self) -> int:
-        """Bring a store written by older versions up to date; returns how many checkpoints moved. Run it before
-        serving (the server does), never next to saves or a sweep.
-
-        A checkpoint of the layout before per-tenant prefixes (``manifests/<run_id>/<kind>/<name>.json`` naming
-        ``blobs/<run_id>/<kind>/<name>/<generation>/``) is copied under its tenant's prefix, the new manifest
-        last, then its old objects are removed; a crash part way leaves the old manifest to move again (a new
-        manifest already there wins). Every run gets an owner record from its manifests if it has none.
-        """
-        moved, owners = 0, {}
-        for key in self.store.keys("manifests/"):
-            parts = key.split("/")
-            if len(parts) == 5:  # manifests/<tenant>/<run_id>/<kind>/<name>.json
-                owners.setdefault(parts[2], parts[1])
-                continue
-            try:
-                m = _Manifest.from_json(key, self.store.get(key))
-            except KeyError:
-                continue
-            old_prefix = f"blobs/{m.info.run_id}/{m.info.kind}/{m.info.name}/{m.generation}/"
-            if self._read_manifest(m.info.tenant, m.path) is None:
-                for n in sorted(m.files):
-                    self.store.put_stream(m.blob_prefix() + n, self.store.get_stream(old_prefix + n))
-                self.store.put(_manifest_key(m.info.tenant, m.path), m.to_json())
-            owners.setdefault(m.info.run_id, tenant_segment(m.info.tenant))
-            self.store.delete(key)
-            for n in m.files:
-                self.store.delete(old_prefix + n)
-            moved += 1
-        for run_id, owner in owners.items():
-            if self._run_owner(run_id) is None:
-                self.store.put(_owner_key(run_id), owner.encode())
-                self._owners[run_id] = owner
-        return moved
 
     # ---- helpers ----
 

@@ -1,7 +1,7 @@
 """A trainer pool of N processes: the ``torch.distributed`` group its ranks talk over, and how it forms.
 
 Rank 0 is the cycle leader (it serves gRPC and plans every cycle, ``lathe.trainer.engine``); ranks 1..N-1 are
-followers (``lathe.trainer.follower``). This module owns only the wire between them:
+followers (``lathe.trainer.ranks.Follower``). This module owns only the wire between them:
 
     join(PoolConfig, device) -> Group      rendezvous at MASTER_ADDR:MASTER_PORT (a TCPStore hosted by rank 0),
                                            world sizes checked, then one process group: gloo on CPU, NCCL on GPU
