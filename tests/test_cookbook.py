@@ -19,6 +19,8 @@ import pytest
 from lathe.stack import Stack, StackConfig
 
 RECIPE_TIMEOUT_S = 240
+COOKBOOK_KEY = "tml-cookbook"
+KL_PROMPTS = [f"User: What is {a} + {b}?\n\nAssistant:" for a, b in ((3, 4), (12, 9), (7, 30), (41, 5), (6, 66))]
 
 SUPERVISED = """
 import asyncio, sys
@@ -64,12 +66,32 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir:
 
 def run(args: list[str], log: Path) -> list[dict]:
     """Run a recipe process (offline, bounded) and return the metrics it logged, one dict per step."""
-    env = {**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0",
+    env = {**os.environ, "TINKER_API_KEY": COOKBOOK_KEY, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                           timeout=RECIPE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+
+
+def _kl_to_base(stack: Stack, tiny_dir: Path, workdir: Path, path: str) -> float:
+    """The mean over every position of ``KL_PROMPTS`` of KL(model || base) of the next-token distributions, exact
+    (over the whole vocabulary), for the training state at ``path`` merged into the base model."""
+    import torch
+    from tinker_cookbook import weights
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from lathe.export import export_merged
+
+    adapter = Path(weights.download(tinker_path=path, output_dir=str(workdir / "adapter"), base_url=stack.http_url))
+    merged = export_merged(adapter, workdir / "merged", base_dir=tiny_dir)
+    tokenizer = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in KL_PROMPTS]
+    with torch.no_grad():
+        logp = [torch.cat([AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(torch.tensor([t])).logits[0]
+                           for t in ids]).log_softmax(-1) for d in (merged, tiny_dir)]
+    return float((logp[0].exp() * (logp[0] - logp[1])).sum(-1).mean())
 
 
 def final_state(log: Path) -> str:
@@ -112,11 +134,17 @@ def test_math_rl_arithmetic_recipe_trains_on_policy_with_its_default_loss(
 
 def test_rl_with_a_kl_penalty_pulls_the_policy_back_toward_the_base(stack: Stack, tiny_dir: Path,
                                                                     supervised: tuple[list[dict], str],
-                                                                    tmp_path: Path) -> None:
+                                                                    tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """From the supervised checkpoint the policy differs from the base model, so the KL penalty gives every
-    token an advantage: gradients flow, and the KL to the base shrinks (measured on fresh samples each step,
-    so the bound leaves room for their noise: seen 0.23-0.40 of the first step's by the fourth)."""
+    token an advantage: gradients flow, and the policy ends nearer the base. Nearer is measured without sampling:
+    the exact KL of the next-token distributions to the base's over every position of fixed arithmetic prompts,
+    from the start and the final checkpoints, each downloaded and merged as a user would."""
     metrics = run(["-c", RL_WITH_KL, stack.http_url, str(tiny_dir), str(tmp_path), supervised[1]], tmp_path)
-    kl = [m["kl_policy_base"] for m in metrics if "kl_policy_base" in m]
-    assert len(kl) == 4 and 0 < kl[-1] < 0.7 * kl[0], kl
+    assert len([m for m in metrics if "kl_policy_base" in m]) == 4  # the recipe measured it every step
     assert all(m["grad_norm:mean"] > 0 for m in metrics if "grad_norm:mean" in m)
+    monkeypatch.setenv("TINKER_API_KEY", COOKBOOK_KEY)
+    start, final = (_kl_to_base(stack, tiny_dir, tmp_path / name, path)
+                    for name, path in (("start", supervised[1]), ("final", final_state(tmp_path))))
+    print(f"KL to base: start {start:.5f}, final {final:.5f}")
+    assert 0 < final < start, (start, final)
