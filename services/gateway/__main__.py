@@ -34,7 +34,7 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import KEYS_FILE_ENV, ApiKeys
 from .calls import CallPolicy
-from .core import SESSION_IDLE_S, GatewayCore
+from .core import GatewayCore
 from .discovery import DIRECTORIES, DiscoveryConfig, make_directory
 from .futures import KEEP_DONE_BYTES
 from .http_server import HttpServer
@@ -42,6 +42,7 @@ from .limits import DecodeGate, DoorLimits, HttpLimits
 from .metrics import GatewayMetrics
 from .quotas import QuotaConfig, Quotas
 from .server import GateDecodes, GatewayServicer, RequireApiKey
+from .sessions import SESSION_IDLE_S
 from .store import ControlStore, StoreConfig
 from .tinker_http import PREFIX, TinkerHttpDoor
 from .tls import TlsFiles

@@ -42,7 +42,6 @@ import json
 import math
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
@@ -55,7 +54,6 @@ from lathe.errors import (
     LatheError,
     NotFound,
     PermissionDenied,
-    SessionGone,
 )
 from lathe.internal_auth import internal_aio_channel
 from lathe.serving import CHANNEL_OPTIONS
@@ -86,6 +84,7 @@ from .quotas import Charge, Quotas, adapter_bytes, lora_of_checkpoint
 from .records import Operation, Run, SamplingSession, Session
 from .routing import PoolRouter
 from .session_search import SessionQuery, search
+from .sessions import SESSION_IDLE_S, SessionBook
 from .store import ControlStore
 
 MAX_WAIT_S = 30.0  # a long-poll is held at most this long
@@ -94,9 +93,6 @@ FOREIGN_POLL_S = 0.5  # at most this far apart
 REBUILD_ATTEMPTS = 3  # an operation finding its run gone from the trainer rebuilds it at most this often
 CAPABILITIES_TTL_S = 30.0
 PURGE_EVERY_S = 60.0  # how often finished operations past the retention are deleted from the ledger
-MAX_DISPLAY_NAME = 256  # characters of a session's display name (its column's width)
-SESSION_IDLE_S = 900.0  # a session not heard from for this long is finished when its tenant next opens one
-SESSION_TOUCH_S = 60.0  # how often (at most) a gateway records in the database that a session was heard from
 
 
 def _not_reserved(path: str, action: str) -> None:
@@ -132,9 +128,6 @@ class GatewayCore:
         ``keep_result_bytes``: the bytes of finished results kept in memory (``futures``). ``session_idle_s``: how
         long a session may go unheard (no heartbeat, no request naming it) before it is finished; ``clock`` reads
         the time for that."""
-        if not session_idle_s > 0:
-            raise ValueError(f"session_idle_s = {session_idle_s} must be > 0")
-        self.session_idle_s, self.clock = session_idle_s, clock
         self.metrics = metrics or GatewayMetrics()
         self.limits = limits or DoorLimits()
         self.quotas = quotas or Quotas()
@@ -148,7 +141,7 @@ class GatewayCore:
         self.futures = FutureStore(keep_done=self.store.cfg.keep_done, keep_bytes=keep_result_bytes,
                                    on_drop=self._forget)
         self.completions = CompletionQueues()
-        self.sessions: dict[str, Session] = {}
+        self.book = SessionBook(self.store, self.quotas, self._let_go_sampling, session_idle_s, clock)
         self.runs: dict[str, Run] = {}
         self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
         self._caps: tuple[float, int, pb.ServerCapabilities] | None = None  # (when, router generation, caps)
@@ -243,12 +236,6 @@ class GatewayCore:
 
     # ---- lookups: memory first, then the database (another gateway over it may have made the record) ----
 
-    def _find_session(self, session_id: str) -> Session | None:
-        s = self.sessions.get(session_id)
-        if s is None and (s := self.store.get_session(session_id)) is not None:
-            self.sessions[session_id] = s
-        return s
-
     def _find_run(self, model_id: str) -> Run | None:
         """The run, adopted from the database if another gateway created it: ready at once if its creation
         finished, else once the ledger says it did (``_await_creation``)."""
@@ -288,47 +275,6 @@ class GatewayCore:
                 return None
             await asyncio.sleep(pause)
 
-    def session(self, tenant: str, session_id: str) -> Session:
-        """The tenant's session; an open one is heard from (recorded in the database at most every
-        ``SESSION_TOUCH_S``), and one that another gateway finished (or expired) since is read as finished."""
-        s = self._find_session(session_id)
-        if s is None or s.tenant != tenant:
-            raise NotFound(f"unknown session_id {session_id!r}")
-        now = self.clock()
-        if not s.finished and now - s.last_seen >= min(SESSION_TOUCH_S, self.session_idle_s / 4):
-            if self.store.touch_session(session_id, now):
-                s.last_seen = now
-            else:
-                self._let_go(s.session_id)
-                s = self._find_session(session_id) or s
-        return s
-
-    def heartbeat(self, tenant: str, session_id: str) -> None:
-        """Keep an open session alive; a finished one answers ``SessionGone`` (HTTP 410: the SDK stops beating)."""
-        s = self.session(tenant, session_id)
-        if s.finished:
-            raise SessionGone(f"session {session_id!r} has finished ({s.finished})")
-
-    def _expire_idle(self, tenant: str) -> None:
-        """Finish the tenant's sessions not heard from for ``session_idle_s`` (the official SDK never finishes a
-        session, so each script it runs would otherwise hold one of the tenant's ``max_sessions`` for ever)."""
-        reason = f"expired: not heard from for {self.session_idle_s:g} s"
-        for session_id in self.store.expire_sessions(tenant, self.clock() - self.session_idle_s, reason):
-            self._let_go(session_id)
-
-    def _let_go(self, session_id: str) -> None:
-        """Drop a finished session and its sampling sessions from memory (the database keeps them)."""
-        self.sessions.pop(session_id, None)
-        for sampling_session_id in self.store.session_members(session_id)[1]:
-            self.sampling.pop(sampling_session_id, None)
-
-    def _open_session(self, tenant: str, session_id: str) -> Session:
-        """The session, which must still be open to create models or sampling clients in it."""
-        s = self.session(tenant, session_id)
-        if s.finished:
-            raise FailedPrecondition(f"session {session_id!r} has finished ({s.finished}); start a new one")
-        return s
-
     def find_run(self, tenant: str, model_id: str) -> Run | None:
         """The tenant's run ``model_id``, or None (as ``run`` without the error)."""
         r = self._find_run(model_id)
@@ -340,29 +286,28 @@ class GatewayCore:
             raise NotFound(f"unknown model_id {model_id!r}")
         return r
 
-    # ---- sessions and capabilities ----
+    # ---- sessions (``SessionBook``'s) and capabilities ----
+
+    @property
+    def sessions(self) -> dict[str, Session]:
+        """The sessions this gateway holds in memory (``SessionBook``'s)."""
+        return self.book.sessions
+
+    def session(self, tenant: str, session_id: str) -> Session:
+        return self.book.get(tenant, session_id)
+
+    def heartbeat(self, tenant: str, session_id: str) -> None:
+        self.book.heartbeat(tenant, session_id)
 
     def create_session(self, tenant: str, user_metadata: dict[str, str], display_name: str | None = None) -> str:
-        self._expire_idle(tenant)
-        self.quotas.admit_session(tenant, self.store.open_sessions(tenant)[0], user_metadata)
-        if display_name is not None and not 0 < len(display_name) <= MAX_DISPLAY_NAME:
-            raise InvalidArgument(f"display_name has {len(display_name)} characters; give 1 to {MAX_DISPLAY_NAME}, "
-                                  "or none")
-        s = Session("sess-" + uuid.uuid4().hex[:16], tenant, dict(user_metadata), display_name=display_name,
-                    created_at=self.clock())
-        self.store.put_session(s)
-        self.sessions[s.session_id] = s
-        return s.session_id
+        return self.book.create(tenant, user_metadata, display_name)
 
     def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
-        """Close a session (the first reason wins); its runs, futures and checkpoints stay. It and its sampling
-        sessions leave this gateway's memory (a request naming one reads it from the database again), so what the
-        gateway holds of a tenant's sessions is bounded by the quotas on open ones."""
-        s = self.session(tenant, session_id)
-        if not s.finished:
-            s.finished = reason or "finished"
-            self.store.finish_session(s)
-        self._let_go(session_id)
+        self.book.finish(tenant, session_id, reason)
+
+    def _let_go_sampling(self, sampling_session_ids: list[str]) -> None:
+        for sampling_session_id in sampling_session_ids:
+            self.sampling.pop(sampling_session_id, None)
 
     async def capabilities(self) -> pb.ServerCapabilities:
         """The models of the pools present, each with its trainer's and sampler's exactness joined (cached while
@@ -404,7 +349,7 @@ class GatewayCore:
         next number. A repeat of a ``model_seq_id`` answers the first request again; nothing is created twice.
         ``lora``: the run's LoRA config when it is not the request's (a saved state's). Synchronous, so that
         concurrent repeats cannot both get past the check."""
-        s = self._open_session(tenant, session_id)
+        s = self.book.open(tenant, session_id)
         if model_seq_id is not None:
             if model_seq_id < 0:
                 raise InvalidArgument(f"model_seq_id must be >= 0, got {model_seq_id}")
@@ -743,7 +688,7 @@ class GatewayCore:
         of its runs, and the last one shown when more match; the cursor's session must be one of the tenant's."""
         start = None
         if query.after is not None:
-            s = self._find_session(query.after)
+            s = self.book.find(query.after)
             if s is None or s.tenant != tenant:
                 raise NotFound(f"cursor.last_session_id {query.after!r} is not one of your sessions")
             start = (s.created_at, s.session_id)
@@ -778,10 +723,7 @@ class GatewayCore:
 
     def session_members(self, tenant: str, session_id: str) -> tuple[Session, list[str], list[str]]:
         """The tenant's session, its training run ids and its sampling session ids."""
-        s = self._find_session(session_id)
-        if s is None or s.tenant != tenant:
-            raise NotFound(f"unknown session_id {session_id!r}")
-        return s, *self.store.session_members(session_id)
+        return self.book.mine(tenant, session_id), *self.store.session_members(session_id)
 
 
     def list_runs(self, tenant: str, limit: int, offset: int, project_id: str | None = None
@@ -825,7 +767,7 @@ class GatewayCore:
         if session_id is None:
             run_id = copy_run_id(tenant, idempotency_key)
         else:
-            self._open_session(tenant, session_id)
+            self.book.open(tenant, session_id)
             if model_seq_id is None or model_seq_id < 0:
                 raise InvalidArgument(f"model_seq_id = {model_seq_id} must be >= 0 with session_id")
             run_id = f"{session_id}:train:{model_seq_id}"
@@ -858,7 +800,7 @@ class GatewayCore:
         """Bind a sampling client to one policy version: the checkpoint at ``model_path`` as it is now
         (its creation time pins it), or the base model. The id is ``"{session}:sample:{n}"``, ``n`` being the
         client's ``seq_id`` (a repeat returns the session already made) or else the session's next number."""
-        self._open_session(tenant, req.session_id)
+        self.book.open(tenant, req.session_id)
         if req.model_path:
             info = await self.checkpoint(tenant, req.model_path)
             base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
@@ -868,7 +810,7 @@ class GatewayCore:
             base_model, version = req.base_model, 0.0
         else:
             raise InvalidArgument("a sampling client needs model_path or base_model")
-        s = self._open_session(tenant, req.session_id)  # after the awaits: numbering is synchronous
+        s = self.book.open(tenant, req.session_id)  # after the awaits: numbering is synchronous
         if seq_id is not None and seq_id < 0:
             raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {seq_id}")
         self._admit_sampling_session(tenant, req.session_id, seq_id)
@@ -884,7 +826,7 @@ class GatewayCore:
         """Refuse a new sampling session in ``session_id`` over the tenant's ``max_sampling_sessions``; a repeat of
         the client's ``seq_id`` makes none and passes."""
         if seq_id is None or self._find_sampling(f"{session_id}:sample:{seq_id}") is None:
-            self._expire_idle(tenant)
+            self.book.expire_idle(tenant)
             self.quotas.admit_sampling_session(tenant, self.store.open_sessions(tenant)[1])
 
     def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:
@@ -938,7 +880,7 @@ class GatewayCore:
         """Load the registries from the store and send each operation still pending on again (a run whose
         creation finished is ready); returns how many were pending. Call once, in the event loop, before serving."""
         loaded = self.store.load()
-        self.sessions = {s.session_id: s for s in loaded.sessions}
+        self.book.load(loaded.sessions)
         self.sampling = {rec.sampling_session_id: rec for rec in loaded.sampling}
         self.runs = {r.model_id: r for r in loaded.runs}
         creating = {op.request_id for op in loaded.pending if op.kind == "create_model"}
