@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import sys
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -154,7 +154,7 @@ class PoolExactness:
         else:
             report = ExactnessReport(False, "plain ops (--no-invariant) are not batch-invariant", "", model.device.type,
                                      str(model.dtype).removeprefix("torch."), [], tiles(model), 0.0)
-        print(f"lathe.{self.pool} {name}: {report.summary()}", file=sys.stderr, flush=True)
+        logging.getLogger(f"lathe.{self.pool}").info("%s: %s", name, report.summary())
         self.reports[name] = report
         self._publish(name, report)
         return report
@@ -176,7 +176,7 @@ class PoolExactness:
         # would resize its OpenMP team and leave the old team's kernel-library buffers behind (measured: +0.8 GB
         # peak RSS in a SmolLM2 SFT step).
         on_passing_thread(add_rank_checks, report, model, new, name=f"lathe-{self.pool}-exactness")
-        print(f"lathe.{self.pool} {name}: LoRA ranks {new} checked: {report.summary()}", file=sys.stderr, flush=True)
+        logging.getLogger(f"lathe.{self.pool}").info("%s: LoRA ranks %s checked: %s", name, new, report.summary())
         self._publish(name, report)
         return report
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import collections
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,8 +112,8 @@ def server_interceptors(name: str, host: str, environ: Mapping[str, str] = os.en
     if not is_loopback(host):
         raise FailedPrecondition(f"{name} would accept calls from anyone on {host}: set {TOKEN_ENV} (or "
                                  f"{TOKEN_FILE_ENV}) to the stack's shared secret, or listen on loopback")
-    print(f"{name}: no {TOKEN_ENV} set, so any local process may call this service (loopback only)",
-          file=sys.stderr, flush=True)
+    logging.getLogger(name).warning("no %s set, so any local process may call this service (loopback only)",
+                                    TOKEN_ENV)
     return []
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -38,6 +39,8 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from lathe.internal_auth import OPEN_PREFIX
+
+log = logging.getLogger("lathe.probes")
 
 LIVENESS = "liveness"
 POLL_S = 0.5
@@ -177,7 +180,7 @@ class Probes:
         except Exception as e:  # noqa: BLE001 - a check that fails says "no"; why goes to the log, once
             why = f"{self.service} health check failed: {type(e).__name__}: {e}"
             if why != self._last_failure:
-                print(why, file=sys.stderr, flush=True)
+                log.warning(why)
             self._last_failure = why
             return False
 

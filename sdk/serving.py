@@ -12,6 +12,7 @@ service's ``Probes`` (``lathe.probes``), the server also answers gRPC health and
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -74,7 +75,16 @@ async def serve_until_stopped(
         res = on_stop()
         if res is not None:
             await res
-    print(f"{name} stopped", file=sys.stderr, flush=True)
+    logging.getLogger(name).info("stopped")
+
+
+LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
+
+
+def setup_logging() -> None:
+    """Every service's one logging setup: INFO and up to stderr as ``<time> <logger> <message>``, loggers named
+    ``lathe.<service>`` (stdout carries only the ready and metrics lines ``lathe.stack`` reads)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
 
 
 def run(name: str, host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],

@@ -13,10 +13,9 @@ import ctypes
 import ctypes.util
 import logging
 import signal
-import sys
 
 from lathe.probes import add_metrics_port, serve_metrics
-from lathe.serving import READY_MARK
+from lathe.serving import READY_MARK, setup_logging
 
 from .server import serve
 
@@ -48,7 +47,7 @@ async def _run(args: argparse.Namespace) -> None:
     print(f"{NAME}{READY_MARK}{args.host}:{running.port}", flush=True)
     await stop.wait()
     await running.stop(grace=2.0)
-    print(f"{NAME} stopped", file=sys.stderr, flush=True)
+    logging.getLogger(NAME).info("stopped")
 
 
 def main() -> None:
@@ -61,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sweep_interval <= 0:
         ap.error(f"--sweep-interval must be > 0, got {args.sweep_interval}")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    setup_logging()
     return_large_buffers()
     asyncio.run(_run(args))
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
-import sys
 from dataclasses import fields
 from urllib.parse import urlparse
 
 from lathe.probes import Probes, add_metrics_port, serve_metrics
-from lathe.serving import READY_MARK, serve_until_stopped
+from lathe.serving import READY_MARK, serve_until_stopped, setup_logging
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import KEYS_FILE_ENV, ApiKeys
@@ -47,6 +47,8 @@ from .store import ControlStore, StoreConfig
 from .tinker_http import PREFIX, TinkerHttpDoor
 from .tls import TlsFiles
 
+log = logging.getLogger("lathe.gateway")
+
 DEFAULT_DB = "sqlite:///.cache/lathe/control.db"
 DB_ENV = "LATHE_DB_URL"  # the database URL from the environment: a password stays out of argv
 
@@ -61,8 +63,8 @@ async def serve(args: argparse.Namespace) -> None:
     keys = ApiKeys.from_file(args.api_keys_file)
     keys.require_safe(args.host)
     if keys.open_mode:
-        print(f"lathe.gateway: OPEN MODE, no API keys configured: every key is its own tenant (loopback only; "
-              f"give --api-keys-file or {KEYS_FILE_ENV} to name tenants)", file=sys.stderr, flush=True)
+        log.warning("OPEN MODE, no API keys configured: every key is its own tenant (loopback only; give "
+                    "--api-keys-file or %s to name tenants)", KEYS_FILE_ENV)
     tls = TlsFiles.from_args(args.tls_cert, args.tls_key)
     limits = DoorLimits(**{f.name: getattr(args, f.name) for f in fields(DoorLimits)})
     http_limits = HttpLimits(**{f.name: getattr(args, f.name) for f in fields(HttpLimits)})
@@ -79,8 +81,7 @@ async def serve(args: argparse.Namespace) -> None:
                        keep_result_bytes=args.keep_result_bytes, session_idle_s=args.session_idle_s)
     resumed = core.restore()
     if resumed:
-        print(f"lathe.gateway: resumed {resumed} operations pending in {store.engine.url!r}", file=sys.stderr,
-              flush=True)
+        log.info("resumed %d operations pending in %r", resumed, store.engine.url)
     if args.metrics_port >= 0:
         serve_metrics("lathe.gateway", probes.registry, args.host, args.metrics_port)
     http, door, files_url = None, None, ""
@@ -116,6 +117,7 @@ def _public_url(text: str) -> str:
 
 
 def main() -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(prog="python -m lathe.gateway")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")

@@ -39,8 +39,8 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import math
-import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
@@ -86,6 +86,8 @@ from .routing import PoolRouter
 from .session_search import SessionQuery, search
 from .sessions import SESSION_IDLE_S, SessionBook
 from .store import ControlStore
+
+log = logging.getLogger("lathe.gateway")
 
 MAX_WAIT_S = 30.0  # a long-poll is held at most this long
 FOREIGN_POLL_FIRST_S = 0.05  # the ledger is read for a result another gateway is producing this soon, then
@@ -194,8 +196,7 @@ class GatewayCore:
                 self._next_purge = now + PURGE_EVERY_S
                 self.store.purge(now)
         except Exception as e:  # noqa: BLE001 - the waiters still get the result; only its record is missing
-            print(f"lathe.gateway: recording the result of {entry.request_id} failed: {type(e).__name__}: {e}",
-                  file=sys.stderr, flush=True)
+            log.error("recording the result of %s failed: %s: %s", entry.request_id, type(e).__name__, e)
         self.futures.complete(entry, result)
         self.completions.done(entry.request_id, failed=result.HasField("error"))
         self.metrics.finished(entry.tenant, result)
@@ -569,9 +570,8 @@ class GatewayCore:
                         f"run {run.model_id!r} cannot be rebuilt as it was: replaying its {rec.kind} of seq_id "
                         f"{seq_id}, which succeeded, failed now ({res.error.code}: {res.error.message})")
             run.rebuilds += 1
-            print(f"lathe.gateway: rebuilt {run.model_id} on the trainer from seq_id {info.next_seq_id} (step "
-                  f"{info.step}): {len(ops)} operations replayed in {time.monotonic() - t0:.1f} s", file=sys.stderr,
-                  flush=True)
+            log.info("rebuilt %s on the trainer from seq_id %d (step %d): %d operations replayed in %.1f s",
+                     run.model_id, info.next_seq_id, info.step, len(ops), time.monotonic() - t0)
 
     def save_for_sampling(self, tenant: str, model_id: str, seq_id: int, sampling_seq_id: int) -> pb.SubmitResponse:
         """Save the adapter as ephemeral sampler weights and bind sampling session

@@ -14,7 +14,7 @@ error event (e.g. 410 Gone) or a broken connection (after ``retry_s``). Every re
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +25,8 @@ from kubernetes.watch.watch import iter_resp_lines
 from urllib3 import HTTPResponse
 
 from .discovery import DiscoveryConfig, Endpoint, Listener, Listeners, Pool
+
+log = logging.getLogger("lathe.gateway")
 
 POOL_LABEL = "lathe.dev/pool"
 ROLE_LABEL = "lathe.dev/role"
@@ -192,4 +194,4 @@ class KubernetesDirectory:
 
     @staticmethod
     def _say(line: str) -> None:
-        print(f"lathe.gateway discovery: {line}", file=sys.stderr, flush=True)
+        log.info("discovery: %s", line)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +29,8 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .calls import RECONNECT_OPTIONS, Caller
 from .discovery import Endpoint, Pool, PoolDirectory
+
+log = logging.getLogger("lathe.gateway")
 
 STUBS = {"trainer": pb_grpc.TrainerStub, "sampler": pb_grpc.SamplerStub}
 
@@ -105,8 +107,7 @@ class PoolRouter:
         for pool, answer in zip(pools, answers, strict=True):
             if isinstance(answer, LatheError):
                 failed.append(answer)
-                print(f"lathe.gateway: pool {pool.name!r} did not answer Capabilities: {answer.message}",
-                      file=sys.stderr, flush=True)
+                log.warning("pool %r did not answer Capabilities: %s", pool.name, answer.message)
                 continue
             if isinstance(answer, BaseException):
                 raise answer

@@ -11,7 +11,7 @@ from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.sampler.server import SamplerServicer
-from lathe.serving import run
+from lathe.serving import run, setup_logging
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 
@@ -36,6 +36,7 @@ class CheckpointsSource:
 
 
 def main() -> None:
+    setup_logging()
     d = SamplerConfig()
     ap = argparse.ArgumentParser(prog="python -m lathe.sampler")
     add_pool_arguments(ap, models=d.models, cache_root=d.cache_root, dtype=d.dtype)

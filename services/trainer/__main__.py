@@ -4,6 +4,7 @@ of a pool of several (``--world-size``; ``lathe.trainer.ranks``), where rank 0 s
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import grpc
 from lathe.models.catalog import ModelCatalog
 from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
-from lathe.serving import run
+from lathe.serving import run, setup_logging
 from lathe.trainer import ranks
 from lathe.trainer.custom_loss import LossBudget
 from lathe.trainer.dist import PoolFormationError, join
@@ -22,8 +23,11 @@ from lathe.trainer.recovery import SnapshotPolicy
 from lathe.trainer.server import TrainerServicer
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
+log = logging.getLogger("lathe.trainer")
+
 
 def main() -> None:
+    setup_logging()
     d = TrainerConfig()
     ap = argparse.ArgumentParser(prog="python -m lathe.trainer")
     add_pool_arguments(ap, models=d.models, cache_root=d.cache_root, dtype=d.dtype)
@@ -84,7 +88,7 @@ def main() -> None:
     try:
         group = join(pool, cfg.device) if pool is not None else None
     except PoolFormationError as e:
-        print(f"lathe.trainer: {e}", file=sys.stderr, flush=True)
+        log.error("%s", e)
         ranks.stop_followers(children, grace_s=0)
         sys.exit(e.exit_code)
     engine = TrainerEngine(cfg, catalog, store, group, on_rank_lost=ranks.exit_soon(children))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import sys
 import threading
 import time
@@ -94,6 +95,8 @@ from lathe.types import (
     recovery_path,
 )
 from lathe.v1 import lathe_pb2 as pb
+
+log = logging.getLogger("lathe.trainer")
 
 
 class CheckpointStore(Protocol):
@@ -397,8 +400,8 @@ class TrainerEngine:
             self._write_snapshot(adapter, Record(item.seq_id, {**answers, item.seq_id: result}))
         except Exception as e:  # noqa: BLE001 - the operation stands; only the snapshot is missing
             result.recovery_path = ""
-            print(f"lathe.trainer: recovery snapshot of {m.model_id} after seq_id {item.seq_id} failed: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr)
+            log.error("recovery snapshot of %s after seq_id %d failed: %s: %s", m.model_id, item.seq_id,
+                      type(e).__name__, e)
             return
         m.snapshot_seq = item.seq_id
 
@@ -534,7 +537,7 @@ class TrainerEngine:
     def _lose_pool(self, works: list[Work], err: RankLost) -> None:
         """A collective failed: answer this cycle's operations and every waiting one with ``err`` (retryable),
         refuse new ones, and hand over to ``on_rank_lost``."""
-        print(f"lathe.trainer: {err.message}", file=sys.stderr, flush=True)
+        log.error("%s", err.message)
         self._lost = err
         self._fail_cycle(works, err)
         self._fail_waiting(err)

@@ -17,6 +17,7 @@ rendezvous anew, and the gateway rebuilds each run from its recovery snapshot an
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -29,6 +30,8 @@ from pathlib import Path
 from lathe.models.catalog import ModelCatalog
 from lathe.trainer.dist import EXIT_RANK_LOST, PoolConfig, PoolFormationError, RankLost, free_port, join
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
+
+log = logging.getLogger("lathe.trainer")
 
 EXIT_GRACE_S = 1.0  # how long a leader that lost its pool keeps answering (UNAVAILABLE) before it exits
 
@@ -139,7 +142,7 @@ class Follower:
         try:
             group = join(self.pool, self.cfg.device)
         except PoolFormationError as e:
-            print(f"lathe.trainer: {e}", file=sys.stderr, flush=True)
+            log.error("%s", e)
             return e.exit_code
         engine = TrainerEngine(follower_config(self.cfg, self.pool.rank), self.catalog, None, group)
         self._joined.set()
@@ -147,7 +150,7 @@ class Follower:
             while (plan := group.broadcast(None)) is not None:
                 engine.replay(plan)
         except RankLost as e:
-            print(f"lathe.trainer: {e.message}", file=sys.stderr, flush=True)
+            log.error("%s", e.message)
             return EXIT_RANK_LOST
         except Exception:  # noqa: BLE001 - this rank no longer matches the leader: the pool must re-form
             traceback.print_exc(file=sys.stderr)
