@@ -82,9 +82,11 @@ LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
 
 def setup_logging() -> None:
-    """Every service's one logging setup: INFO and up to stderr as ``<time> <logger> <message>``, loggers named
-    ``lathe.<service>`` (stdout carries only the ready and metrics lines ``lathe.stack`` reads)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
+    """Every service's one logging setup: to stderr as ``<time> <logger> <message>``, INFO and up from Lathe's
+    ``lathe.<service>`` loggers, WARNING and up from libraries (stdout carries only the ready and metrics lines
+    ``lathe.stack`` reads)."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT)
+    logging.getLogger("lathe").setLevel(logging.INFO)
 
 
 def run(name: str, host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
