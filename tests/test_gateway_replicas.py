@@ -15,6 +15,7 @@ import pytest
 from lathe.stack import Stack, StackConfig
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
+from tests.helpers import next_token_pb_datum
 
 BASE = "lathe/tiny-llama"
 KEY = (("x-api-key", "tml-replicas"),)
@@ -31,11 +32,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir:
 
 
 def datum(seed: int) -> pb.Datum:
-    toks = np.random.default_rng(seed).integers(3, 250, size=14)
-    tensor = lambda a, t: pb.Tensor(data=np.asarray(a, t).tobytes(), dtype=t, shape=[len(a)])  # noqa: E731
-    return pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=toks[:-1].tolist())]),
-                    loss_fn_inputs={"target_tokens": tensor(toks[1:], "int64"),
-                                    "weights": tensor([1.0] * 13, "float32")})
+    return next_token_pb_datum(np.random.default_rng(seed).integers(3, 250, size=14))
 
 
 def result(stub: pb_grpc.GatewayStub, request_id: str) -> pb.FutureResult:

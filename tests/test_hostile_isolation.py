@@ -35,6 +35,7 @@ from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
+from tests.helpers import next_token_pb_datum
 
 BASE = "lathe/tiny-llama"
 OWNER_KEY, INTRUDER_KEY = "tml-owner-" + "a" * 24, "tml-intruder-" + "b" * 24
@@ -136,12 +137,7 @@ class Grpc:
 
 
 def _datum() -> pb.Datum:
-    def tensor(values: list, dtype: str) -> pb.Tensor:
-        return pb.Tensor(data=np.asarray(values, dtype=dtype).tobytes(), dtype=dtype, shape=[len(values)])
-
-    return pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=TOKENS[:-1])]),
-                    loss_fn_inputs={"target_tokens": tensor(TOKENS[1:], "int64"),
-                                    "weights": tensor([1.0] * (len(TOKENS) - 1), "float32")})
+    return next_token_pb_datum(TOKENS)
 
 
 @dataclass(slots=True)

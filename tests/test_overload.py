@@ -21,6 +21,7 @@ from tinker import types
 from tinker.proto import request_conv
 
 from lathe.stack import Stack, StackConfig
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
@@ -44,8 +45,7 @@ def _ok(r: httpx.Response) -> dict:
 
 
 def _datum() -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
-                       loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
+    return next_token_datum(TOKENS, types)
 
 
 class RawRun:

@@ -30,6 +30,7 @@ from lathe.stack import Stack, StackConfig
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
+from tests.helpers import next_token_datum
 
 if TYPE_CHECKING:
     from lathe.trainer.bank import Adapter
@@ -105,10 +106,7 @@ def _refused(r: httpx.Response, pattern: str, retry_after: bool) -> str:
 
 
 def _datum(n: int, seed: int = 0) -> lathe.Datum:
-    rng = np.random.default_rng(seed)
-    toks = [int(t) for t in rng.integers(3, 250, n + 1)]
-    return lathe.Datum(model_input=lathe.ModelInput.from_ints(toks[:-1]),
-                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n})
+    return next_token_datum(np.random.default_rng(seed).integers(3, 250, n + 1))
 
 
 def _logprobs(out: lathe.ForwardBackwardOutput) -> list[np.ndarray]:

@@ -17,6 +17,7 @@ import lathe
 from lathe.errors import InvalidArgument, NotFound
 from lathe.registry_types import SessionSearchRequest, SessionStatusQuery
 from lathe.stack import Stack, StackConfig
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 KEY, OTHER = "tml-sdk-registry", "tml-sdk-registry-other"
@@ -32,9 +33,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir:
 
 
 def _datum() -> lathe.Datum:
-    tokens = [3, 9, 27, 81, 243, 11, 33, 99]
-    return lathe.Datum(model_input=lathe.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return next_token_datum([3, 9, 27, 81, 243, 11, 33, 99])
 
 
 @pytest.fixture(scope="module")

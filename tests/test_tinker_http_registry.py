@@ -16,6 +16,7 @@ from tinker.lib._jwt_auth import JwtAuthProvider, jwt_claims
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
 from lathe.stack import Stack, StackConfig
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
@@ -36,9 +37,7 @@ def _http(stack: Stack, key: str) -> httpx.Client:
 
 
 def _datum() -> types.Datum:
-    tokens = [3, 9, 27, 81, 243, 11, 33, 99]
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return next_token_datum([3, 9, 27, 81, 243, 11, 33, 99], types)
 
 
 def _saved_sampler(sc: tinker.ServiceClient, name: str) -> str:
