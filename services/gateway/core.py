@@ -139,11 +139,10 @@ class GatewayCore:
         self.router = PoolRouter(pools or StaticDirectory(trainer_target, sampler_target), self.caller)
         self._channel = internal_aio_channel(checkpoints_target, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])  # + secret
         self.checkpoints = cpb_grpc.CheckpointsStub(self._channel)
-        self.sampling: dict[str, SamplingSession] = {}
         self.futures = FutureStore(keep_done=self.store.cfg.keep_done, keep_bytes=keep_result_bytes,
                                    on_drop=self._forget)
         self.completions = CompletionQueues()
-        self.book = SessionBook(self.store, self.quotas, self._let_go_sampling, session_idle_s, clock)
+        self.book = SessionBook(self.store, self.quotas, session_idle_s, clock)
         self.runs: dict[str, Run] = {}
         self._by_seq: dict[tuple[str, int], str] = {}  # (model or sampling session id, seq_id) -> request
         self._caps: tuple[float, int, pb.ServerCapabilities] | None = None  # (when, router generation, caps)
@@ -250,12 +249,6 @@ class GatewayCore:
                 self._background(self._await_creation(run))
         return run
 
-    def _find_sampling(self, sampling_session_id: str) -> SamplingSession | None:
-        rec = self.sampling.get(sampling_session_id)
-        if rec is None and (rec := self.store.get_sampling(sampling_session_id)) is not None:
-            self.sampling[sampling_session_id] = rec
-        return rec
-
     async def _await_creation(self, run: Run) -> None:
         """Set ``run.ready`` once the gateway creating it records the outcome (its error, if it failed)."""
         result = await self._recorded_result(run.create_request_id, math.inf)
@@ -306,9 +299,10 @@ class GatewayCore:
     def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
         self.book.finish(tenant, session_id, reason)
 
-    def _let_go_sampling(self, sampling_session_ids: list[str]) -> None:
-        for sampling_session_id in sampling_session_ids:
-            self.sampling.pop(sampling_session_id, None)
+    @property
+    def sampling(self) -> dict[str, SamplingSession]:
+        """The sampling sessions this gateway holds in memory (``SessionBook``'s)."""
+        return self.book.sampling
 
     async def capabilities(self) -> pb.ServerCapabilities:
         """The models of the pools present, each with its trainer's and sampler's exactness joined (cached while
@@ -578,7 +572,7 @@ class GatewayCore:
         ``"{session}:sample:{sampling_seq_id}"`` to them once saved; the result names that session
         (``SaveOutput.sampling_session_id``). A repeat gets the same request."""
         if (model_id, seq_id) not in self._by_seq:  # refused before the save, not after it
-            self._admit_sampling_session(tenant, self.run(tenant, model_id).session_id, sampling_seq_id)
+            self.book.admit_sampling(tenant, self.run(tenant, model_id).session_id, sampling_seq_id)
         save = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=f"ephemeral-s{seq_id}", kind="sampler_weights",
                               ttl_seconds=EPHEMERAL_TTL_S)
         work = functools.partial(self._save_then_bind, sampling_seq_id=sampling_seq_id)
@@ -660,9 +654,7 @@ class GatewayCore:
         return await self.completions.wait((sampling_session_id, client), prev_cursor, min(timeout_s, MAX_WAIT_S))
 
     def join_sampling_session(self, tenant: str, sampling_session_id: str) -> int:
-        """A client number for a new client of the tenant's sampling session, unique among its clients."""
-        self.sampling_session(tenant, sampling_session_id)
-        return self.store.join_sampling(sampling_session_id)
+        return self.book.join_sampling(tenant, sampling_session_id)
 
     def queue_state(self, tenant: str) -> tuple[str, str | None]:
         """Why the tenant's requests wait, as Tinker's ``queue_state`` and a reason: ``paused_capacity`` while a
@@ -810,30 +802,10 @@ class GatewayCore:
             base_model, version = req.base_model, 0.0
         else:
             raise InvalidArgument("a sampling client needs model_path or base_model")
-        s = self.book.open(tenant, req.session_id)  # after the awaits: numbering is synchronous
-        if seq_id is not None and seq_id < 0:
-            raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {seq_id}")
-        self._admit_sampling_session(tenant, req.session_id, seq_id)
-        n = self.store.number(req.session_id, "next_sampler", seq_id)
-        s.next_sampler = max(s.next_sampler, n + 1)
-        sid = f"{req.session_id}:sample:{n}"
-        if self._find_sampling(sid) is None:
-            self.store.put_sampling(SamplingSession(sid, tenant, base_model, req.model_path, version))
-            self._find_sampling(sid)  # the database's record: another gateway's, should it have made it first
-        return self.sampling[sid].proto()
-
-    def _admit_sampling_session(self, tenant: str, session_id: str, seq_id: int | None) -> None:
-        """Refuse a new sampling session in ``session_id`` over the tenant's ``max_sampling_sessions``; a repeat of
-        the client's ``seq_id`` makes none and passes."""
-        if seq_id is None or self._find_sampling(f"{session_id}:sample:{seq_id}") is None:
-            self.book.expire_idle(tenant)
-            self.quotas.admit_sampling_session(tenant, self.store.open_sessions(tenant)[1])
+        return self.book.bind_sampling(tenant, req.session_id, seq_id, base_model, req.model_path, version).proto()
 
     def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:
-        rec = self._find_sampling(sampling_session_id)
-        if rec is None or rec.tenant != tenant:
-            raise NotFound(f"unknown sampling_session_id {sampling_session_id!r}")
-        return rec
+        return self.book.sampling_session(tenant, sampling_session_id)
 
     async def sample(self, tenant: str, req: pb.SampleRequest) -> pb.SubmitResponse:
         """Submit a sample; the tokens it may sample are charged now (``quotas.admit_sample``: without max_tokens,
@@ -880,8 +852,7 @@ class GatewayCore:
         """Load the registries from the store and send each operation still pending on again (a run whose
         creation finished is ready); returns how many were pending. Call once, in the event loop, before serving."""
         loaded = self.store.load()
-        self.book.load(loaded.sessions)
-        self.sampling = {rec.sampling_session_id: rec for rec in loaded.sampling}
+        self.book.load(loaded.sessions, loaded.sampling)
         self.runs = {r.model_id: r for r in loaded.runs}
         creating = {op.request_id for op in loaded.pending if op.kind == "create_model"}
         for run in self.runs.values():

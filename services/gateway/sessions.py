@@ -1,12 +1,14 @@
-"""The gateway's sessions: the one owner of the sessions it holds in memory, over the control-plane database.
+"""The gateway's sessions and their sampling sessions: the one owner of those it holds in memory, over the
+control-plane database.
 
-``SessionBook`` creates, finds, keeps alive, expires and finishes sessions; ``GatewayCore`` (what both doors call)
-asks it for a session and tells it nothing else. A session is found in memory first, then in the database
-(another gateway over it may have made it). An open session is heard from by every request naming it, recorded
-in the database at most every ``SESSION_TOUCH_S`` so that a heartbeat through any replica counts; one not heard
-from for ``idle_s`` is finished when its tenant next opens a session or a sampling session (the official SDK
-never finishes its sessions). A finished session leaves memory (the database keeps it), and so do its sampling
-sessions, which the book's owner drops when told (``on_let_go``).
+``SessionBook`` creates, finds, keeps alive, expires and finishes sessions, and numbers, binds, finds and joins
+their sampling sessions (a sampling session is ``"{session}:sample:{n}"``, bound to one policy version);
+``GatewayCore`` (what both doors call) asks it and keeps none of its own. A record is found in memory first, then
+in the database (another gateway over it may have made it). An open session is heard from by every request naming
+it, recorded in the database at most every ``SESSION_TOUCH_S`` so that a heartbeat through any replica counts; one
+not heard from for ``idle_s`` is finished when its tenant next opens a session or a sampling session (the official
+SDK never finishes its sessions). A finished session and its sampling sessions leave memory (the database keeps
+them), so what a gateway holds is bounded by the quotas on open ones.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from lathe.errors import FailedPrecondition, InvalidArgument, NotFound, SessionGone
 
 from .quotas import Quotas
-from .records import Session
+from .records import SamplingSession, Session
 from .store import ControlStore
 
 SESSION_IDLE_S = 900.0  # a session not heard from for this long is finished when its tenant next opens one
@@ -27,17 +29,18 @@ MAX_DISPLAY_NAME = 256  # characters of a session's display name (its column's w
 
 
 class SessionBook:
-    def __init__(self, store: ControlStore, quotas: Quotas, on_let_go: Callable[[list[str]], None],
-                 idle_s: float = SESSION_IDLE_S, clock: Callable[[], float] = time.time) -> None:
-        """``on_let_go(sampling_session_ids)``: a finished session's sampling sessions, to drop from memory."""
+    def __init__(self, store: ControlStore, quotas: Quotas, idle_s: float = SESSION_IDLE_S,
+                 clock: Callable[[], float] = time.time) -> None:
         if not idle_s > 0:
             raise ValueError(f"session_idle_s = {idle_s} must be > 0")
-        self.store, self.quotas, self.on_let_go, self.idle_s, self.clock = store, quotas, on_let_go, idle_s, clock
+        self.store, self.quotas, self.idle_s, self.clock = store, quotas, idle_s, clock
         self.sessions: dict[str, Session] = {}
+        self.sampling: dict[str, SamplingSession] = {}
 
-    def load(self, sessions: list[Session]) -> None:
-        """Hold the open sessions the database lists (a gateway starting)."""
+    def load(self, sessions: list[Session], sampling: list[SamplingSession]) -> None:
+        """Hold the open sessions and sampling sessions the database lists (a gateway starting)."""
         self.sessions = {s.session_id: s for s in sessions}
+        self.sampling = {rec.sampling_session_id: rec for rec in sampling}
 
     def find(self, session_id: str) -> Session | None:
         s = self.sessions.get(session_id)
@@ -108,4 +111,48 @@ class SessionBook:
 
     def _let_go(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
-        self.on_let_go(self.store.session_members(session_id)[1])
+        for sampling_session_id in self.store.session_members(session_id)[1]:
+            self.sampling.pop(sampling_session_id, None)
+
+    # ---- sampling sessions ----
+
+    def find_sampling(self, sampling_session_id: str) -> SamplingSession | None:
+        rec = self.sampling.get(sampling_session_id)
+        if rec is None and (rec := self.store.get_sampling(sampling_session_id)) is not None:
+            self.sampling[sampling_session_id] = rec
+        return rec
+
+    def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:
+        rec = self.find_sampling(sampling_session_id)
+        if rec is None or rec.tenant != tenant:
+            raise NotFound(f"unknown sampling_session_id {sampling_session_id!r}")
+        return rec
+
+    def admit_sampling(self, tenant: str, session_id: str, seq_id: int | None) -> None:
+        """Refuse a new sampling session in ``session_id`` over the tenant's ``max_sampling_sessions``; a repeat of
+        the client's ``seq_id`` makes none and passes."""
+        if seq_id is None or self.find_sampling(f"{session_id}:sample:{seq_id}") is None:
+            self.expire_idle(tenant)
+            self.quotas.admit_sampling_session(tenant, self.store.open_sessions(tenant)[1])
+
+    def bind_sampling(self, tenant: str, session_id: str, seq_id: int | None, base_model: str, model_path: str,
+                      version: float) -> SamplingSession:
+        """Sampling session ``"{session_id}:sample:{n}"`` bound to ``model_path`` at ``version`` (or the base
+        model): ``n`` is the client's ``seq_id`` (a repeat returns the one already made, here or by another
+        gateway) or else the session's next number. Synchronous, so that numbering cannot interleave."""
+        s = self.open(tenant, session_id)
+        if seq_id is not None and seq_id < 0:
+            raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {seq_id}")
+        self.admit_sampling(tenant, session_id, seq_id)
+        n = self.store.number(session_id, "next_sampler", seq_id)
+        s.next_sampler = max(s.next_sampler, n + 1)
+        sid = f"{session_id}:sample:{n}"
+        if self.find_sampling(sid) is None:
+            self.store.put_sampling(SamplingSession(sid, tenant, base_model, model_path, version))
+            self.find_sampling(sid)  # the database's record: another gateway's, should it have made it first
+        return self.sampling[sid]
+
+    def join_sampling(self, tenant: str, sampling_session_id: str) -> int:
+        """A client number for a new client of the tenant's sampling session, unique among its clients."""
+        self.sampling_session(tenant, sampling_session_id)
+        return self.store.join_sampling(sampling_session_id)
