@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import TypeVar
 
 from lathe.errors import FailedPrecondition, InvalidArgument, NotFound, SessionGone
 
@@ -26,6 +27,8 @@ from .store import ControlStore
 SESSION_IDLE_S = 900.0  # a session not heard from for this long is finished when its tenant next opens one
 SESSION_TOUCH_S = 60.0  # how often (at most) a gateway records in the database that a session was heard from
 MAX_DISPLAY_NAME = 256  # characters of a session's display name (its column's width)
+
+R = TypeVar("R", Session, SamplingSession)
 
 
 class SessionBook:
@@ -43,17 +46,11 @@ class SessionBook:
         self.sampling = {rec.sampling_session_id: rec for rec in sampling}
 
     def find(self, session_id: str) -> Session | None:
-        s = self.sessions.get(session_id)
-        if s is None and (s := self.store.get_session(session_id)) is not None:
-            self.sessions[session_id] = s
-        return s
+        return _held(self.sessions, session_id, self.store.get_session)
 
     def mine(self, tenant: str, session_id: str) -> Session:
         """The tenant's session as it is (``NotFound`` for anyone else's), without hearing from it."""
-        s = self.find(session_id)
-        if s is None or s.tenant != tenant:
-            raise NotFound(f"unknown session_id {session_id!r}")
-        return s
+        return _owned(self.find(session_id), tenant, "session_id", session_id)
 
     def get(self, tenant: str, session_id: str) -> Session:
         """The tenant's session; an open one is heard from, and one another gateway finished (or expired) since
@@ -117,16 +114,10 @@ class SessionBook:
     # ---- sampling sessions ----
 
     def find_sampling(self, sampling_session_id: str) -> SamplingSession | None:
-        rec = self.sampling.get(sampling_session_id)
-        if rec is None and (rec := self.store.get_sampling(sampling_session_id)) is not None:
-            self.sampling[sampling_session_id] = rec
-        return rec
+        return _held(self.sampling, sampling_session_id, self.store.get_sampling)
 
     def sampling_session(self, tenant: str, sampling_session_id: str) -> SamplingSession:
-        rec = self.find_sampling(sampling_session_id)
-        if rec is None or rec.tenant != tenant:
-            raise NotFound(f"unknown sampling_session_id {sampling_session_id!r}")
-        return rec
+        return _owned(self.find_sampling(sampling_session_id), tenant, "sampling_session_id", sampling_session_id)
 
     def admit_sampling(self, tenant: str, session_id: str, seq_id: int | None) -> None:
         """Refuse a new sampling session in ``session_id`` over the tenant's ``max_sampling_sessions``; a repeat of
@@ -156,3 +147,18 @@ class SessionBook:
         """A client number for a new client of the tenant's sampling session, unique among its clients."""
         self.sampling_session(tenant, sampling_session_id)
         return self.store.join_sampling(sampling_session_id)
+
+
+def _held(memory: dict[str, R], key: str, load: Callable[[str], R | None]) -> R | None:
+    """``memory[key]``, else the database's record (``load``), held in memory from then on; None if neither."""
+    rec = memory.get(key)
+    if rec is None and (rec := load(key)) is not None:
+        memory[key] = rec
+    return rec
+
+
+def _owned(rec: R | None, tenant: str, field: str, key: str) -> R:
+    """``rec`` if it is the tenant's; else ``NotFound``, the same answer as for a record that does not exist."""
+    if rec is None or rec.tenant != tenant:
+        raise NotFound(f"unknown {field} {key!r}")
+    return rec
