@@ -289,6 +289,15 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     return y
 
 
+def lone_height(ladder: Ladder, rows: int, device: torch.device) -> int:
+    """The direct tile height an invariant ``linear`` zero-pads ``rows`` rows to on ``ladder`` (a decode step's lone
+    row: fewer rows than the smallest direct height, with ``lone=0``, on CPU), as ``direct_matmul`` does; 0 where
+    it cuts them otherwise."""
+    if not ladder.direct or ladder.lone or device.type != "cpu" or rows >= min(ladder.direct):
+        return 0
+    return min(ladder.direct)
+
+
 def direct_tile(rows: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """rows [h, K] @ w [K, N] -> [h, N] as ``direct_matmul`` runs one tile of an admitted height: one plain product
     per column block of ``col_cap`` width, written into ``out`` when given."""

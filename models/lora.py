@@ -81,13 +81,10 @@ def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
 
 
 def _lone_tile(ladder: ops.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) -> int:
-    """The direct tile height ``ops.linear`` zero-pads ``rows`` rows to on ``ladder`` (a decode step's lone row,
-    fewer rows than its smallest direct height, with ``lone=0``), out of autograd on CPU; 0 where it would not."""
-    if not ladder.direct or ladder.lone or rows >= min(ladder.direct) or x.device.type != "cpu":
-        return 0
+    """``ops.lone_height`` out of autograd (under it, ``ops.linear``'s differentiable products run); 0 in it."""
     if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
         return 0
-    return min(ladder.direct)
+    return ops.lone_height(ladder, rows, x.device)
 
 
 def values_per_rank(cfg: ModelConfig, targets: tuple[str, ...]) -> int:

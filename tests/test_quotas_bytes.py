@@ -158,7 +158,7 @@ def test_a_finished_session_and_its_sampling_sessions_leave_the_gateways_memory(
         core.store.put_sampling(SamplingSession(sampler, "t", "lathe/tiny-llama", "", 0.0))
         assert core.sampling_session("t", sampler) and core.store.open_sessions("t") == (2, 1)
         core.finish_session("t", done, "success")
-        assert done not in core.sessions and sampler not in core.sampling and kept in core.sessions
+        assert done not in core.book.sessions and sampler not in core.book.sampling and kept in core.book.sessions
         assert core.store.open_sessions("t") == (1, 0)
         assert core.session("t", done).finished == "success"  # read from the database again when asked for
         core.create_session("t", {})
@@ -191,7 +191,7 @@ def test_a_session_not_heard_from_expires_on_every_replica_and_its_heartbeat_ans
         now[0] += 20  # idle: 110 s unheard; alive: 20 s
         third = a.create_session("t", {})
         assert a.store.get_session(idle).finished == "expired: not heard from for 100 s"
-        assert not a.store.get_session(alive).finished and idle not in a.sessions
+        assert not a.store.get_session(alive).finished and idle not in a.book.sessions
         assert a.store.open_sessions("t")[0] == 2  # alive and third
         with pytest.raises(SessionGone, match=re.escape(f"session {idle!r} has finished (expired: not heard from")):
             b.heartbeat("t", idle)

@@ -75,13 +75,10 @@ class S3Config:
     retries: int = 2  # per request, on connection errors and 5xx answers
 
     def __post_init__(self) -> None:
-        scheme = urlparse(self.endpoint).scheme
-        if scheme not in ("http", "https") or not urlparse(self.endpoint).netloc:
+        if not _is_endpoint(self.endpoint):
             raise InvalidArgument(f"S3 endpoint {self.endpoint!r} must be http://host[:port] or https://host[:port] "
                                   f"(set {ENV_ENDPOINT})")
-        public = urlparse(self.public_endpoint)
-        if self.public_endpoint not in ("", NO_URLS) and (public.scheme not in ("http", "https") or not public.netloc
-                                                          or public.path.strip("/")):
+        if self.public_endpoint not in ("", NO_URLS) and not _is_endpoint(self.public_endpoint):
             raise InvalidArgument(f"S3 public endpoint {self.public_endpoint!r} must be http://host[:port], "
                                   f"https://host[:port] or {NO_URLS!r} (set {ENV_PUBLIC_ENDPOINT})")
         if not self.bucket:
@@ -114,6 +111,12 @@ class S3Config:
         return cls(endpoint=doc["endpoint"], bucket=parsed.netloc, access_key=doc.get("access_key", ""),
                    secret_key=doc.get("secret_key", ""), prefix=f"{prefix}/" if prefix else "",
                    region=doc.get("region"), public_endpoint=doc.get("public_endpoint", ""))
+
+
+def _is_endpoint(url: str) -> bool:
+    """Whether ``url`` is ``http://host[:port]`` or ``https://host[:port]`` (a trailing slash allowed)."""
+    parsed = urlparse(url)
+    return parsed.scheme in ("http", "https") and bool(parsed.netloc) and not parsed.path.strip("/")
 
 
 def _read_credentials_file(path: Path) -> dict[str, str]:

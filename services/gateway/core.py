@@ -282,11 +282,6 @@ class GatewayCore:
 
     # ---- sessions (``SessionBook``'s) and capabilities ----
 
-    @property
-    def sessions(self) -> dict[str, Session]:
-        """The sessions this gateway holds in memory (``SessionBook``'s)."""
-        return self.book.sessions
-
     def session(self, tenant: str, session_id: str) -> Session:
         return self.book.get(tenant, session_id)
 
@@ -298,11 +293,6 @@ class GatewayCore:
 
     def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
         self.book.finish(tenant, session_id, reason)
-
-    @property
-    def sampling(self) -> dict[str, SamplingSession]:
-        """The sampling sessions this gateway holds in memory (``SessionBook``'s)."""
-        return self.book.sampling
 
     async def capabilities(self) -> pb.ServerCapabilities:
         """The models of the pools present, each with its trainer's and sampler's exactness joined (cached while
