@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rl-steps", type=int, default=16)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the pools' base weights (auto: bfloat16 where the CPU has avx512_bf16 or AMX)")
     args = ap.parse_args()
 
     from lathe.models.smollm2 import import_smollm2
@@ -35,7 +37,7 @@ def main() -> None:
     model_dir = import_smollm2(args.cache)
     run_dir = args.runs / time.strftime("%Y%m%d-%H%M%S")
     cfg = StackConfig(models=SMOLLM2, store_root=args.cache / "store", cache_root=args.cache,
-                      log_dir=run_dir / "logs")
+                      trainer_dtype=args.dtype, log_dir=run_dir / "logs")
     print("starting the embedded stack (checkpoints, trainer, gateway) ...", flush=True)
     with Stack(cfg) as stack:
         print(f"Lathe gateway listening on {stack.gateway}", flush=True)

@@ -146,7 +146,7 @@ def run(sc: lathe.ServiceClient, cfg: RlConfig) -> dict:
                         "datums": len(data),
                         "sampler_path": sampler.model_path, "seconds": time.monotonic() - t0})
         bar.set_postfix(reward=f"{mean_reward:.2f}", pass_all=f"{pass_rate:.2f}")
-        pools = "exact" if exact else "NOT exact"
+        pools = ("exact" if exact else "NOT exact") + (f" ({out.receipt.dtype})" if out.receipt else "")
         tqdm.write(f"step {step + 1:3d}  reward {mean_reward:.3f}  pass {pass_rate:.3f}  constant groups "
                    f"{constant}/{len(groups)}  KL {kl:.2e}  max|dlp| {max_diff:.2e}  pools {pools}  "
                    f"sampler {sampler.model_path}")

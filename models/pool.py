@@ -25,10 +25,32 @@ DEVICES = ("cuda", "cpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The dtypes a pool may hold its frozen base weights in, by flag name (LoRA, gradients and moments stay fp32)."""
 
+AUTO = "auto"
+"""The ``--dtype`` that lets the device choose: bf16 where it multiplies bf16 natively, else fp32
+(``resolve_dtype``)."""
+
 
 def default_device() -> str:
     """The pools' default device: ``cuda`` when torch sees a GPU, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def native_bf16(device: str) -> bool:
+    """Does ``device`` multiply bf16 in hardware? A CUDA GPU that supports it; a CPU with avx512_bf16 or AMX tiles
+    (without either, bf16 products are emulated and slower than fp32)."""
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The base-weight dtype a pool on ``device`` serves for the flag ``dtype``: itself, or for ``AUTO`` bf16 where
+    ``native_bf16(device)`` and fp32 elsewhere. Trainer and sampler pools resolve alike on alike machines; their
+    receipts and fingerprints carry the result, so pools that resolved differently are seen not to agree."""
+    if dtype == AUTO:
+        return "bfloat16" if native_bf16(device) else "float32"
+    check_dtype(dtype)
+    return dtype
 
 
 def check_dtype(dtype: str) -> None:
@@ -45,12 +67,14 @@ def check_device(device: str) -> None:
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device here")
 
 
-def add_pool_arguments(ap: argparse.ArgumentParser, *, models: str, cache_root: Path, dtype: str) -> None:
+def add_pool_arguments(ap: argparse.ArgumentParser, *, models: str, cache_root: Path) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--models", default=models, help="served base models, comma-separated")
     ap.add_argument("--cache-root", type=Path, default=cache_root)
-    ap.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
+                    help="the frozen base weights' dtype (default auto: bfloat16 where the device multiplies it "
+                         "natively, float32 elsewhere)")
     ap.add_argument("--device", default=default_device(), choices=DEVICES,
                     help="where weights, adapters, optimizer state and KV caches live (default: cuda if present)")
     ap.add_argument("--sgmv", action="store_true", help="LoRA through the Triton SGMV kernels (GPU)")

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--threads", type=int, default=0, help="trainer torch threads (0: all cores)")
     serve.add_argument("--trainer-ranks", type=int, default=1,
                        help="processes in the trainer pool (gloo on CPU, NCCL on GPU; docs/distributed.md)")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="base weights of both pools (default auto: bfloat16 on a CPU with avx512_bf16 or AMX "
+                            "and on a GPU, float32 elsewhere)")
     serve.add_argument("--no-invariant", action="store_true")
     serve.add_argument("--api-keys-file", type=Path, default=None,
                        help="file of KEY=TENANT lines (default: none, open mode: each key is its own tenant)")

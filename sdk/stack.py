@@ -63,7 +63,7 @@ class StackConfig:
     cache_root: Path = Path(".cache/lathe")
     trainer_threads: int = 0
     sampler_threads: int = 0
-    trainer_dtype: str = "float32"
+    trainer_dtype: str = "float32"  # both pools' base weights: float32, bfloat16 or auto (lathe serve's default)
     invariant: bool = True
     api_keys_file: Path | None = None  # KEY=TENANT lines (None: open mode, every key its own tenant)
     quotas_file: Path | None = None  # per-tenant quotas, JSON or .toml (None: the gateway's defaults)

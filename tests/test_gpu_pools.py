@@ -24,7 +24,7 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
-from lathe.models.pool import DTYPES, add_pool_arguments, default_device
+from lathe.models.pool import DTYPES, add_pool_arguments, default_device, resolve_dtype
 from lathe.sampler.adapters import adapter_dtype, load_adapter
 from lathe.sampler.blocks import blocks_for
 from lathe.sampler.kv import KVPool
@@ -117,11 +117,32 @@ def test_pool_configs_and_flag_take_a_device() -> None:
             with pytest.raises(ValueError, match="torch sees no CUDA device"):
                 config(device="cuda")
     ap = argparse.ArgumentParser()
-    add_pool_arguments(ap, models=BASE, cache_root=Path("."), dtype="float32")
+    add_pool_arguments(ap, models=BASE, cache_root=Path("."))
     assert ap.parse_args([]).device == default_device()
     assert ap.parse_args(["--device", "cpu"]).device == "cpu"
     with pytest.raises(SystemExit):
         ap.parse_args(["--device", "tpu"])
+
+
+def test_auto_dtype_is_bf16_only_where_the_device_multiplies_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--dtype auto`` (the flag's default) resolves in the pool's config: bf16 on a CPU with avx512_bf16 or AMX,
+    fp32 on one without (bf16 is emulated there); an explicit dtype stays, a wrong one is refused naming it."""
+    from lathe.sampler.engine import SamplerConfig
+    from lathe.trainer.engine import TrainerConfig
+
+    for bf16, amx, want in ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert resolve_dtype("auto", "cpu") == want
+        for config in (SamplerConfig, TrainerConfig):
+            assert config(dtype="auto", device="cpu").dtype == want
+            assert config(dtype="float32", device="cpu").dtype == "float32"
+            assert config(dtype="bfloat16", device="cpu").dtype == "bfloat16"
+            with pytest.raises(ValueError, match="dtype 'float16' is not one of"):
+                config(dtype="float16", device="cpu")
+    ap = argparse.ArgumentParser()
+    add_pool_arguments(ap, models=BASE, cache_root=Path("."))
+    assert ap.parse_args([]).dtype == "auto"
 
 
 def test_from_weights_on_explicit_cpu_equals_from_dir(tiny_dir: Path) -> None:

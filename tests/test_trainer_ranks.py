@@ -102,10 +102,10 @@ def test_two_ranks_train_bit_for_bit_like_one(model_cache: Path, tiny_dir: Path,
     follower = subprocess.Popen([sys.executable, "-m", "lathe.trainer", "--models", BASE, "--cache-root",
                                  str(model_cache), "--threads", "1", "--cycle-tokens", str(CYCLE_TOKENS),
                                  "--page-store", str(tmp_path / "pages"), "--world-size", "2", "--rank", "1",
-                                 "--master-port", str(pool.master_port), "--port", "0"],
+                                 "--master-port", str(pool.master_port), "--port", "0", "--dtype", "float32"],
                                 stdout=subprocess.PIPE, text=True)
     try:
-        group = join(pool, "cpu")
+        group = join(pool, "cpu", "float32")
         # a follower serves only gRPC health, so its pod's probes see it: SERVING once it joined the pool
         ready = None
         for _ in range(20):  # bounded: the "listening on" line is among its first few lines
@@ -219,6 +219,23 @@ def test_ranks_that_disagree_on_the_world_size_both_say_so(tiny_dir: Path) -> No
     assert leader.returncode == EXIT_BAD_POOL
     assert (f"trainer rank 0: world size mismatch in the pool at 127.0.0.1:{port}: rank 1 was started with "
             "world_size 3, rank 0 with 2") in lead_err
+    assert follower.returncode in (EXIT_BAD_POOL, EXIT_RANK_LOST)  # it may find the leader gone already
+    assert "trainer rank 1: " in follow_err
+
+
+def test_ranks_that_hold_the_base_in_unlike_dtypes_both_say_so(tiny_dir: Path) -> None:
+    """Ranks resolve ``--dtype auto`` each on its own device: a pool whose ranks chose unlike dtypes would compute
+    unlike bits, so it does not form, and the leader says which rank holds what."""
+    port = str(free_port())
+    leader = trainer_rank("--world-size", "2", "--rank", "0", "--master-port", port, "--rank-timeout-s", "20",
+                          "--dtype", "float32")
+    follower = trainer_rank("--world-size", "2", "--rank", "1", "--master-port", port, "--rank-timeout-s", "20",
+                            "--dtype", "bfloat16")
+    _, lead_err = leader.communicate(timeout=60)
+    _, follow_err = follower.communicate(timeout=60)
+    assert leader.returncode == EXIT_BAD_POOL
+    assert (f"trainer rank 0: dtype mismatch in the pool at 127.0.0.1:{port}: rank 1 holds its base weights in "
+            "bfloat16, rank 0 in float32") in lead_err
     assert follower.returncode in (EXIT_BAD_POOL, EXIT_RANK_LOST)  # it may find the leader gone already
     assert "trainer rank 1: " in follow_err
 

@@ -39,7 +39,7 @@ def main() -> None:
     setup_logging()
     d = SamplerConfig()
     ap = argparse.ArgumentParser(prog="python -m lathe.sampler")
-    add_pool_arguments(ap, models=d.models, cache_root=d.cache_root, dtype=d.dtype)
+    add_pool_arguments(ap, models=d.models, cache_root=d.cache_root)
     ap.add_argument("--max-running", type=int, default=d.max_running, help="sequences decoding at once")
     ap.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting at most")
     ap.add_argument("--adapter-cache", type=int, default=d.adapter_cache, help="adapters kept loaded")

@@ -58,7 +58,7 @@ from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, Resour
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
-from lathe.models.pool import DTYPES, check_device, check_dtype, default_device, on_passing_thread
+from lathe.models.pool import DTYPES, check_device, default_device, on_passing_thread, resolve_dtype
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
@@ -94,7 +94,7 @@ class Catalog(Protocol):
 class SamplerConfig:
     models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
     cache_root: Path = Path(".cache/lathe")
-    dtype: str = "float32"  # the dtype of the frozen base weights (LoRA is cast to it)
+    dtype: str = "float32"  # of the frozen base weights ("auto": bf16 where the device has it natively)
     device: str = field(default_factory=default_device)  # "cuda" or "cpu": weights, adapters and KV caches
     invariant: bool = True  # batch-invariant ops: logprobs bitwise equal to the trainer's
     sgmv: bool = False  # LoRA through the Triton SGMV kernels (set alike on the trainer pool)
@@ -117,8 +117,8 @@ class SamplerConfig:
     graph_buckets: tuple[int, ...] = BUCKETS  # batch sizes decode steps are padded to and captured at
 
     def __post_init__(self) -> None:
-        check_dtype(self.dtype)
         check_device(self.device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))  # "auto" becomes what it chose
         for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "max_running_tokens",
                      "loaders"):
             if getattr(self, name) < 1:

@@ -30,7 +30,7 @@ def main() -> None:
     setup_logging()
     d = TrainerConfig()
     ap = argparse.ArgumentParser(prog="python -m lathe.trainer")
-    add_pool_arguments(ap, models=d.models, cache_root=d.cache_root, dtype=d.dtype)
+    add_pool_arguments(ap, models=d.models, cache_root=d.cache_root)
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each layer in backward (about half the peak memory, about 20%% slower)")
     ap.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens)
@@ -86,7 +86,7 @@ def main() -> None:
         os._exit(follower.exit_code)  # a follower stopped inside a collective cannot be joined: leave at once
     children = ranks.start_followers(pool, sys.argv[1:]) if local else []
     try:
-        group = join(pool, cfg.device) if pool is not None else None
+        group = join(pool, cfg.device, cfg.dtype) if pool is not None else None
     except PoolFormationError as e:
         log.error("%s", e)
         ranks.stop_followers(children, grace_s=0)

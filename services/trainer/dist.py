@@ -144,10 +144,12 @@ class Group:
             dist.destroy_process_group()
 
 
-def join(cfg: PoolConfig, device: str) -> Group:
+def join(cfg: PoolConfig, device: str, dtype: str) -> Group:
     """Form the pool: rank 0 hosts the rendezvous store at ``master_addr:master_port``, every rank checks that
-    all agree on ``world_size``, then the process group starts (gloo for ``cpu``, NCCL for ``cuda``). Raises
-    ``PoolFormationError`` with what went wrong and where, within about ``timeout_s``."""
+    all agree on ``world_size`` and on the base weights' ``dtype`` (each rank resolves ``--dtype auto`` for its own
+    device, and ranks of unlike dtypes would compute unlike bits), then the process group starts (gloo for
+    ``cpu``, NCCL for ``cuda``). Raises ``PoolFormationError`` with what went wrong and where, within about
+    ``timeout_s``."""
     where = f"{cfg.master_addr}:{cfg.master_port}"
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
@@ -158,7 +160,7 @@ def join(cfg: PoolConfig, device: str) -> Group:
         raise PoolFormationError(f"trainer rank {cfg.rank}: could not {role} {where} within {cfg.timeout_s:g} s: "
                                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                                  EXIT_RANK_LOST) from None
-    _check_shape(store, cfg, where)
+    _check_shape(store, cfg, dtype, where)
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(cfg.rank % torch.cuda.device_count())
@@ -171,19 +173,20 @@ def join(cfg: PoolConfig, device: str) -> Group:
     return Group(cfg, store, backend)
 
 
-def _check_shape(store: dist.Store, cfg: PoolConfig, where: str) -> None:
-    """Every rank writes the world size it was given; rank 0 reads every follower's, each follower reads rank
-    0's. A disagreement, or a rank claimed twice, fails on both sides with the numbers."""
+def _check_shape(store: dist.Store, cfg: PoolConfig, dtype: str, where: str) -> None:
+    """Every rank writes the world size it was given and its dtype; rank 0 reads every follower's, each follower
+    reads rank 0's. A disagreement, or a rank claimed twice, fails on both sides with the values."""
     if store.add(f"lathe/rank/{cfg.rank}", 1) > 1:
         raise PoolFormationError(f"trainer rank {cfg.rank}: another process already joined the pool at {where} "
                                  f"as rank {cfg.rank}", EXIT_BAD_POOL)
-    store.set(f"lathe/world/{cfg.rank}", str(cfg.world_size))
+    store.set(f"lathe/world/{cfg.rank}", f"{cfg.world_size} {dtype}")
     peers = range(1, cfg.world_size) if cfg.rank == 0 else [0]
     for peer in peers:
         key = f"lathe/world/{peer}"
         try:
             store.wait([key])
-            theirs = int(store.get(key))
+            size, their_dtype = store.get(key).decode().split()
+            theirs = int(size)
         except Exception:  # noqa: BLE001 - the store's own timeout, or its host gone: that rank is not there
             raise PoolFormationError(f"trainer rank {cfg.rank}: rank {peer} did not join the pool at {where} within "
                                      f"{cfg.timeout_s:g} s (world_size {cfg.world_size})", EXIT_RANK_LOST) from None
@@ -191,3 +194,8 @@ def _check_shape(store: dist.Store, cfg: PoolConfig, where: str) -> None:
             raise PoolFormationError(f"trainer rank {cfg.rank}: world size mismatch in the pool at {where}: rank "
                                      f"{peer} was started with world_size {theirs}, rank {cfg.rank} with "
                                      f"{cfg.world_size}", EXIT_BAD_POOL)
+        if their_dtype != dtype:
+            raise PoolFormationError(f"trainer rank {cfg.rank}: dtype mismatch in the pool at {where}: rank {peer} "
+                                     f"holds its base weights in {their_dtype}, rank {cfg.rank} in {dtype}; give "
+                                     "every rank the same --dtype (auto resolves on each rank's own device)",
+                                     EXIT_BAD_POOL)

@@ -68,7 +68,7 @@ from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, default_seed, values_per_rank
-from lathe.models.pool import DTYPES, check_device, check_dtype, default_device, on_passing_thread
+from lathe.models.pool import DTYPES, check_device, default_device, on_passing_thread, resolve_dtype
 from lathe.trainer import shard
 from lathe.trainer.bank import Adapter, AdapterBank, read_state
 from lathe.trainer.custom_loss import LossBudget, reduce_metrics
@@ -112,7 +112,9 @@ class CheckpointStore(Protocol):
 class TrainerConfig:
     models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
     cache_root: Path = Path(".cache/lathe")
-    dtype: str = "float32"  # of the frozen base weights; LoRA weights, gradients and AdamW moments stay fp32
+    # of the frozen base weights ("auto": bf16 where the device has it natively); LoRA weights, gradients and AdamW
+    # moments stay fp32
+    dtype: str = "float32"
     device: str = field(default_factory=default_device)  # "cuda" or "cpu": base models and the adapter bank
     invariant: bool = True
     sgmv: bool = False  # LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)
@@ -132,8 +134,8 @@ class TrainerConfig:
     loss_budget: LossBudget = field(default_factory=LossBudget)  # custom losses (lathe.trainer.custom_loss)
 
     def __post_init__(self) -> None:
-        check_dtype(self.dtype)
         check_device(self.device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))  # "auto" becomes what it chose
         if not self.order_wait_s > 0:
             raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
         if not (self.rejoin_fraction >= 0 and self.rejoin_max_s >= 0):

@@ -140,7 +140,7 @@ class Follower:
 
     def _follow(self) -> int:
         try:
-            group = join(self.pool, self.cfg.device)
+            group = join(self.pool, self.cfg.device, self.cfg.dtype)
         except PoolFormationError as e:
             log.error("%s", e)
             return e.exit_code
