@@ -176,16 +176,16 @@ def test_a_restarted_core_finds_everything_and_reruns_what_was_pending(tmp_path:
 
     async def before() -> tuple[str, str, str]:
         a = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", store=ControlStore(StoreConfig(url)))
-        sid = a.create_session("t", {})
+        sid = a.book.create("t", {})
         run = Run(f"{sid}:train:0", "t", sid, "base", pb.LoraConfig(rank=4), {})
         a.store.put_run(run, op("req-create", None, run.model_id, "create_model"))
         a.store.finish_op("req-create", pb.FutureResult(), 1.0, release_key=True)
         run.ready.set()
-        a.runs[run.model_id] = run
-        one = a._submit("t", run.model_id, 1, adam, work).request_id
-        two = a._submit("t", run.model_id, 2, adam, work).request_id
-        assert (await a.retrieve("t", one, 5.0)).optim_step.metrics["seq"] == 1.0
-        for t in a._tasks:
+        a.runs.by_id[run.model_id] = run
+        one = a.runs.submit_op("t", run.model_id, 1, adam, work).request_id
+        two = a.runs.submit_op("t", run.model_id, 2, adam, work).request_id
+        assert (await a.ledger.retrieve("t", one, 5.0)).optim_step.metrics["seq"] == 1.0
+        for t in a.ledger._tasks:
             t.cancel()
         return run.model_id, one, two
 
@@ -193,14 +193,14 @@ def test_a_restarted_core_finds_everything_and_reruns_what_was_pending(tmp_path:
 
     async def after() -> None:
         b = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", store=ControlStore(StoreConfig(url)))
-        b._run_op = work  # the trainer, as far as this test is concerned
+        b.runs._run_op = work  # the trainer, as far as this test is concerned
         assert b.restore() == 1
-        assert b.runs[model_id].ready.is_set()
-        assert b._submit("t", model_id, 2, adam, work).request_id == two
-        assert (await b.retrieve("t", one, 5.0)).optim_step.metrics["seq"] == 1.0  # from the ledger
-        assert (await b.retrieve("t", two, 0.2)).done is False
+        assert b.runs.by_id[model_id].ready.is_set()
+        assert b.runs.submit_op("t", model_id, 2, adam, work).request_id == two
+        assert (await b.ledger.retrieve("t", one, 5.0)).optim_step.metrics["seq"] == 1.0  # from the ledger
+        assert (await b.ledger.retrieve("t", two, 0.2)).done is False
         assert sent[-1] == 2 and sent.count(2) == 2  # sent once by A, once again by B
-        for t in b._tasks:
+        for t in b.ledger._tasks:
             t.cancel()
 
     asyncio.run(after())
@@ -231,23 +231,23 @@ def test_a_second_gateway_adopts_what_the_first_made_and_waits_for_its_results(t
     async def both() -> None:
         a = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", store=ControlStore(StoreConfig(url)))
         b = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", store=ControlStore(StoreConfig(url)))
-        sid = a.create_session("t", {})
+        sid = a.book.create("t", {})
         run = Run(f"{sid}:train:0", "t", sid, "base", pb.LoraConfig(rank=4), {}, create_request_id="req-create")
         a.store.put_run(run, op("req-create", None, run.model_id, "create_model"))
         a.store.finish_op("req-create", pb.FutureResult(), 1.0, release_key=True)
-        one = a._submit("t", run.model_id, 1, adam, slow).request_id
-        adopted = b.run("t", run.model_id)  # made by A: B finds it in the database, ready
-        assert adopted.ready.is_set() and b.session("t", sid).tenant == "t"
+        one = a.runs.submit_op("t", run.model_id, 1, adam, slow).request_id
+        adopted = b.runs.get("t", run.model_id)  # made by A: B finds it in the database, ready
+        assert adopted.ready.is_set() and b.book.get("t", sid).tenant == "t"
         with pytest.raises(NotFound):
-            b.run("someone-else", run.model_id)
-        assert b._submit("t", run.model_id, 1, adam, slow).request_id == one  # the database names the holder
-        waiting = asyncio.create_task(b.retrieve("t", one, 10.0))  # pending at A: B holds the poll
+            b.runs.get("someone-else", run.model_id)
+        assert b.runs.submit_op("t", run.model_id, 1, adam, slow).request_id == one  # the database names the holder
+        waiting = asyncio.create_task(b.ledger.retrieve("t", one, 10.0))  # pending at A: B holds the poll
         await asyncio.sleep(0.2)
         assert not waiting.done()
         release.set()
         assert (await waiting).optim_step.metrics["seq"] == 1.0
         for core in (a, b):
-            for t in core._tasks:
+            for t in core.ledger._tasks:
                 t.cancel()
 
     asyncio.run(both())
@@ -290,7 +290,7 @@ def test_a_submit_refused_on_its_way_in_leaves_its_seq_id_free_in_the_ledger(tmp
         core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", store=ControlStore(StoreConfig(url)))
         run = Run("m", "t", "s", "base", pb.LoraConfig(rank=4), {})
         run.ready.set()
-        core.runs["m"] = run
+        core.runs.by_id["m"] = run
         refuse = True
 
         async def work(run: Run, top: pb.TrainerOp) -> pb.FutureResult:
@@ -299,16 +299,16 @@ def test_a_submit_refused_on_its_way_in_leaves_its_seq_id_free_in_the_ledger(tmp
             return pb.FutureResult(optim_step=pb.OptimStepOutput())
 
         step = {"optim_step": pb.OptimStepRequest(adam_params=pb.AdamParams(beta1=0.9, beta2=0.95, eps=1e-8))}
-        first = core._submit("t", "m", 1, step, work).request_id
-        assert (await core.retrieve("t", first, 5.0)).error.code == "ResourceExhausted"
+        first = core.runs.submit_op("t", "m", 1, step, work).request_id
+        assert (await core.ledger.retrieve("t", first, 5.0)).error.code == "ResourceExhausted"
         recorded = core.store.get_op(first)
         assert recorded is not None and recorded.seq_id is None and recorded.state == "done"
         refuse = False
         # a restarted core (nothing in memory) runs the retry too: the ledger does not hold the seq_id either
         again = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", store=ControlStore(StoreConfig(url)))
-        again.runs["m"] = run
-        retry = again._submit("t", "m", 1, step, work).request_id
+        again.runs.by_id["m"] = run
+        retry = again.runs.submit_op("t", "m", 1, step, work).request_id
         assert retry != first
-        assert (await again.retrieve("t", retry, 5.0)).HasField("optim_step")
+        assert (await again.ledger.retrieve("t", retry, 5.0)).HasField("optim_step")
 
     asyncio.run(scenario())

@@ -272,7 +272,7 @@ def test_the_gateway_serves_a_model_while_its_pool_is_present(api: StandInApi, s
     base = "lathe/tiny-llama"
 
     async def models(core: GatewayCore) -> list[str]:
-        return [m.model_name for m in (await core.capabilities()).supported_models]
+        return [m.model_name for m in (await core.lookups.capabilities()).supported_models]
 
     async def until_models(core: GatewayCore, expected: list[str]) -> None:
         deadline = time.monotonic() + WAIT_S
@@ -286,29 +286,29 @@ def test_the_gateway_serves_a_model_while_its_pool_is_present(api: StandInApi, s
         core = GatewayCore("", stack.service("checkpoints").address, "", pools=d)
         try:
             assert await models(core) == []
-            session = core.create_session("t", {})
+            session = core.book.create("t", {})
             with pytest.raises(InvalidArgument, match="unknown base_model"):
-                await core.create_model("t", pb.CreateModelRequest(session_id=session, base_model=base,
+                await core.runs.create_model("t", pb.CreateModelRequest(session_id=session, base_model=base,
                                                                     lora_config=LORA))
             api.apply("ADDED", trainer)
             api.apply("ADDED", sampler)
             await until_models(core, [base])
-            created = await core.create_model("t", pb.CreateModelRequest(session_id=session, base_model=base,
+            created = await core.runs.create_model("t", pb.CreateModelRequest(session_id=session, base_model=base,
                                                                          lora_config=LORA))
-            done = await core.retrieve("t", created.request_id, WAIT_S)
+            done = await core.ledger.retrieve("t", created.request_id, WAIT_S)
             assert done.WhichOneof("result") == "create_model", done
-            bound = await core.create_sampling_session("t", pb.CreateSamplingSessionRequest(session_id=session,
+            bound = await core.sampling.create_session("t", pb.CreateSamplingSessionRequest(session_id=session,
                                                                                             base_model=base))
             ask = pb.SampleRequest(sampling_session_id=bound.sampling_session_id, prompt=[1, 2, 3], num_samples=1,
                                    params=pb.SamplingParams(max_tokens=3, seed=1, temperature=1.0, top_p=1.0))
-            sampled = await core.retrieve("t", (await core.sample("t", ask)).request_id, WAIT_S)
+            sampled = await core.ledger.retrieve("t", (await core.sampling.sample("t", ask)).request_id, WAIT_S)
             assert sampled.WhichOneof("result") == "sample", sampled
             assert len(sampled.sample.sequences[0].tokens) == 3
 
             api.apply("DELETED", trainer)
             api.apply("DELETED", sampler)
             await until_models(core, [])
-            failed = await core.retrieve("t", (await core.sample("t", ask)).request_id, WAIT_S)
+            failed = await core.ledger.retrieve("t", (await core.sampling.sample("t", ask)).request_id, WAIT_S)
             assert failed.error.code == "Unavailable" and "no pool serves base_model 'lathe/tiny-llama'" in \
                 failed.error.message, failed
         finally:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from lathe.errors import InvalidArgument, ResourceExhausted, Unavailable
-from lathe.gateway.core import GatewayCore, Run
+from lathe.gateway.core import GatewayCore
+from lathe.gateway.records import Run
 from lathe.models.catalog import ModelCatalog
 from lathe.trainer import engine as engine_mod
 from lathe.trainer import intake
@@ -214,10 +215,10 @@ def test_the_idempotency_map_forgets_with_the_futures_and_after_failed_submits()
 
     async def scenario() -> None:
         core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1")
-        core.futures.keep_done = 5
+        core.ledger.futures.keep_done = 5
         run = Run("m", "t", "s", BASE, pb.LoraConfig(rank=4), {})
         run.ready.set()
-        core.runs["m"] = run
+        core.runs.by_id["m"] = run
         refuse = {7}
 
         async def work(run: Run, op: pb.TrainerOp) -> pb.FutureResult:
@@ -228,23 +229,23 @@ def test_the_idempotency_map_forgets_with_the_futures_and_after_failed_submits()
         step = {"optim_step": pb.OptimStepRequest(adam_params=pb.AdamParams(beta1=0.9, beta2=0.95, eps=1e-8))}
         ids = {}
         for seq in range(1, 41):
-            ids[seq] = core._submit("t", "m", seq, step, work).request_id
-            assert core._submit("t", "m", seq, step, work).request_id == ids[seq]  # an idempotent repeat
+            ids[seq] = core.runs.submit_op("t", "m", seq, step, work).request_id
+            assert core.runs.submit_op("t", "m", seq, step, work).request_id == ids[seq]  # an idempotent repeat
             await asyncio.sleep(0)
             await asyncio.sleep(0)
-        await asyncio.gather(*core._tasks)
-        assert len(core.futures) == 5 and len(core._by_seq) == 5
-        assert sorted(k[1] for k in core._by_seq) == [36, 37, 38, 39, 40]
-        res = await core.retrieve("t", ids[40], 1.0)
+        await asyncio.gather(*core.ledger._tasks)
+        assert len(core.ledger.futures) == 5 and len(core.ledger._by_seq) == 5
+        assert sorted(k[1] for k in core.ledger._by_seq) == [36, 37, 38, 39, 40]
+        res = await core.ledger.retrieve("t", ids[40], 1.0)
         assert res.WhichOneof("result") == "optim_step"
         refuse.clear()
-        retry = core._submit("t", "m", 7, step, work).request_id  # forgotten: the retry runs
+        retry = core.runs.submit_op("t", "m", 7, step, work).request_id  # forgotten: the retry runs
         assert retry != ids[7]
-        await asyncio.gather(*core._tasks)
-        assert (await core.retrieve("t", retry, 1.0)).WhichOneof("result") == "optim_step"
+        await asyncio.gather(*core.ledger._tasks)
+        assert (await core.ledger.retrieve("t", retry, 1.0)).WhichOneof("result") == "optim_step"
         with pytest.raises(InvalidArgument, match="adam_params.eps = 0.0 must be > 0"):
-            core._submit("t", "m", 41, {"optim_step": pb.OptimStepRequest(adam_params=pb.AdamParams())}, work)
-        assert ("m", 41) not in core._by_seq
+            core.runs.submit_op("t", "m", 41, {"optim_step": pb.OptimStepRequest(adam_params=pb.AdamParams())}, work)
+        assert ("m", 41) not in core.ledger._by_seq
         await core.close()
 
     asyncio.run(scenario())

@@ -111,16 +111,16 @@ def test_finished_results_are_kept_by_bytes_oldest_first_and_an_expired_one_says
 def test_the_core_answers_an_expired_result_as_expired_unless_the_ledger_holds_it() -> None:
     async def scenario() -> None:
         core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", keep_result_bytes=3000)
-        recorded = core.futures.create("t")  # a sample's result, recorded in the ledger as it finishes
+        recorded = core.ledger.futures.create("t")  # a sample's result, recorded in the ledger as it finishes
         core.store.add_op(Operation(recorded.request_id, "t", "sess:sample:0", None, "sample", b""))
         result = pb.FutureResult(error=pb.Error(code="Internal", message="y" * 1000))
-        core._finish(recorded, result)
-        answered = core.answered("t", pb.FutureResult(error=pb.Error(code="Internal", message="z" * 1000)))
+        core.ledger.finish(recorded, result)
+        answered = core.ledger.answered("t", pb.FutureResult(error=pb.Error(code="Internal", message="z" * 1000)))
         for _ in range(3):  # answered at once (kept in memory only): they push the first two out
-            core.answered("t", pb.FutureResult(error=pb.Error(code="Internal", message="w" * 1000)))
-        assert (await core.retrieve("t", recorded.request_id, 0.0)).error.message == "y" * 1000
+            core.ledger.answered("t", pb.FutureResult(error=pb.Error(code="Internal", message="w" * 1000)))
+        assert (await core.ledger.retrieve("t", recorded.request_id, 0.0)).error.message == "y" * 1000
         with pytest.raises(NotFound, match=f"request_id {answered!r} has expired"):
-            await core.retrieve("t", answered, 0.0)
+            await core.ledger.retrieve("t", answered, 0.0)
         await core.close()
 
     asyncio.run(scenario())
@@ -151,17 +151,17 @@ def test_a_finished_session_and_its_sampling_sessions_leave_the_gateways_memory(
     async def scenario() -> None:
         core = GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1",
                            quotas=Quotas(QuotaConfig(TenantQuotas(max_sessions=2))))
-        kept, done = core.create_session("t", {}), core.create_session("t", {})
+        kept, done = core.book.create("t", {}), core.book.create("t", {})
         with pytest.raises(ResourceExhausted, match="quota max_sessions: tenant has 2 open sessions, the limit is 2"):
-            core.create_session("t", {})
+            core.book.create("t", {})
         sampler = f"{done}:sample:{core.store.number(done, 'next_sampler', None)}"
         core.store.put_sampling(SamplingSession(sampler, "t", "lathe/tiny-llama", "", 0.0))
-        assert core.sampling_session("t", sampler) and core.store.open_sessions("t") == (2, 1)
-        core.finish_session("t", done, "success")
+        assert core.sampling.get("t", sampler) and core.store.open_sessions("t") == (2, 1)
+        core.book.finish("t", done, "success")
         assert done not in core.book.sessions and sampler not in core.book.sampling and kept in core.book.sessions
         assert core.store.open_sessions("t") == (1, 0)
-        assert core.session("t", done).finished == "success"  # read from the database again when asked for
-        core.create_session("t", {})
+        assert core.book.get("t", done).finished == "success"  # read from the database again when asked for
+        core.book.create("t", {})
         await core.close()
 
     asyncio.run(scenario())
@@ -182,20 +182,20 @@ def test_a_session_not_heard_from_expires_on_every_replica_and_its_heartbeat_ans
                                clock=lambda: now[0])
 
         a, b = replica(), replica()
-        alive, idle = a.create_session("t", {}), a.create_session("t", {})
-        assert not b.session("t", idle).finished  # b holds it, open
+        alive, idle = a.book.create("t", {}), a.book.create("t", {})
+        assert not b.book.get("t", idle).finished  # b holds it, open
         with pytest.raises(ResourceExhausted, match="quota max_sessions: tenant has 2 open sessions"):
-            a.create_session("t", {})
+            a.book.create("t", {})
         now[0] += 90
-        b.heartbeat("t", alive)  # heard through the other replica: recorded in the database
+        b.book.heartbeat("t", alive)  # heard through the other replica: recorded in the database
         now[0] += 20  # idle: 110 s unheard; alive: 20 s
-        third = a.create_session("t", {})
+        third = a.book.create("t", {})
         assert a.store.get_session(idle).finished == "expired: not heard from for 100 s"
         assert not a.store.get_session(alive).finished and idle not in a.book.sessions
         assert a.store.open_sessions("t")[0] == 2  # alive and third
         with pytest.raises(SessionGone, match=re.escape(f"session {idle!r} has finished (expired: not heard from")):
-            b.heartbeat("t", idle)
-        assert b.session("t", idle).finished and not b.session("t", third).finished
+            b.book.heartbeat("t", idle)
+        assert b.book.get("t", idle).finished and not b.book.get("t", third).finished
         with pytest.raises(ValueError, match="session_idle_s = 0 must be > 0"):
             GatewayCore("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", session_idle_s=0)
         await a.close()

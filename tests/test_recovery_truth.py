@@ -53,7 +53,7 @@ def creation(model_id: str, **kw: object) -> pb.CreateAdapterRequest:
 
 
 def rebuild(model_id: str) -> pb.CreateAdapterRequest:
-    """What the gateway sends a trainer that lost the run (``GatewayCore._rebuild``)."""
+    """What the gateway sends a trainer that lost the run (``rebuild.rebuild``)."""
     return creation(model_id, recover_from=recovery_path(model_id))
 
 
@@ -113,8 +113,8 @@ def _gateway(trainer: TrainerEngine, *models: str) -> GatewayCore:
     stub = EngineStub(trainer)
     core.router.trainer = lambda base_model, key: stub
     for model in models:
-        core.runs[model] = Run(model, "t", "s", BASE, LORA, {})
-        core.runs[model].ready.set()
+        core.runs.by_id[model] = Run(model, "t", "s", BASE, LORA, {})
+        core.runs.by_id[model].ready.set()
     return core
 
 
@@ -127,10 +127,10 @@ def test_through_the_gateway_applied_steps_are_answered_from_the_snapshot_and_a_
     async def scenario() -> list[pb.FutureResult]:
         core = _gateway(restart.trainer, "m", "gone")
         fb3, opt4 = of("m", OPS[2:4])
-        sent = [await core.submit("t", "m", 3, forward_backward=fb3.forward_backward),
-                await core.submit("t", "m", 4, optim_step=opt4.optim_step),
-                await core.submit("t", "gone", 5, forward_backward=fb3.forward_backward)]
-        out = [await core.retrieve("t", s.request_id, 30.0) for s in sent]
+        sent = [await core.runs.submit("t", "m", 3, forward_backward=fb3.forward_backward),
+                await core.runs.submit("t", "m", 4, optim_step=opt4.optim_step),
+                await core.runs.submit("t", "gone", 5, forward_backward=fb3.forward_backward)]
+        out = [await core.ledger.retrieve("t", s.request_id, 30.0) for s in sent]
         await core.close()
         return out
 
@@ -195,7 +195,7 @@ def _load(model_id: str, seq: int, path: str) -> pb.TrainerOp:
 def _rebuilt_by_the_gateway(trainer: TrainerEngine, model: str, logged: list[pb.TrainerOp],
                             next_op: pb.TrainerOp) -> pb.FutureResult:
     """A gateway whose ledger holds ``logged``, all answered without error, sends ``next_op`` to ``trainer``,
-    which lost the run: the answer, once the gateway has rebuilt the run there (``GatewayCore._rebuild``)."""
+    which lost the run: the answer, once the gateway has rebuilt the run there (``rebuild.rebuild``)."""
     async def scenario() -> pb.FutureResult:
         core = _gateway(trainer, model)
         for op in logged:
@@ -203,8 +203,8 @@ def _rebuilt_by_the_gateway(trainer: TrainerEngine, model: str, logged: list[pb.
             core.store.add_op(Operation(rid, "t", model, op.seq_id, op.WhichOneof("op"), op.SerializeToString()))
             core.store.finish_op(rid, pb.FutureResult(), 0.0, release_key=False)
         kind = next_op.WhichOneof("op")
-        sent = await core.submit("t", model, next_op.seq_id, **{kind: getattr(next_op, kind)})
-        out = await core.retrieve("t", sent.request_id, 60.0)
+        sent = await core.runs.submit("t", model, next_op.seq_id, **{kind: getattr(next_op, kind)})
+        out = await core.ledger.retrieve("t", sent.request_id, 60.0)
         await core.close()
         return out
 

@@ -3,11 +3,11 @@
 In: Lathe's SDK over gRPC (``server.py``, ``lathe.v1.Gateway``) and the official ``tinker`` SDK over HTTP
 under ``/api/v1`` (``tinker_http.py``, served by uvicorn in the same event loop: ``http_server.py``), both
 authenticated by ``auth.ApiKeys`` (API key -> tenant). Each door only translates: its requests become calls
-on ``core.GatewayCore`` and core errors (``lathe.errors``) become its status codes.
+on the parts ``core.GatewayCore`` builds, and core errors (``lathe.errors``) become its status codes.
 
-State (``core.py``, written through to the control-plane database of ``store.py``: SQLite or PostgreSQL):
-sessions, training runs, sampling sessions and the ledger of operations (request id, ``(model_id, seq_id)``,
-request, result); the waiters of futures live in memory (``futures.py``). Out: model operations to the
+State, each with one owner (``ledger.py``: requests and results; ``sessions.py``: sessions and sampling
+sessions; ``runs.py``: training runs), written through to the control-plane database of ``store.py`` (SQLite
+or PostgreSQL); the waiters of futures live in memory (``futures.py``). Out: model operations to the
 trainer, samples to the sampler, checkpoint queries to the checkpoints service, all over gRPC. It never touches
 model weights or object storage; its only file is that database when it is SQLite. Internal calls carry
 deadlines and are retried while a service restarts (``calls.py``); per-tenant quotas are ``quotas.py``.

@@ -60,3 +60,10 @@ class Caller:
                     raise Unavailable(f"an internal service has been unavailable for {p.retry_budget_s:.0f} s "
                                       f"(last error: {e.details()}); try again later") from None
             await asyncio.sleep(pause)
+
+    async def send(self, rpc: Callable[..., Awaitable[Any]], request: Any, *, work: bool = False,
+                   idempotent: bool = True) -> Any:
+        """``call`` under the policy's deadline: ``work_s`` for ``work`` (a model operation, adapter creation or
+        sample, which may queue), else ``quick_s``; retried while its service is unavailable when ``idempotent``."""
+        return await self.call(rpc, request, deadline_s=self.policy.work_s if work else self.policy.quick_s,
+                               idempotent=idempotent)

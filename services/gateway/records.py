@@ -46,7 +46,7 @@ class Run:
     optimizer: str = "adamw"  # its optimizer family, fixed at creation ("adamw" | "dimuon"; ``lathe.types``)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once its adapter exists or failed
     error: LatheError | None = None  # why its adapter could not be created
-    rebuilds: int = 0  # times it was rebuilt on a trainer that had lost it (``GatewayCore._rebuild``)
+    rebuilds: int = 0  # times it was rebuilt on a trainer that had lost it (``rebuild.rebuild``)
     rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def wait_ready(self) -> None:

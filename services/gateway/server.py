@@ -149,24 +149,24 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     @authed
     async def CreateSession(self, request: pb.CreateSessionRequest, tenant: str) -> pb.CreateSessionResponse:
-        return pb.CreateSessionResponse(session_id=self.core.create_session(
+        return pb.CreateSessionResponse(session_id=self.core.book.create(
             tenant, dict(request.user_metadata), _optional(request, "display_name")))
 
     @authed
     async def FinishSession(self, request: pb.FinishSessionRequest, tenant: str) -> pb.Empty:
         if request.status not in FINISH_REASONS:
             raise InvalidArgument(f"status = {request.status!r} must be one of {list(FINISH_REASONS)}")
-        self.core.finish_session(tenant, request.session_id, request.status)
+        self.core.book.finish(tenant, request.session_id, request.status)
         return pb.Empty()
 
     @authed
     async def ListSessions(self, request: pb.ListSessionsRequest, tenant: str) -> pb.ListSessionsResponse:
-        return pb.ListSessionsResponse(session_ids=self.core.list_sessions(tenant, request.limit or 20,
+        return pb.ListSessionsResponse(session_ids=self.core.registry.list_sessions(tenant, request.limit or 20,
                                                                            request.offset))
 
     @authed
     async def GetSession(self, request: pb.GetSessionRequest, tenant: str) -> pb.SessionInfo:
-        s, run_ids, sampler_ids = self.core.session_members(tenant, request.session_id)
+        s, run_ids, sampler_ids = self.core.registry.session_members(tenant, request.session_id)
         return pb.SessionInfo(training_run_ids=run_ids, sampler_ids=sampler_ids, user_metadata=s.user_metadata,
                               display_name=s.display_name)
 
@@ -178,7 +178,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             statuses=[(q.type, list(q.reasons) or None) for q in request.statuses] or None,
             owner_urns=list(request.owner_urns), limit=request.limit or 50,
             after=request.cursor_session_id or None, project_ids=list(request.project_ids))
-        found, last = await self.core.search_sessions(tenant, query)
+        found, last = await self.core.registry.search_sessions(tenant, query)
         return pb.SearchSessionsResponse(sessions=[_session_summary(s, cps) for s, cps in found],
                                          next_cursor_session_id=last.session_id if last is not None else "")
 
@@ -188,52 +188,52 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     @authed
     async def Heartbeat(self, request: pb.HeartbeatRequest, tenant: str) -> pb.Empty:
-        self.core.heartbeat(tenant, request.session_id)
+        self.core.book.heartbeat(tenant, request.session_id)
         return pb.Empty()
 
     @authed
     async def GetServerCapabilities(self, request: pb.GetServerCapabilitiesRequest, tenant: str
                                     ) -> pb.ServerCapabilities:
-        return await self.core.capabilities()
+        return await self.core.lookups.capabilities()
 
     @authed
     async def CreateModel(self, request: pb.CreateModelRequest, tenant: str) -> pb.SubmitResponse:
-        return await self.core.create_model(tenant, request)
+        return await self.core.runs.create_model(tenant, request)
 
     @authed
     async def CreateModelFromState(self, request: pb.CreateModelFromStateRequest, tenant: str
                                    ) -> pb.SubmitResponse:
-        return await self.core.create_model_from_state(tenant, request)
+        return await self.core.runs.create_model_from_state(tenant, request)
 
     @authed
     async def GetInfo(self, request: pb.GetInfoRequest, tenant: str) -> pb.ModelInfo:
-        return await self.core.get_info(tenant, request.model_id)
+        return await self.core.runs.get_info(tenant, request.model_id)
 
     @authed
     async def ForwardBackward(self, request: pb.ForwardBackwardRequest, tenant: str) -> pb.SubmitResponse:
-        return await self.core.submit(tenant, request.model_id, request.seq_id, forward_backward=request)
+        return await self.core.runs.submit(tenant, request.model_id, request.seq_id, forward_backward=request)
 
     @authed
     async def OptimStep(self, request: pb.OptimStepRequest, tenant: str) -> pb.SubmitResponse:
-        return await self.core.submit(tenant, request.model_id, request.seq_id, optim_step=request)
+        return await self.core.runs.submit(tenant, request.model_id, request.seq_id, optim_step=request)
 
     @authed
     async def Save(self, request: pb.SaveRequest, tenant: str) -> pb.SubmitResponse:
-        return await self.core.submit(tenant, request.model_id, request.seq_id, save=request)
+        return await self.core.runs.submit(tenant, request.model_id, request.seq_id, save=request)
 
     @authed
     async def Load(self, request: pb.LoadRequest, tenant: str) -> pb.SubmitResponse:
-        return await self.core.submit(tenant, request.model_id, request.seq_id, load=request)
+        return await self.core.runs.submit(tenant, request.model_id, request.seq_id, load=request)
 
     @authed
     async def SaveWeightsExternal(self, request: pb.SaveWeightsExternalRequest, tenant: str) -> pb.SubmitResponse:
         """A sampler snapshot of the run, turned into ``tinker://<run>/external_weights/<name>`` when its future
         is retrieved (``RetrieveFuture``), as on the HTTP door; refused here, it passes over its ``seq_id``."""
-        with self.core.refusing(tenant, request.model_id, request.seq_id):
+        with self.core.runs.refusing(tenant, request.model_id, request.seq_id):
             self._downloads()
             note = export_note(list(request.age_encryption_recipients) or None, request.name,
                                _optional(request, "ttl_seconds"))
-        return await self.core.submit(tenant, request.model_id, request.seq_id,
+        return await self.core.runs.submit(tenant, request.model_id, request.seq_id,
                                       save=Downloads.staging_save(request.model_id, request.seq_id, note))
 
     @authed
@@ -249,7 +249,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     @authed
     async def RetrieveFuture(self, request: pb.RetrieveFutureRequest, tenant: str) -> pb.FutureResult:
         """The core's result; that of a ``SaveWeightsExternal`` answers the export, built now if not yet."""
-        res = await self.core.retrieve(tenant, request.request_id, request.timeout_s)
+        res = await self.core.ledger.retrieve(tenant, request.request_id, request.timeout_s)
         if self.downloads is None or res.WhichOneof("result") != "save" or not Downloads.maybe_staging(res.save.path):
             return res
         exported = await self.downloads.finish_export(tenant, res.save.path)
@@ -263,64 +263,64 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     @authed
     async def ListTrainingRuns(self, request: pb.ListTrainingRunsRequest, tenant: str
                                ) -> pb.ListTrainingRunsResponse:
-        runs, total = self.core.list_runs(tenant, request.limit, request.offset, request.project_id)
+        runs, total = self.core.registry.list_runs(tenant, request.limit, request.offset, request.project_id)
         return pb.ListTrainingRunsResponse(training_runs=[r.proto() for r in runs], total_count=total)
 
     @authed
     async def GetTrainingRun(self, request: pb.GetTrainingRunRequest, tenant: str) -> pb.TrainingRun:
-        return self.core.run(tenant, request.training_run_id).proto()
+        return self.core.runs.get(tenant, request.training_run_id).proto()
 
     @authed
     async def ListCheckpoints(self, request: pb.ListRunCheckpointsRequest, tenant: str
                               ) -> pb.ListRunCheckpointsResponse:
-        return await self.core.list_checkpoints(tenant, request.training_run_id, request.limit, request.offset)
+        return await self.core.registry.list_checkpoints(tenant, request.training_run_id, request.limit, request.offset)
 
     @authed
     async def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest, tenant: str) -> pb.Empty:
-        await self.core.delete_checkpoint(tenant, request.tinker_path)
+        await self.core.registry.delete_checkpoint(tenant, request.tinker_path)
         return pb.Empty()
 
     @authed
     async def GetCheckpointStorageUsage(self, request: pb.StorageUsageRequest, tenant: str) -> pb.StorageUsage:
-        count, size = await self.core.storage_usage(tenant, request.project_id)
+        count, size = await self.core.registry.storage_usage(tenant, request.project_id)
         return pb.StorageUsage(owner=tenant, checkpoint_count=count, size_bytes=size)
 
     @authed
     async def CopyWeights(self, request: pb.CopyWeightsRequest, tenant: str) -> pb.CopyWeightsResponse:
-        return pb.CopyWeightsResponse(tinker_path=await self.core.copy_checkpoint(
+        return pb.CopyWeightsResponse(tinker_path=await self.core.registry.copy_checkpoint(
             tenant, request.source_path, _optional(request, "ttl_seconds"), request.idempotency_key or None))
 
     @authed
     async def SetCheckpointTtl(self, request: pb.SetCheckpointTtlRequest, tenant: str) -> pb.Empty:
-        await self.core.set_checkpoint_ttl(tenant, request.tinker_path, _optional(request, "ttl_seconds"))
+        await self.core.registry.set_checkpoint_ttl(tenant, request.tinker_path, _optional(request, "ttl_seconds"))
         return pb.Empty()
 
     @authed
     async def SetCheckpointPublic(self, request: pb.SetCheckpointPublicRequest, tenant: str) -> pb.Empty:
-        await self.core.set_checkpoint_public(tenant, request.tinker_path, request.public)
+        await self.core.registry.set_checkpoint_public(tenant, request.tinker_path, request.public)
         return pb.Empty()
 
     @authed
     async def GetWeightsInfo(self, request: pb.WeightsInfoRequest, tenant: str) -> pb.WeightsInfo:
-        return await self.core.weights_info(tenant, request.tinker_path)
+        return await self.core.registry.weights_info(tenant, request.tinker_path)
 
     @authed
     async def CreateSamplingSession(self, request: pb.CreateSamplingSessionRequest, tenant: str
                                     ) -> pb.SamplingSession:
-        return await self.core.create_sampling_session(tenant, request)
+        return await self.core.sampling.create_session(tenant, request)
 
     @authed
     async def GetSamplingSession(self, request: pb.GetSamplingSessionRequest, tenant: str) -> pb.SamplingSession:
-        return self.core.sampling_session(tenant, request.sampling_session_id).proto()
+        return self.core.sampling.get(tenant, request.sampling_session_id).proto()
 
     @authed
     async def JoinSamplingSession(self, request: pb.JoinSamplingSessionRequest, tenant: str
                                   ) -> pb.JoinSamplingSessionResponse:
         """A new client of one of the tenant's sampling sessions (a sampler handle): another tenant's is NotFound."""
-        number = self.core.join_sampling_session(tenant, request.sampling_session_id)
+        number = self.core.sampling.join(tenant, request.sampling_session_id)
         return pb.JoinSamplingSessionResponse(
-            session=self.core.sampling_session(tenant, request.sampling_session_id).proto(), client_counter=number)
+            session=self.core.sampling.get(tenant, request.sampling_session_id).proto(), client_counter=number)
 
     @authed
     async def Sample(self, request: pb.SampleRequest, tenant: str) -> pb.SubmitResponse:
-        return await self.core.sample(tenant, request)
+        return await self.core.sampling.sample(tenant, request)

@@ -15,7 +15,7 @@ when waiting helps). The key is checked before the body is read. A body longer t
 ``HttpLimits.max_inflated_bytes`` or the tenant's quota of that name; a body holding more than
 ``max_request_tokens`` values is refused before they become Python lists; and only ``max_concurrent_decodes``
 large or compressed bodies are decoded at once (``limits.DecodeGate``). An ordered operation refused while its
-body is decoded still passes over its ``seq_id`` (``GatewayCore.refusing``), so the run's next operations are not
+body is decoded still passes over its ``seq_id`` (``Runs.refusing``), so the run's next operations are not
 held up behind it.
 
 State of its own: only what an HTTP request said that its result does not carry (the layout of a sample's sparse
@@ -48,11 +48,12 @@ from lathe.v1 import tinker_public_pb2 as tp
 
 from . import tinker_json as tj
 from .auth import ApiKeys
-from .core import MAX_WAIT_S, GatewayCore
+from .core import GatewayCore
 from .custom_losses import CustomLosses
 from .downloads import FILES_ROUTE, Downloads, UrlSigner, export_note
 from .futures import KEEP_DONE
 from .json_fields import INT32_MAX, Fields
+from .ledger import MAX_WAIT_S
 from .limits import SMALL_BODY_BYTES, DecodeGate, HttpLimits
 from .session_search import SessionQuery
 from .tinker_proto import (
@@ -239,8 +240,8 @@ class TinkerHttpDoor:
             return Fields.parse(body, self.http_limits.max_request_tokens)
 
     def _refusing(self, tenant: str, f: Fields) -> contextlib.AbstractContextManager[None]:
-        """``GatewayCore.refusing`` for the ordered operation whose body is ``f`` (its ids must read)."""
-        return self.core.refusing(tenant, f.get("model_id", str), f.get("seq_id", int))
+        """``Runs.refusing`` for the ordered operation whose body is ``f`` (its ids must read)."""
+        return self.core.runs.refusing(tenant, f.get("model_id", str), f.get("seq_id", int))
 
     def _note(self, request_id: str, note: _Note) -> None:
         self._notes[request_id] = note
@@ -266,11 +267,11 @@ class TinkerHttpDoor:
     async def create_session(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
         check_no_project("project_id", f.get("project_id", str, None))
-        session_id = self.core.create_session(tenant, f.strings("user_metadata"), f.get("display_name", str, None))
+        session_id = self.core.book.create(tenant, f.strings("user_metadata"), f.get("display_name", str, None))
         return {"type": "create_session", "session_id": session_id}
 
     async def session_heartbeat(self, request: Request, tenant: str) -> dict[str, Any]:
-        self.core.heartbeat(tenant, (await self._fields(request)).get("session_id", str))
+        self.core.book.heartbeat(tenant, (await self._fields(request)).get("session_id", str))
         return {"type": "session_heartbeat"}
 
     async def telemetry(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -278,23 +279,24 @@ class TinkerHttpDoor:
 
     async def finish_session(self, request: Request, tenant: str) -> dict[str, Any]:
         reason = (await self._fields(request)).sub("reason", required=False).get("type", str, "")
-        self.core.finish_session(tenant, request.path_params["session_id"], reason)
+        self.core.book.finish(tenant, request.path_params["session_id"], reason)
         return {}
 
     async def list_sessions(self, request: Request, tenant: str) -> dict[str, Any]:
         """The caller's sessions, newest first (``access_scope`` aside: a tenant sees only its own)."""
         limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
-        return {"sessions": self.core.list_sessions(tenant, limit, offset)}
+        return {"sessions": self.core.registry.list_sessions(tenant, limit, offset)}
 
     async def get_session(self, request: Request, tenant: str) -> dict[str, Any]:
-        s, run_ids, sampler_ids = self.core.session_members(tenant, request.path_params["session_id"])
+        s, run_ids, sampler_ids = self.core.registry.session_members(tenant, request.path_params["session_id"])
         return {"training_run_ids": run_ids, "sampler_ids": sampler_ids, "user_metadata": s.user_metadata,
                 "display_name": s.display_name}
 
     async def search_sessions(self, request: Request, tenant: str) -> dict[str, Any]:
         """A page of the caller's sessions matching the filters (``session_search``), each with the count and bytes
         of its runs' live checkpoints."""
-        found, last = await self.core.search_sessions(tenant, SessionQuery.from_fields(await self._fields(request)))
+        query = SessionQuery.from_fields(await self._fields(request))
+        found, last = await self.core.registry.search_sessions(tenant, query)
         return {"sessions": [tj.session_summary(s, checkpoints) for s, checkpoints in found],
                 "next_cursor": None if last is None else {"last_created_at": tj.iso(last.created_at),
                                                           "last_session_id": last.session_id}}
@@ -306,24 +308,24 @@ class TinkerHttpDoor:
 
     async def storage_usage(self, request: Request, tenant: str) -> dict[str, Any]:
         """The caller's live checkpoints, counted and summed (``project_id`` is refused: Lathe has no projects)."""
-        count, size = await self.core.storage_usage(tenant, request.query_params.get("project_id", "")[:64])
+        count, size = await self.core.registry.storage_usage(tenant, request.query_params.get("project_id", "")[:64])
         return tj.storage_usage(tenant, count, size)
 
     async def get_server_capabilities(self, request: Request, tenant: str) -> dict[str, Any]:
-        return tj.capabilities(await self.core.capabilities())
+        return tj.capabilities(await self.core.lookups.capabilities())
 
     # ---- training ----
 
     async def create_model(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
-        return self._future(await self.core.create_model(tenant, pb.CreateModelRequest(
+        return self._future(await self.core.runs.create_model(tenant, pb.CreateModelRequest(
             session_id=f.get("session_id", str), base_model=f.get("base_model", str),
             lora_config=tj.lora_config(f.sub("lora_config", required=False)),
             user_metadata=f.strings("user_metadata"), optimizer=tj.optimizer_family(f, "optimizer_config")),
             model_seq_id=f.get("model_seq_id", int)))
 
     async def get_info(self, request: Request, tenant: str) -> dict[str, Any]:
-        return tj.model_info(await self.core.get_info(tenant, (await self._fields(request)).get("model_id", str)))
+        return tj.model_info(await self.core.runs.get_info(tenant, (await self._fields(request)).get("model_id", str)))
 
     async def forward_backward(self, request: Request, tenant: str) -> dict[str, Any]:
         content_type = request.headers.get("content-type", "")
@@ -332,30 +334,30 @@ class TinkerHttpDoor:
                                   f"ForwardBackwardRequest), not {content_type or 'no Content-Type'!r}")
         async with self._body(request) as body:
             msg = parse_forward_backward(body)
-            with self.core.refusing(tenant, msg.model_id, msg.seq_id):
+            with self.core.runs.refusing(tenant, msg.model_id, msg.seq_id):
                 req = forward_backward_from_proto(msg, self.core.limits.max_tensor_elements,
                                                   self.http_limits.max_request_tokens)
                 if req.loss_fn == "custom":
                     self.custom_losses.resolve(tenant, req)
-        return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
+        return self._future(await self.core.runs.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
 
     async def create_custom_loss(self, request: Request, tenant: str) -> dict[str, Any]:
         """Check and keep a traced loss (``custom_losses``); the future answers its ``loss_id`` at once."""
         f = await self._fields(request)
         session_id = f.get("session_id", str)
-        self.core.session(tenant, session_id)
+        self.core.book.get(tenant, session_id)
         inputs = [Fields(x, f"{f.path('inputs')}[{i}]") for i, x in enumerate(f.get("inputs", list))]
         loss = pb.CustomLoss(name=f.get("name", str), graph_json=json.dumps(f.get("graph", dict)), inputs=[
             pb.CustomLossInput(name=x.get("name", str), rank=x.get("rank", int, int_max=INT32_MAX)) for x in inputs])
         loss_id = self.custom_losses.create(tenant, session_id, f.get("custom_loss_seq_id", int), loss)
         result = pb.FutureResult(custom_loss=pb.CustomLossOutput(loss_id=loss_id))
-        return {"request_id": self.core.answered(tenant, result), "model_id": None}
+        return {"request_id": self.core.ledger.answered(tenant, result), "model_id": None}
 
     async def optim_step(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
         with self._refusing(tenant, f):
             req = tj.optim_step(f)
-        return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, optim_step=req))
+        return self._future(await self.core.runs.submit(tenant, req.model_id, req.seq_id, optim_step=req))
 
     async def save_weights(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
@@ -363,7 +365,7 @@ class TinkerHttpDoor:
             req = pb.SaveRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int),
                                  name=f.get("path", str), kind="weights", ttl_seconds=f.get("ttl_seconds", int, 0),
                                  overwrite=f.get("overwrite", bool, False), user_metadata=f.strings("user_metadata"))
-        return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, save=req))
+        return self._future(await self.core.runs.submit(tenant, req.model_id, req.seq_id, save=req))
 
     async def save_weights_for_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
         """Named: a sampler checkpoint. Unnamed (``save_weights_and_get_sampling_client``): an ephemeral
@@ -379,8 +381,8 @@ class TinkerHttpDoor:
             else:
                 sampling_seq_id = f.get("sampling_session_seq_id", int)
         if name:
-            return self._future(await self.core.submit(tenant, model_id, seq_id, save=req))
-        return self._future(self.core.save_for_sampling(tenant, model_id, seq_id, sampling_seq_id))
+            return self._future(await self.core.runs.submit(tenant, model_id, seq_id, save=req))
+        return self._future(self.core.runs.save_for_sampling(tenant, model_id, seq_id, sampling_seq_id))
 
     async def load_weights(self, request: Request, tenant: str) -> dict[str, Any]:
         """With ``session_id``: a new training run loaded from ``path`` (create_training_client_from_state*).
@@ -391,9 +393,9 @@ class TinkerHttpDoor:
                 path, with_optimizer = self._load_source(f)
                 req = pb.LoadRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int), path=path,
                                      with_optimizer=with_optimizer)
-            return self._future(await self.core.submit(tenant, req.model_id, req.seq_id, load=req))
+            return self._future(await self.core.runs.submit(tenant, req.model_id, req.seq_id, load=req))
         path, with_optimizer = self._load_source(f)
-        return self._future(await self.core.create_model_from_state(
+        return self._future(await self.core.runs.create_model_from_state(
             tenant, pb.CreateModelFromStateRequest(session_id=f.get("session_id", str), path=path,
                                                    with_optimizer=with_optimizer,
                                                    user_metadata=f.strings("user_metadata"),
@@ -411,22 +413,22 @@ class TinkerHttpDoor:
 
     async def create_sampling_session(self, request: Request, tenant: str) -> dict[str, Any]:
         f = await self._fields(request)
-        session = await self.core.create_sampling_session(tenant, pb.CreateSamplingSessionRequest(
+        session = await self.core.sampling.create_session(tenant, pb.CreateSamplingSessionRequest(
             session_id=f.get("session_id", str), model_path=f.get("model_path", str, ""),
             base_model=f.get("base_model", str, "")), seq_id=f.get("sampling_session_seq_id", int))
         return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
 
     async def join_sampling_session(self, request: Request, tenant: str) -> dict[str, Any]:
         sid = (await self._fields(request)).get("sampling_session_id", str)
-        return {"type": "join_sampling_session", "client_counter": self.core.join_sampling_session(tenant, sid)}
+        return {"type": "join_sampling_session", "client_counter": self.core.sampling.join(tenant, sid)}
 
     async def get_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
-        s = self.core.sampling_session(tenant, request.path_params["sampling_session_id"])
+        s = self.core.sampling.get(tenant, request.path_params["sampling_session_id"])
         return {"sampler_id": s.sampling_session_id, "base_model": s.base_model, "model_path": s.model_path or None}
 
     async def asample(self, request: Request, tenant: str) -> dict[str, Any]:
         req, layout = tj.sample_request(await self._fields(request), self.core.limits.max_tensor_elements)
-        sub = await self.core.sample(tenant, req)
+        sub = await self.core.sampling.sample(tenant, req)
         if layout is not None:
             self._note(sub.request_id, _Note(target_layout=layout))
         return {"request_id": sub.request_id,
@@ -444,7 +446,7 @@ class TinkerHttpDoor:
 
     async def retrieve_future(self, request: Request, tenant: str) -> Response | dict[str, Any]:
         request_id = (await self._fields(request)).get("request_id", str)
-        res = await self.core.retrieve(tenant, request_id, self._poll_s(request))
+        res = await self.core.ledger.retrieve(tenant, request_id, self._poll_s(request))
         if not res.done:
             return {"type": "try_again", "request_id": request_id, "queue_state": res.queue_state,
                     "queue_state_reason": res.queue_state_reason or None}
@@ -463,16 +465,16 @@ class TinkerHttpDoor:
         if kind != "sampling_session":
             raise InvalidArgument(f"{target.path('type')} = {kind!r}: only 'sampling_session' targets are served")
         timeout = f.get("timeout", float, None)
-        events, cursor = await self.core.completed_samples(
+        events, cursor = await self.core.sampling.completed(
             tenant, target.get("sampling_session_id", str), target.get("cloned_sampler_id", int, 0),
             f.get("prev_cursor", int, 0), self._poll_s(request) if timeout is None else max(0.0, timeout))
         return {"completions": [{"state": "failed" if e.failed else "finished", "request_id": e.request_id}
                                 for e in events], "cursor": cursor}
 
     async def cancel_future(self, request: Request, tenant: str) -> dict[str, Any]:
-        """Cancel a sample not finished yet (``GatewayCore.cancel``); one already finished keeps its result."""
+        """Cancel a sample not finished yet (``Ledger.cancel``); one already finished keeps its result."""
         request_id = (await self._fields(request)).get("request_id", str)
-        return {"request_id": request_id, "cancelled": self.core.cancel(tenant, request_id)}
+        return {"request_id": request_id, "cancelled": self.core.ledger.cancel(tenant, request_id)}
 
     @staticmethod
     def _result(res: pb.FutureResult, note: _Note) -> Response | dict[str, Any]:
@@ -497,37 +499,37 @@ class TinkerHttpDoor:
 
     async def list_training_runs(self, request: Request, tenant: str) -> dict[str, Any]:
         limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
-        runs, total = self.core.list_runs(tenant, limit, offset, request.query_params.get("project_id"))
+        runs, total = self.core.registry.list_runs(tenant, limit, offset, request.query_params.get("project_id"))
         return {"training_runs": [tj.training_run(r) for r in runs], "cursor": tj.cursor(offset, limit, total)}
 
     async def get_training_run(self, request: Request, tenant: str) -> dict[str, Any]:
-        return tj.training_run(self.core.run(tenant, request.path_params["run_id"]))
+        return tj.training_run(self.core.runs.get(tenant, request.path_params["run_id"]))
 
     async def list_run_checkpoints(self, request: Request, tenant: str) -> dict[str, Any]:
-        res = await self.core.list_checkpoints(tenant, request.path_params["run_id"], 0, 0)
+        res = await self.core.registry.list_checkpoints(tenant, request.path_params["run_id"], 0, 0)
         return {"checkpoints": [tj.checkpoint(c) for c in res.checkpoints]}
 
     async def list_user_checkpoints(self, request: Request, tenant: str) -> dict[str, Any]:
         limit, offset = _query_int(request, "limit", 100), _query_int(request, "offset", 0)
-        res = await self.core.list_checkpoints(tenant, "", limit, offset)
+        res = await self.core.registry.list_checkpoints(tenant, "", limit, offset)
         return {"checkpoints": [tj.checkpoint(c) for c in res.checkpoints],
                 "cursor": tj.cursor(offset, limit, res.total_count)}
 
     async def copy_weights(self, request: Request, tenant: str) -> dict[str, Any]:
-        """A copy of one of the caller's checkpoints at a new path (``GatewayCore.copy_checkpoint``), answered at
+        """A copy of one of the caller's checkpoints at a new path (``Registry.copy_checkpoint``), answered at
         once. ``destination_project_id`` names nothing here (the copy stays the caller's); the
         ``X-Idempotency-Key`` the SDK keeps across its retries makes a retry answer the first copy."""
         f = await self._fields(request)
         if f.get("weights_access_token", str, None) or request.headers.get("x-tinker-weights-access-token"):
             raise InvalidArgument("weights_access_token is not supported: copy checkpoints of your own account")
-        path = await self.core.copy_checkpoint(tenant, f.get("source_path", str), f.get("ttl_seconds", int, None),
-                                               request.headers.get("x-idempotency-key"),
-                                               f.get("session_id", str, None), f.get("model_seq_id", int, None))
+        path = await self.core.registry.copy_checkpoint(
+            tenant, f.get("source_path", str), f.get("ttl_seconds", int, None),
+            request.headers.get("x-idempotency-key"), f.get("session_id", str, None), f.get("model_seq_id", int, None))
         return {"tinker_path": path}
 
     async def delete_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
         p = request.path_params
-        await self.core.delete_checkpoint(tenant, f"tinker://{p['run_id']}/{p['checkpoint_id']}")
+        await self.core.registry.delete_checkpoint(tenant, f"tinker://{p['run_id']}/{p['checkpoint_id']}")
         return {}
 
     @staticmethod
@@ -538,15 +540,15 @@ class TinkerHttpDoor:
     async def set_checkpoint_ttl(self, request: Request, tenant: str) -> dict[str, Any]:
         """``{"ttl_seconds": n}``: expire n seconds from now; ``null``: never."""
         ttl = (await self._fields(request)).get("ttl_seconds", int, None)
-        await self.core.set_checkpoint_ttl(tenant, self._checkpoint_path(request), ttl)
+        await self.core.registry.set_checkpoint_ttl(tenant, self._checkpoint_path(request), ttl)
         return {}
 
     async def publish_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
-        await self.core.set_checkpoint_public(tenant, self._checkpoint_path(request), True)
+        await self.core.registry.set_checkpoint_public(tenant, self._checkpoint_path(request), True)
         return {}
 
     async def unpublish_checkpoint(self, request: Request, tenant: str) -> dict[str, Any]:
-        await self.core.set_checkpoint_public(tenant, self._checkpoint_path(request), False)
+        await self.core.registry.set_checkpoint_public(tenant, self._checkpoint_path(request), False)
         return {}
 
     # ---- downloads (``downloads.py``) ----
@@ -559,7 +561,7 @@ class TinkerHttpDoor:
         with self._refusing(tenant, f):
             note = export_note(f.get("age_encryption_recipients", list, None), f.get("path", str),
                                f.get("ttl_seconds", int, None))
-        sub = await self.core.submit(tenant, model_id, seq_id, save=Downloads.staging_save(model_id, seq_id, note))
+        sub = await self.core.runs.submit(tenant, model_id, seq_id, save=Downloads.staging_save(model_id, seq_id, note))
         return self._future(sub)
 
     async def external_weights_urls(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -574,6 +576,6 @@ class TinkerHttpDoor:
             return error_response(e)
 
     async def weights_info(self, request: Request, tenant: str) -> dict[str, Any]:
-        """``GatewayCore.weights_info`` (without the checkpoint's run in the registry, Tinker's default: AdamW)."""
-        return tj.weights_info(await self.core.weights_info(tenant, (await self._fields(request))
+        """``Registry.weights_info`` (without the checkpoint's run in the registry, Tinker's default: AdamW)."""
+        return tj.weights_info(await self.core.registry.weights_info(tenant, (await self._fields(request))
                                                              .get("tinker_path", str)))

@@ -25,9 +25,8 @@ from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import tinker_public_pb2 as tp
 
-from .core import Run
 from .json_fields import INT32_MAX, Fields
-from .records import Session
+from .records import Run, Session
 from .session_search import session_status
 from .tinker_proto import target_ids
 
@@ -202,7 +201,7 @@ def session_summary(s: Session, checkpoints: list[cpb.CheckpointInfo]) -> dict[s
 
 def storage_usage(tenant: str, count: int, size: int) -> dict[str, Any]:
     """A ``CurrentCheckpointStorageUsageResponse`` of the tenant's ``count`` live checkpoints of ``size`` bytes in
-    all (``GatewayCore.storage_usage``): one row (none without checkpoints); Lathe prices nothing."""
+    all (``Registry.storage_usage``): one row (none without checkpoints); Lathe prices nothing."""
     rows = [{"org_user_urn": tenant, "user_name": tenant, "checkpoint_count": count, "size_bytes": size,
              "size_gigabytes": size / 1e9}] if count else []
     return {"effective_rate_usd_per_gigabyte_month": None, "data": rows}

@@ -157,7 +157,7 @@ def parse_forward_backward(body: bytes) -> tp.ForwardBackwardRequest:
 
 def forward_backward_from_proto(req: tp.ForwardBackwardRequest, max_elements: int, max_tokens: int
                                 ) -> pb.ForwardBackwardRequest:
-    """The core's request for ``GatewayCore.submit``: its tensors may hold at most ``max_elements`` values once
+    """The core's request for ``Runs.submit``: its tensors may hold at most ``max_elements`` values once
     dense, and its model inputs at most ``max_tokens`` token ids, counted before any list of them is built."""
     tokens = sum(len(c.encoded_text.tokens) // 4 for d in req.data for c in d.model_input)
     if tokens > max_tokens:

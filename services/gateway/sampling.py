@@ -1,0 +1,101 @@
+"""Sampling: binding sampling clients to a policy version, and samples submitted to the sampler pools.
+
+``Sampling`` owns no state of its own: sampling sessions are ``SessionBook``'s (id -> pinned policy version),
+requests and their idempotency the ledger's. It checks a sample at the door (``limits``), charges the tokens it
+may sample (``quotas.admit_sample``) and gives back what it did not sample once it ends. Ids are Tinker's:
+``"{session}:sample:{n}"``, ``n`` being the client's own counter when it sends one, else the session's next number.
+"""
+
+from __future__ import annotations
+
+import json
+
+from lathe.errors import InvalidArgument
+from lathe.v1 import lathe_pb2 as pb
+
+from .calls import Caller
+from .completions import Completion, queue_key
+from .ledger import Ledger
+from .limits import DoorLimits
+from .lookups import Lookups
+from .quotas import Charge, Quotas
+from .records import Operation, SamplingSession
+from .routing import PoolRouter
+from .sessions import SessionBook
+
+
+class Sampling:
+    def __init__(self, ledger: Ledger, lookups: Lookups, book: SessionBook, caller: Caller, router: PoolRouter,
+                 limits: DoorLimits, quotas: Quotas) -> None:
+        self.ledger, self.lookups, self.book, self.caller, self.router = ledger, lookups, book, caller, router
+        self.limits, self.quotas = limits, quotas
+
+    async def create_session(self, tenant: str, req: pb.CreateSamplingSessionRequest, seq_id: int | None = None
+                             ) -> pb.SamplingSession:
+        """Bind a sampling client to one policy version: the checkpoint at ``model_path`` as it is now
+        (its creation time pins it), or the base model; a repeat of ``seq_id`` returns the session already made."""
+        self.book.open(tenant, req.session_id)
+        if req.model_path:
+            info = await self.lookups.checkpoint(tenant, req.model_path)
+            base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
+            version = info.created_at
+        elif req.base_model:
+            await self.lookups.check_base_model(req.base_model)
+            base_model, version = req.base_model, 0.0
+        else:
+            raise InvalidArgument("a sampling client needs model_path or base_model")
+        return self.book.bind_sampling(tenant, req.session_id, seq_id, base_model, req.model_path, version).proto()
+
+    def get(self, tenant: str, sampling_session_id: str) -> SamplingSession:
+        return self.book.sampling_session(tenant, sampling_session_id)
+
+    def join(self, tenant: str, sampling_session_id: str) -> int:
+        return self.book.join_sampling(tenant, sampling_session_id)
+
+    async def sample(self, tenant: str, req: pb.SampleRequest) -> pb.SubmitResponse:
+        """Submit a sample; the tokens it may sample are charged now (``quotas.admit_sample``: without max_tokens,
+        what the model's context leaves after the prompt) and what it did not sample is given back once it ends."""
+        rec = self.get(tenant, req.sampling_session_id)
+        context = 0 if req.params.HasField("max_tokens") else await self.lookups.context_length(rec.base_model)
+        key = (rec.sampling_session_id, req.seq_id)
+        if req.seq_id and (known := self.ledger.holder(key)) is not None:
+            return pb.SubmitResponse(request_id=known)
+        self.limits.check_sample(req)
+        charge = self.quotas.admit_sample(tenant, self.ledger.pending(tenant), req, context)
+        entry = self.ledger.create(tenant)
+        full = pb.SampleRequest()
+        full.CopyFrom(req)
+        full.tenant, full.base_model, full.model_path = tenant, rec.base_model, rec.model_path
+        full.model_version, full.request_id = rec.version, entry.request_id
+        holder = self.ledger.record(entry, Operation(entry.request_id, tenant, rec.sampling_session_id,
+                                                     req.seq_id or None, "sample", full.SerializeToString()))
+        if holder == entry.request_id:
+            self.ledger.completions.watch(entry.request_id, queue_key(rec.sampling_session_id, req.seq_id))
+            work = self.run(full, charge)
+            self.ledger.spawn(entry, self.ledger.remember(entry, key, work) if req.seq_id else work)
+        else:  # another request holds its seq_id and samples: this one samples nothing
+            self.quotas.settle_sample(tenant, charge, 0)
+        return pb.SubmitResponse(request_id=holder)
+
+    async def run(self, req: pb.SampleRequest, charge: Charge | None = None) -> pb.FutureResult:
+        """Sample; then settle the tokens its admission charged (``charge``; None: admitted before a restart, so its
+        sampled tokens are charged now) with those it sampled (none if it failed or was cancelled)."""
+        sampled = 0
+        try:
+            sampler = self.router.sampler(req.base_model, req.sampling_session_id)
+            res: pb.SampleResult = await self.caller.send(sampler.Sample, req, work=True)
+            if res.WhichOneof("result") == "error":
+                return pb.FutureResult(receipt=res.receipt, error=res.error)
+            sampled = sum(len(s.tokens) for s in res.sample.sequences)
+            return pb.FutureResult(receipt=res.receipt, sample=res.sample)
+        finally:
+            self.quotas.settle_sample(req.tenant, charge, sampled)
+
+    async def completed(self, tenant: str, sampling_session_id: str, client: int, prev_cursor: int,
+                        timeout_s: float) -> tuple[list[Completion], int]:
+        """The samples of one client of the tenant's sampling session finished since ``prev_cursor`` (held up to
+        ``timeout_s`` while none are), and the cursor to pass next."""
+        self.get(tenant, sampling_session_id)
+        if client < 0 or prev_cursor < 0:
+            raise InvalidArgument(f"cloned_sampler_id = {client} and prev_cursor = {prev_cursor} must be >= 0")
+        return await self.ledger.completed_samples((sampling_session_id, client), prev_cursor, timeout_s)
