@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from lathe.models.catalog import ModelCatalog
+from lathe.models.decoder import Decoder
 from lathe.models.pool import on_passing_thread
-from lathe.trainer import bank, engine
+from lathe.trainer import bank
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
 
@@ -38,7 +39,7 @@ def test_passing_thread_returns_and_raises_on_a_thread_that_has_ended() -> None:
 def test_engine_loads_models_and_creates_adapters_off_the_callers_thread(
         model_cache: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     where: dict[str, threading.Thread] = {}
-    load, fresh = engine.Decoder.from_dir, bank.Adapter.fresh
+    load, fresh = Decoder.from_dir, bank.Adapter.fresh
 
     def spy_load(*args: object, **kwargs: object) -> object:
         where["load"] = threading.current_thread()
@@ -48,8 +49,8 @@ def test_engine_loads_models_and_creates_adapters_off_the_callers_thread(
         where["create"] = threading.current_thread()
         return fresh(*args, **kwargs)
 
-    monkeypatch.setattr(engine.Decoder, "from_dir", spy_load)
-    monkeypatch.setattr(engine.Adapter, "fresh", spy_fresh)
+    monkeypatch.setattr(Decoder, "from_dir", spy_load)
+    monkeypatch.setattr(bank.Adapter, "fresh", spy_fresh)
     eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache), ModelCatalog.from_spec(BASE, model_cache))
     info = eng.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE,
                                                       lora_config=pb.LoraConfig(rank=4, train_attn=True)))

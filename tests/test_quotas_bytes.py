@@ -31,7 +31,7 @@ def test_adapter_bytes_follow_the_lora_cost_the_trainer_reports(model_cache: Pat
     from lathe.models.catalog import BUILTIN, ModelCatalog
     from lathe.models.config import ModelConfig
     from lathe.models.lora import LoraSpec, LoraWeights
-    from lathe.trainer.engine import lora_cost
+    from lathe.trainer.lifecycle import lora_cost
 
     for name in BUILTIN:
         path = ModelCatalog.default(model_cache, [name]).resolve(name).path

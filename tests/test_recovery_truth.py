@@ -253,7 +253,7 @@ def test_a_replayed_operation_that_fails_now_fails_the_rebuild_naming_it(
     def unwritable(*args: object) -> None:
         raise OSError("store down")
 
-    monkeypatch.setattr(first, "_write_snapshot", unwritable)
+    monkeypatch.setattr(first.maker, "write_snapshot", unwritable)
     assert run(first, [_load("bad", 2, state)])[0].receipt.recovery_seq_id == 0  # applied, snapshot skipped
     first.stop()
     store.service.delete("t", state)

@@ -22,11 +22,13 @@ is passed over (``Skip``), and operations that waited ``order_wait_s`` for a mis
 Admission: one tenant's operations may fill at most ``max_queue_per_tenant`` places of the shared queue
 (``max_queue``); the operation a run is waiting for is always let in.
 
-Owns: base models (one ``Decoder`` per served base model, loaded on first use), the ``AdapterBank``
-(which pages least recently used adapters out when more runs exist than ``max_resident_adapters``, and a
-tenant's own beyond its quota, ``CreateAdapterRequest.max_resident_adapters``), the sequencers and the cycle
-metrics. Checkpoint bytes go through ``CheckpointStore`` (the checkpoints service). Run creation and the
-capabilities still speak ``lathe.v1`` messages (``CreateAdapterRequest``, ``AdapterInfo``).
+Owns: the runs (their sequencers), the ``AdapterBank`` (which pages least recently used adapters out when more
+runs exist than ``max_resident_adapters``, and a tenant's own beyond its quota,
+``CreateAdapterRequest.max_resident_adapters``) and the cycle metrics. Base models are ``lifecycle.BaseModels``'
+(one ``Decoder`` per served base model, loaded on first use); adapters are made and recovery snapshots read and
+written by ``lifecycle.RunMaker``, through ``CheckpointStore`` (the checkpoints service), when the engine says a
+snapshot is due. Run creation and the capabilities still speak ``lathe.v1`` messages (``CreateAdapterRequest``,
+``AdapterInfo``).
 
 A pool of several ranks (``group``, ``lathe.trainer.dist``): this engine on rank 0 is the cycle leader and the
 only one with queues, a store and callers. Each cycle it fetches what its loads read, broadcasts the cycle as a
@@ -52,39 +54,35 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from lathe.errors import (
     FailedPrecondition,
     Internal,
-    InvalidArgument,
     LatheError,
     NotFound,
     ResourceExhausted,
     Unavailable,
 )
 from lathe.models.catalog import ModelCatalog
-from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
-from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, default_seed, values_per_rank
-from lathe.models.pool import DTYPES, check_device, default_device, on_passing_thread, resolve_dtype
+from lathe.models.pool import on_passing_thread
 from lathe.trainer import shard
-from lathe.trainer.bank import Adapter, AdapterBank, read_state
-from lathe.trainer.custom_loss import LossBudget, reduce_metrics
+from lathe.trainer.bank import AdapterBank
+from lathe.trainer.config import TrainerConfig
+from lathe.trainer.custom_loss import reduce_metrics
 from lathe.trainer.cycle import Partial, Work, plan_cycle
 from lathe.trainer.dist import Group, RankLost
+from lathe.trainer.lifecycle import BaseModels, CheckpointStore, RunMaker
 from lathe.trainer.metrics import CycleMetrics
 from lathe.trainer.ops import ForwardBackward, Limits, Load, Op, OptimStep, Result, Save, Skip
-from lathe.trainer.optim_state import check_family, family_of, optim_step
+from lathe.trainer.optim_state import optim_step
 from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.pages import DirPages
 from lathe.trainer.plan import Create, Files, Plan, Step
-from lathe.trainer.recovery import Record, SnapshotPolicy
+from lathe.trainer.recovery import Record
 from lathe.trainer.step import Job, JobResult, run_jobs
 from lathe.types import (
-    RECOVERY_KIND,
-    RECOVERY_NAME,
     ForwardBackwardOutput,
     LoadWeightsResponse,
     OptimStepResponse,
@@ -97,50 +95,6 @@ from lathe.types import (
 from lathe.v1 import lathe_pb2 as pb
 
 log = logging.getLogger("lathe.trainer")
-
-
-class CheckpointStore(Protocol):
-    """What the engine needs from the checkpoints service (see ``lathe.checkpoints.client``)."""
-
-    def put(self, *, tenant: str, run_id: str, kind: str, name: str, files: dict[str, bytes],
-            metadata_json: str, ttl_seconds: int, overwrite: bool, max_tenant_bytes: int = 0) -> str: ...
-
-    def get(self, *, tenant: str, path: str) -> dict[str, bytes]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerConfig:
-    models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
-    cache_root: Path = Path(".cache/lathe")
-    # of the frozen base weights ("auto": bf16 where the device has it natively); LoRA weights, gradients and AdamW
-    # moments stay fp32
-    dtype: str = "float32"
-    device: str = field(default_factory=default_device)  # "cuda" or "cpu": base models and the adapter bank
-    invariant: bool = True
-    sgmv: bool = False  # LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)
-    activation_checkpointing: bool = False  # recompute each layer in backward: ~half the memory, ~20% slower
-    max_request_tokens: int = 65536
-    cycle_tokens: int = 2048  # token capacity of one clock cycle (CPU default; GPU pools set far more)
-    max_queue: int = 4096  # operations waiting, all tenants together
-    max_queue_per_tenant: int = 1024  # operations waiting, one tenant's runs together
-    max_resident_adapters: int = 256
-    cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
-    rejoin_fraction: float = 0.05  # a cycle waits up to this share of the last one for that one's runs to rejoin
-    rejoin_max_s: float = 0.1  # and never longer than this (0: no wait)
-    max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
-    page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
-    order_wait_s: float = 300.0  # operations waiting this long for a seq_id that has not arrived fail
-    snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)  # recovery snapshots (lathe.trainer.recovery)
-    loss_budget: LossBudget = field(default_factory=LossBudget)  # custom losses (lathe.trainer.custom_loss)
-
-    def __post_init__(self) -> None:
-        check_device(self.device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))  # "auto" becomes what it chose
-        if not self.order_wait_s > 0:
-            raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
-        if not (self.rejoin_fraction >= 0 and self.rejoin_max_s >= 0):
-            raise ValueError(f"rejoin_fraction and rejoin_max_s must be >= 0, got {self.rejoin_fraction} and "
-                             f"{self.rejoin_max_s}")
 
 
 @dataclass(slots=True)
@@ -177,15 +131,6 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-@functools.cache
-def lora_cost(path: Path) -> pb.LoraCost:
-    """What LoRA costs per rank on the model in ``path`` (its config alone), for the gateway's adapter-bytes quota."""
-    cfg = ModelConfig.from_dir(path)
-    return pb.LoraCost(attn_values_per_rank=values_per_rank(cfg, ATTN_TARGETS),
-                       mlp_values_per_rank=values_per_rank(cfg, MLP_TARGETS),
-                       unembed_values_per_rank=values_per_rank(cfg, (UNEMBED,)))
-
-
 class TrainerEngine:
     def __init__(self, cfg: TrainerConfig, catalog: ModelCatalog, store: CheckpointStore | None = None,
                  group: Group | None = None, on_rank_lost: Callable[[], None] | None = None) -> None:
@@ -197,14 +142,14 @@ class TrainerEngine:
         self.cycle = 0
         self.metrics = CycleMetrics()
         self.metrics.capacity.set(cfg.cycle_tokens)
-        self._bases: dict[str, Decoder] = {}
-        self._base_lock = threading.Lock()  # one load (and self-check) per base model, warm-up included
         self.exactness = PoolExactness("trainer", cfg.invariant,
                                        lambda name, exact: self.metrics.exactness.labels(model=name).set(exact),
                                        backward=True)
+        self.bases = BaseModels(cfg, catalog, self.exactness)
+        self.maker = RunMaker(cfg, self.bases, store)
         self._models: dict[str, _Model] = {}
         pages = DirPages(Path(cfg.page_store) if cfg.page_store else cfg.cache_root / "paged")
-        self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.base(name).cfg,
+        self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.bases.get(name).cfg,
                                 cfg.device)
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -217,27 +162,15 @@ class TrainerEngine:
         self._rejoin: set[str] = set()  # runs of the last cycle, which the next one waits for (``_gather``)
         self._rejoin_until = 0.0  # until when
 
-    # ---- base models and adapters ----
+    # ---- runs and their adapters (made by ``lifecycle.RunMaker``) ----
 
     def base(self, name: str) -> Decoder:
-        """The served base model ``name``, loaded (and self-checked) once, on first use or at warm-up, on a
-        passing thread (``on_passing_thread``: no thread but the cycle's keeps OpenMP workers)."""
-        with self._base_lock:
-            if name not in self._bases:
-                self._bases[name] = on_passing_thread(self._load, name, name="trainer-load")
-            return self._bases[name]
+        """The served base model ``name`` (``lifecycle.BaseModels``)."""
+        return self.bases.get(name)
 
-    def _load(self, name: str) -> Decoder:
-        try:
-            entry = self.catalog.resolve(name)
-        except KeyError as e:
-            raise NotFound(str(e.args[0]) if e.args else f"unknown base model {name!r}") from None
-        model = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype], device=self.cfg.device,
-                                 invariant=self.cfg.invariant,
-                                 checkpoint_layers=self.cfg.activation_checkpointing)
-        model.sgmv = self.cfg.sgmv
-        self.exactness.check(name, model)
-        return model
+    def capabilities(self) -> pb.ServerCapabilities:
+        self._check_alive()
+        return self.bases.capabilities()
 
     @property
     def alive(self) -> bool:
@@ -254,15 +187,6 @@ class TrainerEngine:
             raise RankLost(self._lost.message)
         if self._loop_died:
             raise Unavailable("this trainer's cycle thread has stopped; the pool is not ready")
-
-    def capabilities(self) -> pb.ServerCapabilities:
-        self._check_alive()
-        return pb.ServerCapabilities(supported_models=[
-            pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length,
-                              trainer_exactness=pb.Exactness(**self.exactness.fields(e.name)),
-                              lora_cost=lora_cost(e.path))
-            for e in self.catalog.entries()
-        ])
 
     def create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
         """Create (or, for a repeat of the same request, return) the adapter of a training run; its tensors are
@@ -282,10 +206,10 @@ class TrainerEngine:
             live = self._live(req.model_id)
         if live is not None:
             return live
-        snapshot = self._snapshot_files(req) if req.recover_from else None
+        snapshot = self.maker.snapshot_files(req) if req.recover_from else None
         state = None
         if snapshot is None and req.from_path:
-            state = self._store().get(tenant=req.tenant, path=req.from_path)
+            state = self.maker.store().get(tenant=req.tenant, path=req.from_path)
         return self._create(req, snapshot, state)
 
     def _create(self, req: pb.CreateAdapterRequest, snapshot: Files | None, state: Files | None) -> pb.AdapterInfo:
@@ -295,13 +219,13 @@ class TrainerEngine:
         from, or a fresh run's record alone. A run that exists already is answered as it is."""
         record = Record.read(snapshot) if snapshot is not None else Record(0, state=state is not None)
         if snapshot is not None and record.state:  # a recovery: the run as its snapshot left it
-            adapter = self._adapter_from_snapshot(req, snapshot)
+            adapter = self.maker.from_snapshot(req, snapshot)
         elif state is not None:
-            adapter = self._adapter_from_state(req, state)
+            adapter = self.maker.from_state(req, state)
         else:
-            adapter = self._fresh_adapter(req)
+            adapter = self.maker.fresh(req)
         if snapshot is None and self._writes and self.store is not None:
-            self._write_snapshot(adapter, record)  # recovery must never depend on anything but the snapshot
+            self.maker.write_snapshot(adapter, record)  # recovery must never depend on anything but the snapshot
         with self._lock:
             live = self._live(req.model_id)
             if live is not None:
@@ -323,61 +247,9 @@ class TrainerEngine:
         m = self._models.get(model_id)
         if m is None:
             return None
-        info = self._info(self.bank.get(model_id))
+        info = self.maker.info(self.bank.get(model_id))
         info.next_seq_id = m.seq.next_seq
         return info
-
-    def _fresh_adapter(self, req: pb.CreateAdapterRequest) -> Adapter:
-        """A new adapter from ``req``'s LoRA config: its initialization is a deterministic function of that config
-        and the model id, so a fresh run's rebuild makes the same one."""
-        c = req.lora_config
-        try:
-            spec = LoraSpec(rank=c.rank, seed=c.seed if c.HasField("seed") else None, train_attn=c.train_attn,
-                            train_mlp=c.train_mlp, train_unembed=c.train_unembed,
-                            **({"alpha": c.alpha} if c.HasField("alpha") else {}))  # else LoraSpec's default
-        except ValueError as e:
-            raise InvalidArgument(f"lora_config: {e}") from None
-        model = self.base(req.base_model)
-        seed = spec.seed if spec.seed is not None else default_seed(req.model_id)
-        return Adapter.fresh(req.model_id, req.tenant, req.base_model, model.cfg, spec, seed, self.cfg.device,
-                             check_family(req.optimizer))
-
-    def _adapter_from_state(self, req: pb.CreateAdapterRequest, files: Files) -> Adapter:
-        state = read_state(files)
-        base_model = state["base_model"]
-        spec = LoraSpec(**state["lora"])
-        adapter = Adapter.fresh(req.model_id, req.tenant, base_model, self.base(base_model).cfg, spec, 0,
-                                self.cfg.device, check_family(req.optimizer))
-        adapter.load_files(files, with_optimizer=req.with_optimizer)
-        return adapter
-
-    def _snapshot_files(self, req: pb.CreateAdapterRequest) -> Files:
-        """The files of the run's recovery snapshot. Every run has one from its creation on, so a missing one
-        (expired after ``ttl_s`` idle, swept, or written before runs had one from creation) is an error that names
-        the run: a fresh adapter in its place would silently lose its steps or the state it started from."""
-        try:
-            return self._store().get(tenant=req.tenant, path=req.recover_from)
-        except NotFound:
-            raise FailedPrecondition(
-                f"run {req.model_id!r} cannot be rebuilt on this trainer: its recovery snapshot {req.recover_from} "
-                "is missing (expired or swept), and a fresh adapter in its place would silently lose what the run "
-                "had trained; start a new run (from a saved training state of this one, if one is kept)") from None
-
-    def _adapter_from_snapshot(self, req: pb.CreateAdapterRequest, files: dict[str, bytes]) -> Adapter:
-        """A run as its recovery snapshot left it: weights, moments, step and pending gradients."""
-        state = read_state(files)
-        adapter = Adapter.fresh(req.model_id, req.tenant, state["base_model"], self.base(state["base_model"]).cfg,
-                                LoraSpec(**state["lora"]), 0, self.cfg.device)
-        adapter.restore_page(files)
-        return adapter
-
-    def _write_snapshot(self, adapter: Adapter, record: Record) -> None:
-        """Write ``adapter``'s recovery snapshot: its state (unless ``record.state`` is False) and ``record``."""
-        meta = {"base_model": adapter.base_model, "step": adapter.step, "seq_id": record.seq_id}
-        files = adapter.page_files(self.cfg.dtype) if record.state else {}
-        self._store().put(tenant=adapter.tenant, run_id=adapter.model_id, kind=RECOVERY_KIND, name=RECOVERY_NAME,
-                          files={**files, **record.files()}, metadata_json=json.dumps(meta),
-                          ttl_seconds=self.cfg.snapshots.ttl_s, overwrite=True)
 
     def _snapshot(self, m: _Model, item: Pending, result: Result) -> None:
         """Write ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``, its receipt
@@ -399,27 +271,13 @@ class TrainerEngine:
                        if m.snapshot_seq < s < item.seq_id and f.done()}
         m.snapshot_tried = item.seq_id
         try:
-            self._write_snapshot(adapter, Record(item.seq_id, {**answers, item.seq_id: result}))
+            self.maker.write_snapshot(adapter, Record(item.seq_id, {**answers, item.seq_id: result}))
         except Exception as e:  # noqa: BLE001 - the operation stands; only the snapshot is missing
             result.recovery_path = ""
             log.error("recovery snapshot of %s after seq_id %d failed: %s: %s", m.model_id, item.seq_id,
                       type(e).__name__, e)
             return
         m.snapshot_seq = item.seq_id
-
-    def _info(self, a: Adapter) -> pb.AdapterInfo:
-        s = a.spec
-        return pb.AdapterInfo(
-            model_id=a.model_id, base_model=a.base_model, step=a.step, dtype=self.cfg.dtype, optimizer=family_of(a.opt),
-            lora_config=pb.LoraConfig(rank=s.rank, alpha=s.alpha, train_attn=s.train_attn,
-                                      train_mlp=s.train_mlp, train_unembed=s.train_unembed,
-                                      **({"seed": s.seed} if s.seed is not None else {})),
-        )
-
-    def _store(self) -> CheckpointStore:
-        if self.store is None:
-            raise InvalidArgument("this trainer has no checkpoint store configured")
-        return self.store
 
     # ---- submission ----
 
@@ -431,7 +289,7 @@ class TrainerEngine:
             if model_id not in self._models:
                 raise NotFound(f"unknown model_id {model_id!r}")
             base = self.bank.base_model(model_id)
-        cfg = self.base(base).cfg
+        cfg = self.bases.get(base).cfg
         return Limits(cfg.vocab_size, cfg.max_position_embeddings, self.cfg.max_request_tokens, self.cfg.loss_budget)
 
     def submit(self, op: Op) -> Future[Result]:
@@ -753,7 +611,7 @@ class TrainerEngine:
                         w.compute.request.custom)
                     for w in part]
             tokens += sum(len(x) for j in jobs for x in j.examples)
-            model = self.base(base)
+            model = self.bases.get(base)
             self.exactness.check_ranks(base, model, {j.weights.spec.rank for j in jobs})
 
             # run_jobs never raises: a job that fails, fails alone (its cycle-mates' results are their own)
@@ -810,7 +668,7 @@ class TrainerEngine:
             return
         op = w.control.op
         try:
-            w.fetched = self._store().get(tenant=op.tenant, path=op.body.path)
+            w.fetched = self.maker.store().get(tenant=op.tenant, path=op.body.path)
         except LatheError as e:
             w.fetched = e
         except Exception as e:  # noqa: BLE001 - e.g. a checkpoint the store cannot decode: this operation fails alone
@@ -827,7 +685,7 @@ class TrainerEngine:
                 files = adapter.state_files(self.cfg.dtype) if req.kind == "weights" else adapter.sampler_files()
                 meta = {"base_model": adapter.base_model, "step": adapter.step, **adapter.peft_config(),
                         "user_metadata": req.user_metadata}
-                path = self._store().put(tenant=op.tenant, run_id=adapter.model_id, kind=req.kind, name=req.name,
+                path = self.maker.store().put(tenant=op.tenant, run_id=adapter.model_id, kind=req.kind, name=req.name,
                                          files=files, metadata_json=json.dumps(meta),
                                          ttl_seconds=req.ttl_seconds, overwrite=req.overwrite,
                                          max_tenant_bytes=req.max_checkpoint_bytes)
