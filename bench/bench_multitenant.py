@@ -39,6 +39,7 @@ from machine import cpu_line, gemm_gflops
 import lathe
 from lathe.models.config import ModelConfig
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, module_shape
+from lathe.models.pool import resolve_dtype
 from lathe.stack import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,7 +154,7 @@ def planning_share(stack: Stack) -> float:
 def run_model(key: str, args: argparse.Namespace) -> None:
     model = MODELS[key]
     print(f"\n{model}: {args.tenants} tenants, LoRA rank {RANK}, median of {args.repeats} runs of {args.steps} steps, "
-          f"trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens; {cpu_line()}")
+          f"{args.dtype}, trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens; {cpu_line()}")
     print(f"{'tokens/tenant':<14}{'packed tok/s':>13}{'serial tok/s':>13}{'one-big tok/s':>14}"
           f"{'packed/serial':>14}{'packed/one-big':>15}{'lat packed s':>13}{'lat serial s':>13}")
     rows = {}
@@ -162,7 +163,7 @@ def run_model(key: str, args: argparse.Namespace) -> None:
         stacks = {}
         for label, extra in (("packed", ()), ("serial", ("--max-runs-per-cycle", "1"))):
             cfg = StackConfig(models=model, store_root=CACHE / f"bench-store-{label}", cache_root=CACHE,
-                              trainer_threads=args.threads, sampler_threads=1,
+                              trainer_threads=args.threads, sampler_threads=1, trainer_dtype=args.dtype,
                               trainer_args=("--metrics-port", "0", "--cycle-tokens", str(args.cycle_tokens), *extra))
             stacks[label] = up.enter_context(Stack(cfg))
         for n, length in shapes:
@@ -175,9 +176,10 @@ def run_model(key: str, args: argparse.Namespace) -> None:
               f"{p['tokens_per_s'] / s['tokens_per_s']:>14.2f}{p['tokens_per_s'] / b['tokens_per_s']:>15.2f}"
               f"{p['latency_s']:>13.3f}{s['latency_s']:>13.3f}")
     print(f"cycle planning time / cycle time (packed run): {share:.4f}")
-    rate = gemm_gflops(args.threads)
+    dtype = resolve_dtype(args.dtype, "cpu")  # the base products' dtype (LoRA's few FLOPs are fp32 in both)
+    rate = gemm_gflops(args.threads, dtype=dtype)
     cfg = ModelConfig.from_dir(CACHE / MODEL_DIRS[key])
-    print(f"packed rounds against the arithmetic floor (fp32 GEMM at {rate:.0f} GFLOP/s, {args.threads} threads):")
+    print(f"packed rounds against the arithmetic floor ({dtype} GEMM at {rate:.0f} GFLOP/s, {args.threads} threads):")
     print(f"{'tokens/tenant':<14}{'round s':>9}{'cycles s':>10}{'floor s':>9}{'floor/round':>12}"
           f"{'overhead/tenant-step ms':>25}")
     for n, length in shapes:
@@ -194,6 +196,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per tenant in one measured run")
     ap.add_argument("--repeats", type=int, default=3, help="measured runs per case (the median is printed)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                    help="the pools' base weights (auto: what lathe serve chooses on this machine)")
     ap.add_argument("--cycle-tokens", type=int, default=2048, help="the trainer's cycle capacity")
     ap.add_argument("--shapes", default="1x32,1x128,4x128", help="tokens per tenant, e.g. 1x32,4x128")
     args = ap.parse_args()

@@ -19,8 +19,9 @@ def cpu_line() -> str:
     return f"{fields.get('Model name', '?').strip()} ({os.cpu_count()} cores; flags {' '.join(flags)})"
 
 
-def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 30) -> float:
-    """fp32 GEMM throughput of this machine at ``threads`` torch threads ([rows, k] @ [k, n], best of
+def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 30,
+                dtype: str = "float32") -> float:
+    """GEMM throughput of this machine at ``threads`` torch threads ([rows, k] @ [k, n] in ``dtype``, best of
     ``repeats``): the arithmetic rate a figure's floor is computed with."""
     import time
 
@@ -29,7 +30,7 @@ def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repe
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, w = torch.randn(rows, k), torch.randn(k, n)
+        x, w = torch.randn(rows, k, dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype))
         for _ in range(3):
             x @ w
         best = float("inf")
