@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from machine import cpu_line
 
 from lathe.kernels import ops
-from lathe.models.exactness import choose_attention_tiles, choose_row_tiles, head_block
+from lathe.models.tiles import choose_attention_tiles, choose_row_tiles, head_block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Mode = tuple[bool, tuple[int, ...], tuple[int, ...]]

@@ -92,12 +92,12 @@ on AVX-512 with and without MKL's AVX2 path; 8 was not, under that path)."""
 
 ROW_TILE_CANDIDATES = (1, 4, 64, 128)
 """Other tile heights a pool may add to its ladder (``Ladder.tiles``) when its self-check finds their
-rows bitwise equal to the reference tile's on that machine (``lathe.models.exactness.choose_row_tiles``)."""
+rows bitwise equal to the reference tile's on that machine (``lathe.models.tiles.choose_row_tiles``)."""
 
 DIRECT_TILE_CANDIDATES = (1, 4, 8, 16, 32, 64, 128, 256)
 """Row heights a pool may run as direct products (``Ladder.direct``): one plain library product per tile,
 with the library's own threads and blocking, when its self-check finds their rows bitwise equal to the reference
-tile's at every thread count (``lathe.models.exactness.choose_direct_tiles``)."""
+tile's at every thread count (``lathe.models.tiles.choose_direct_tiles``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,7 @@ reference height, and the one decode uses (a decoded token's group of heads fill
 
 ATTN_TILE_CANDIDATES = (16, 64)
 """Taller attention tiles a pool may add to its prefill ladder (``attention``'s ``tiles``) when its self-check
-finds their rows bitwise equal to the reference tile's (``lathe.models.exactness.choose_attention_tiles``)."""
+finds their rows bitwise equal to the reference tile's (``lathe.models.tiles.choose_attention_tiles``)."""
 
 KEY_CHUNK = 64
 """Width of the fixed key chunks of invariant attention, on the absolute key grid."""

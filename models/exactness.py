@@ -5,14 +5,9 @@ Owns: ``self_check(decoder)`` -> ``ExactnessReport``. Touches nothing but the de
 the report goes into their logs, their Prometheus gauge, ``get_server_capabilities`` and every receipt.
 
 Why at start, on the pool's own shapes: batch invariance is a property of the kernel library's code
-paths on this machine, not of Lathe's code alone (``lathe.kernels.ops`` explains the tiles). Before the
-check, ``choose_ladder`` picks the pool's ``ops.Ladder`` for its linears: the heights run as direct products
-(``ops.DIRECT_TILE_CANDIDATES``) and the ladder of tile heights (the reference tile ``ops.ROW_TILE`` plus each
-of ``ops.ROW_TILE_CANDIDATES``), each admitted only where its rows are bitwise the reference tile's for every
-base weight and the LM head, whole batch, shifted batch and lone rows, at every thread count; ``choose_lone``
-then times the admitted ways of running a lone decode row and keeps the faster (the one choice made by time,
-as it cannot change a bit); ``choose_attention_tiles`` picks prefill attention's row tiles (``ops.ATTN_ROW_TILE``,
-the one decode uses, plus each of ``ops.ATTN_TILE_CANDIDATES`` whose prefill and chunked prefill have its bits).
+paths on this machine, not of Lathe's code alone. ``PoolExactness.check`` first has ``lathe.models.tiles`` choose
+the pool's tiles (``choose_tiles``: values set on the decoder); this module only checks them.
+
 The check runs, with those ladders, at every thread count the pool may use:
 
 1. ops at the model's shapes, rows alone vs in batches of 1, 3, 13, 17, 64 and 300 rows, and the
@@ -37,13 +32,10 @@ The first check that fails is named in ``first_failure``; a pool that fails stil
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,10 +53,16 @@ from lathe.models.lora import (
     module_shape,
 )
 from lathe.models.pool import on_passing_thread
-
-BATCH_ROWS = (1, 3, 13, 17, 64, 300)
-"""Row counts of the batches each op's rows are compared in: a lone row, counts that leave a tile part full, and
-several tiles' worth."""
+from lathe.models.tiles import (
+    ATTENTION_LENGTH,
+    ATTENTION_SPLITS,
+    BATCH_ROWS,
+    at_threads,
+    choose_lora_ladder,
+    choose_tiles,
+    default_threads,
+    differing,
+)
 
 SEQ_LENGTHS = (1, 3, 13, 17, 64)
 """Sequence lengths of the end-to-end check (packed together, then each alone)."""
@@ -77,13 +75,6 @@ LORA_RANK = 8
 
 DECODED = 6
 """Tokens of each longer sequence that the end-to-end check decodes one at a time after its prefill."""
-
-ATTENTION_LENGTH = 300
-"""Keys of the attention check: past 256, where one long key reduction changed bits (measured)."""
-
-ATTENTION_SPLITS = (0, 1, 4, 17, 64, 150, 257, ATTENTION_LENGTH)
-"""Where the attention checks cut the sequence into chunked prefills (each part at its own offset)."""
-
 
 @dataclass(slots=True)
 class Check:
@@ -142,14 +133,7 @@ class PoolExactness:
 
     def check(self, name: str, model: Decoder) -> ExactnessReport:
         if self.invariant:
-            threads = default_threads(model)
-            model.ladder = choose_lone(model, choose_ladder(_model_weights(model), threads, tiles_too=True))
-            model.lora_ladders = {LORA_RANK: choose_lora_ladder(model, LORA_RANK, threads)}
-            if self.backward:
-                model.grad_ladder = choose_ladder(_backward_weights(model), threads)
-            cfg = model.cfg
-            model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
-                                                      model.device, threads)
+            choose_tiles(model, LORA_RANK, backward=self.backward)
             report = self_check(model)
         else:
             report = ExactnessReport(False, "plain ops (--no-invariant) are not batch-invariant", "", model.device.type,
@@ -202,246 +186,19 @@ def tiles(model: Decoder) -> dict[str, object]:
             "col_block_bytes": ops.COL_BLOCK_BYTES}
 
 
-def default_threads(model: Decoder) -> list[int]:
-    """The thread counts a pool checks: 1 and torch's current count on CPU, the current count elsewhere."""
-    if model.device.type == "cpu":
-        return sorted({1, torch.get_num_threads()})
-    return [torch.get_num_threads()]
-
-
-def head_block(head: torch.Tensor) -> torch.Tensor:
-    """The LM head's ``[V, K]`` weight cut to its first column block of products (its first ``ops.col_cap`` rows,
-    or all of a head narrower than that): a slice whose products have the whole head's shapes, which
-    ``choose_row_tiles`` tries instead of the whole vocabulary."""
-    return head[:ops.col_cap(head.shape[1], head.element_size())]
-
-
-def _model_weights(model: Decoder) -> list[torch.Tensor]:
-    """One ``[N, K]`` base weight per distinct shape of layer 0, and the LM head's ``head_block`` (the self-check
-    then runs the whole head with the chosen ladder)."""
-    shapes: dict[tuple[int, int], torch.Tensor] = {}
-    for target in ATTN_TARGETS + MLP_TARGETS:
-        block = "self_attn" if target in ATTN_TARGETS else "mlp"
-        weight = model.w[f"model.layers.0.{block}.{target}.weight"]
-        shapes.setdefault(tuple(weight.shape), weight)
-    return [*shapes.values(), head_block(model.lm_head)]
-
-
-def _backward_weights(model: Decoder) -> list[torch.Tensor]:
-    """The operands of the linears' backward products, dX = dY @ W, as ``[K, N]`` weights (what
-    ``choose_row_tiles`` takes): each distinct layer shape, and the whole LM head (its backward reduces over
-    the vocabulary, so a slice would not have its shapes)."""
-    layers = _model_weights(model)[:-1]
-    return [w.t() for w in (*layers, model.lm_head)]
-
-
-Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class _RowTrial:
-    """Row pools for ``weights`` and their reference tile's products at each thread count, computed once; ``agrees``
-    tries a way of computing the products against them."""
-
-    def __init__(self, weights: list[torch.Tensor], threads: list[int], seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.weights, self.threads = [w.t() for w in weights], threads
-        self.pools = [torch.randn(BATCH_ROWS[-1], w.shape[0], generator=gen).to(w.dtype) for w in self.weights]
-        self.refs: dict[int, list[torch.Tensor]] = {}
-        for n in threads:
-            with _threads(n), torch.no_grad():
-                pairs = zip(self.weights, self.pools, strict=True)
-                self.refs[n] = [ops.tiled_matmul(p, w, tile=ops.ROW_TILE) for w, p in pairs]
-
-    def agrees(self, product: Product) -> bool:
-        """Whether ``product(x, w)`` gives every row the reference tile's bits, for every weight at every thread
-        count: the whole pool, the pool shifted by one row (every row at the next position of its tile) and two
-        lone rows."""
-        starts_stops = ((0, BATCH_ROWS[-1]), (1, BATCH_ROWS[-1]), (0, 1), (1, 2))
-        for n in self.threads:
-            with _threads(n):
-                for w, pool, ref in zip(self.weights, self.pools, self.refs[n], strict=True):
-                    if any(_differing(product(pool[a:b], w), ref[a:b]) for a, b in starts_stops):
-                        return False
-        return True
-
-
-def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
-    """The tile ladder for ``linear`` on this machine: ``ops.ROW_TILE`` and every ``ops.ROW_TILE_CANDIDATES``
-    height whose rows are bitwise the reference tile's for each ``[N, K]`` weight at each thread count.
-
-    Decided by bits, not by timing, so the same machine and library always choose the same ladder. Off
-    the CPU the products do not use row tiles, so the ladder is the reference tile alone.
-    """
-    if any(w.device.type != "cpu" for w in weights):
-        return (ops.ROW_TILE,)
-    return _tile_ladder(_RowTrial(weights, threads, seed))
-
-
-def _tile_ladder(trial: _RowTrial, below: int | None = None) -> tuple[int, ...]:
-    """The reference tile and each admitted candidate height (only those under ``below`` when given)."""
-    candidates = [t for t in ops.ROW_TILE_CANDIDATES if below is None or t < below]
-    with torch.no_grad():
-        chosen = [t for t in candidates if trial.agrees(lambda x, w, t=t: ops.tiled_matmul(x, w, tile=t))]
-    return tuple(sorted({ops.ROW_TILE, *chosen}))
-
-
-def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
-    """The heights of ``ops.DIRECT_TILE_CANDIDATES`` whose direct products (``ops.direct_matmul``: one plain
-    library product per tile, its own threads) give every row the reference tile's bits for each ``[N, K]``
-    weight at each thread count; empty off the CPU.
-
-    Where a kernel library computes a row from that row alone whatever the height (measured on an AVX-512 EPYC:
-    fp32 from 4 rows, bf16 from 1 for most shapes), a pool then runs its linears as the library's own products
-    instead of one-thread products padded to 16-row tiles. Decided by bits, like ``choose_row_tiles``.
-    """
-    if any(w.device.type != "cpu" for w in weights):
-        return ()
-    return _direct_heights(_RowTrial(weights, threads, seed))
-
-
-def _direct_heights(trial: _RowTrial) -> tuple[int, ...]:
-    # lone=0: the rows a height leaves over (the trial's lone rows among them) are zero-padded to a tile of it,
-    # so an admitted height admits that way of running them too (``choose_lone``)
-    with torch.no_grad():
-        return tuple(h for h in ops.DIRECT_TILE_CANDIDATES
-                     if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,), lone=0)))
-
-
-def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too: bool = False) -> ops.Ladder:
-    """The ``ops.Ladder`` of ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` where no direct height
-    was admitted. With one, the tile ladder serves only the rows fewer than its smallest height, as a way for
-    ``choose_lone`` to time: where ``tiles_too`` asks for it, only heights under the reference tile are tried (a
-    taller tile is never the faster way to run a lone row). ``lone`` is the reference tile. One trial (row pools
-    and reference products) serves both choices."""
-    if any(w.device.type != "cpu" for w in weights):
-        return ops.REFERENCE
-    trial = _RowTrial(weights, threads, seed=0)
-    direct = _direct_heights(trial)
-    if not direct:
-        return ops.Ladder(_tile_ladder(trial), direct)
-    return ops.Ladder(_tile_ladder(trial, below=ops.ROW_TILE) if tiles_too else (ops.ROW_TILE,), direct)
-
-
-def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Ladder:
-    """The ladder of ``model``'s LoRA products at ``rank`` (what ``LoraBatch.delta_per_segment`` runs a decode
-    step of one adapter over): ``choose_ladder`` on a shrink ``[rank, I]`` and an expand ``[O, rank]`` of every
-    target width, in the dtype LoRA computes in, the LM head's expand cut to its first column block as for the
-    base. A lone row is zero-padded to a direct tile (``lone=0``) where a height is admitted: a LoRA product is
-    so small that the way with the fewest ops is the faster one, so it is not timed.
-
-    Random weights stand for the adapters' (the bits depend on the shapes and the library's code paths, which
-    the weights' values do not choose; so one process chooses once per set of shapes); the rank's self-check
-    (``_lora_checks``) then runs the ladder."""
-    cfg = model.cfg
-    targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
-    ins = tuple(sorted({module_shape(cfg, t)[0] for t in targets}))
-    outs = tuple(sorted({module_shape(cfg, t)[1] for t in targets}))
-    return _lora_ladder(ins, outs, rank, torch.promote_types(model.dtype, torch.float32), model.device.type,
-                        tuple(threads))
-
-
-@functools.cache
-def _lora_ladder(ins: tuple[int, ...], outs: tuple[int, ...], rank: int, wide: torch.dtype, device: str,
-                 threads: tuple[int, ...]) -> ops.Ladder:
-    gen = torch.Generator().manual_seed(rank)
-    shrinks = [torch.randn(rank, i, generator=gen) for i in ins]
-    expands = [torch.randn(min(o, ops.col_cap(rank, wide.itemsize)), rank, generator=gen) for o in outs]
-    ladder = choose_ladder([w.to(device=device, dtype=wide) for w in shrinks + expands], list(threads))
-    return dataclasses.replace(ladder, lone=0) if ladder.direct else ladder
-
-
-def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Ladder:
-    """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
-    sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
-    ladder. Both give the reference tile's bits (the trial admitted each), so this choice, unlike the others, is
-    timed: it changes speed, never bits, and is not part of the fingerprint (``UNPRINTED``).
-
-    Why timed: which is faster depends on the library. Measured on an AVX-512 EPYC, MKL runs a 4-row fp32
-    product on one thread (the tiled way spreads a weight's column halves over two) while its bf16 products
-    of a few rows use both threads and tiled bf16 products have no fast kernel.
-    """
-    if not ladder.direct:
-        return ladder
-    names = [f"model.layers.{i}.{'self_attn' if t in ATTN_TARGETS else 'mlp'}.{t}.weight"
-             for i in range(model.cfg.num_layers) for t in ATTN_TARGETS + MLP_TARGETS]
-    weights = [model.w[n] for n in names] + [model.lm_head]  # more than a cache holds, streamed as in decode
-    rows = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(model.w[names[0]])
-            for k in {w.shape[1] for w in weights}}
-
-    def seconds(lone: int) -> float:
-        candidate = dataclasses.replace(ladder, lone=lone)
-        best = float("inf")
-        with torch.no_grad():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for w in weights:
-                    ops.linear(rows[w.shape[1]], w, invariant=True, ladder=candidate)
-                best = min(best, time.perf_counter() - start)
-        return best
-
-    return dataclasses.replace(ladder, lone=min((0, min(ladder.tiles)), key=seconds))
-
-
-def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:
-    """Whether prefill attention in ``tile``-row tiles has the reference tile's bits, whole and in the chunked
-    prefills of ``ATTENTION_SPLITS`` (every part at its own offset, so rows sit at other tile positions)."""
-    scale = q.shape[-1] ** -0.5
-    for n in threads:
-        with _threads(n):
-            ref = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True)
-            for s0, s1 in [(0, len(q)), *zip(ATTENTION_SPLITS, ATTENTION_SPLITS[1:], strict=False)]:
-                part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True,
-                                     tiles=(tile,))
-                if _differing(part, ref[s0:s1]):
-                    return False
-    return True
-
-
-def choose_attention_tiles(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                           threads: list[int], seed: int = 0) -> tuple[int, ...]:
-    """Prefill attention's tile ladder on this machine: ``ops.ATTN_ROW_TILE`` and every
-    ``ops.ATTN_TILE_CANDIDATES`` height whose prefill rows are bitwise the reference tile's, for the model's
-    head shapes at each thread count. Decided by bits, like ``choose_row_tiles``; off the CPU the products do
-    not depend on row tiles, so the ladder is the reference tile alone.
-    """
-    if device.type != "cpu":
-        return (ops.ATTN_ROW_TILE,)
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(ATTENTION_LENGTH, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
-    with torch.no_grad():
-        chosen = [t for t in ops.ATTN_TILE_CANDIDATES if _attention_tile_agrees(t, q, k, v, threads)]
-    return tuple(sorted({ops.ATTN_ROW_TILE, *chosen}))
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
-    """Indices along dim 0 where a and b differ in any element (NaN equal to NaN)."""
-    same = (a == b) | (a.isnan() & b.isnan())
-    return same.reshape(a.shape[0], -1).all(-1).logical_not().nonzero().flatten().tolist()
-
-
 def _rows(name: str, op: Callable[[torch.Tensor], torch.Tensor], pool: torch.Tensor) -> Check:
     """op's rows over ``pool [300, ...]``: the batch shifted by one row (every row moves to the neighbouring
     tile position, so all positions are chained), lone rows, and batches of the other BATCH_ROWS sizes."""
     full = op(pool)
-    bad = _differing(op(pool[1:]), full[1:])
+    bad = differing(op(pool[1:]), full[1:])
     if bad:
         return Check(name, False, f"rows {[i + 1 for i in bad[:4]]} differ when the batch is shifted by one row "
                                   f"(a row's position inside a tile changes its bits)")
     for i in (0, 1, ops.ATTN_ROW_TILE - 1, ops.ROW_TILE - 1):
-        if _differing(op(pool[i : i + 1]), full[i : i + 1]):
+        if differing(op(pool[i : i + 1]), full[i : i + 1]):
             return Check(name, False, f"row {i} alone differs from the same row in a {len(pool)}-row batch")
     for m, offset in zip(BATCH_ROWS[1:-1], (1, 5, 11, 2), strict=True):
-        bad = _differing(op(pool[offset : offset + m]), full[offset : offset + m])
+        bad = differing(op(pool[offset : offset + m]), full[offset : offset + m])
         if bad:
             return Check(name, False, f"rows {bad[:4]} of a {m}-row batch (offset {offset}) differ from the "
                                       f"{len(pool)}-row batch")
@@ -492,13 +249,13 @@ def _grouped_check(model: Decoder, rank: int, rand: Callable[..., torch.Tensor])
         grouped = packed.delta(key, x)
         ways = {"per-segment one": REFERENCE_TILES, "per-segment one on the rank's ladder": model.lora_ladders}
         for which, ladders in ways.items():
-            bad = _differing(grouped, packed.delta_per_segment(key, x, ladders))
+            bad = differing(grouped, packed.delta_per_segment(key, x, ladders))
             if bad:
                 return Check(name, False, f"{key[1]}: rows {bad[:4]} of the grouped product differ from the {which}")
         for s, adapter in enumerate(ids):
             alone = LoraBatch([0, seg[s + 1] - seg[s]], [0], [adapters[adapter]]).delta(key, x[seg[s] : seg[s + 1]],
                                                                                         model.lora_ladders)
-            if _differing(alone, grouped[seg[s] : seg[s + 1]]):
+            if differing(alone, grouped[seg[s] : seg[s + 1]]):
                 return Check(name, False, f"{key[1]}: the {GROUPED_LENGTHS[s]}-row segment alone differs from the "
                                           f"same segment among {len(GROUPED_LENGTHS)}")
     return Check(name, True)
@@ -546,11 +303,11 @@ def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.devi
     for t in (0, 1, 2, 63, 64, 65, 127, 255, 256, n - 1):
         alone = ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=scale, invariant=True,
                               tiles=tiles)
-        if _differing(alone, prefill[t : t + 1]):
+        if differing(alone, prefill[t : t + 1]):
             return Check(name, False, f"token {t} decoded alone differs from the {n}-token prefill")
     for s0, s1 in zip(ATTENTION_SPLITS, ATTENTION_SPLITS[1:], strict=False):
         part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True, tiles=tiles)
-        if _differing(part, prefill[s0:s1]):
+        if differing(part, prefill[s0:s1]):
             return Check(name, False, f"chunked prefill of tokens {s0}:{s1} differs from the {n}-token prefill")
     for length, count in ((64, 2), (ATTENTION_SPLITS[3], 3)):  # several sequences of one length at once
         together = ops.attention_batch(*(x[: length * count].view(count, length, *x.shape[1:]) for x in (q, k, v)),
@@ -558,7 +315,7 @@ def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.devi
         for j in range(count):
             alone = ops.attention(*(x[j * length : (j + 1) * length] for x in (q, k, v)), q_offset=0, scale=scale,
                                   invariant=True, tiles=tiles)
-            if _differing(alone, together[j]):
+            if differing(alone, together[j]):
                 return Check(name, False, f"sequence {j} of {count} {length}-token sequences attended together "
                                           "differs from it alone")
     positions = [0, 2, 12, 16, 63, 64, 200, n - 1]
@@ -570,7 +327,7 @@ def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.devi
     for count in (1, 3, len(positions)):
         batched = ops.decode_attention(q[positions[:count]], ks[:count], vs[:count], positions[:count], scale=scale,
                                        invariant=True)
-        bad = _differing(batched, prefill[positions[:count]])
+        bad = differing(batched, prefill[positions[:count]])
         if bad:
             return Check(name, False, f"batched decode of {count} sequences: positions "
                                       f"{[positions[i] for i in bad]} differ from the prefill")
@@ -646,7 +403,7 @@ def _model_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> tuple
         for s, seq in enumerate(seqs):
             alone = _logprobs(model, [seq], [list(range(len(seq)))], LoraBatch([0, len(seq)], [0],
                                                                                 [adapters[s % 2]]))
-            bad = _differing(alone, packed[cu[s] : cu[s + 1]])
+            bad = differing(alone, packed[cu[s] : cu[s + 1]])
             if bad:
                 detail = f"sequence of {len(seq)} tokens: tokens {bad[:4]} differ alone from the packed batch {lengths}"
                 return [Check("decoder packed vs alone", False, detail)], packed
@@ -662,7 +419,7 @@ def _model_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> tuple
             out = _logprobs(model, [[seqs[s][p]] for s, p in zip(live, pos, strict=True)], [[p] for p in pos],
                             _layout([1] * len(live), [adapters[s % 2] for s in live]), cache)
             want = torch.stack([packed[cu[s] + p] for s, p in zip(live, pos, strict=True)])
-            bad = _differing(out, want)
+            bad = differing(out, want)
             if bad:
                 checks.append(Check("decoder prefill vs decode", False,
                                     f"decode step at positions {[pos[i] for i in bad]} differs from the packed "
@@ -691,7 +448,7 @@ def self_check(model: Decoder, *, threads: list[int] | None = None, lora_rank: i
     checks: list[Check] = []
     prints: dict[int, str] = {}
     for n in threads:
-        with _threads(n):
+        with at_threads(n):
             gen = torch.Generator().manual_seed(seed)
             op_checks = _op_checks(model, gen, lora_rank)
             model_checks, packed = _model_checks(model, gen, lora_rank)
@@ -721,7 +478,7 @@ def add_rank_checks(report: ExactnessReport, model: Decoder, ranks: list[int], s
     model.lora_ladders |= {r: choose_lora_ladder(model, r, report.threads) for r in ranks}
     report.tiles = tiles(model)
     for n in report.threads:
-        with _threads(n), torch.no_grad():
+        with at_threads(n), torch.no_grad():
             gen = torch.Generator().manual_seed(seed)
             checks += [Check(f"{c.name} @{n} threads", c.ok, c.detail) for r in ranks
                        for c in _lora_checks(model, gen, r)]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels import ops
-from lathe.models import exactness
+from lathe.models import exactness, tiles
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights, module_shape
 from lathe.models.tiny import ensure_tiny_model
@@ -99,12 +99,12 @@ def test_a_pool_times_the_ways_of_running_a_lone_row_and_both_keep_the_reference
     ladder, by time; both give every linear's lone row the reference tile's bits, so the choice is left out of
     the fingerprint: a pool that chose the other way prints the same."""
     model = Decoder.from_dir(tiny_dir)
-    ladder = exactness.choose_ladder(exactness._model_weights(model), [1, 2], tiles_too=True)
-    chosen = exactness.choose_lone(model, ladder, repeats=1)
+    ladder = tiles.choose_ladder(tiles.model_weights(model), [1, 2], tiles_too=True)
+    chosen = tiles.choose_lone(model, ladder, repeats=1)
     ways = (0, min(ladder.tiles)) if ladder.direct else (ladder.lone,)
     assert chosen.lone in ways and dataclasses.replace(chosen, lone=ladder.lone) == ladder
     row = torch.randn(1, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
-    for weight in (*exactness._model_weights(model)[:-1], model.lm_head):
+    for weight in (*tiles.model_weights(model)[:-1], model.lm_head):
         if weight.shape[1] != row.shape[1]:
             continue
         ref = ops.tiled_matmul(row, weight.t())
@@ -151,7 +151,7 @@ def test_a_tile_height_with_other_bits_is_left_out_of_the_ladder(tiny_dir: Path,
 
     monkeypatch.setattr(ops, "tiled_matmul", off_at_64)
     model = Decoder.from_dir(tiny_dir)
-    ladder = exactness.choose_row_tiles(exactness._model_weights(model), [1])
+    ladder = tiles.choose_row_tiles(tiles.model_weights(model), [1])
     assert 64 not in ladder and ops.ROW_TILE in ladder
 
 
@@ -166,7 +166,7 @@ def test_an_attention_tile_height_with_other_bits_is_left_out_of_its_ladder(monk
         return out * (1 + 2**-20) if t == 64 else out
 
     monkeypatch.setattr(ops, "_chunked_attention", off_at_64)
-    ladder = exactness.choose_attention_tiles(6, 2, 16, torch.float32, torch.device("cpu"), [1])
+    ladder = tiles.choose_attention_tiles(6, 2, 16, torch.float32, torch.device("cpu"), [1])
     assert 64 not in ladder and ops.ATTN_ROW_TILE in ladder
 
 

@@ -15,8 +15,8 @@ import torch
 
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout
-from lathe.models.exactness import choose_direct_tiles, choose_row_tiles
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights, _lone_tile
+from lathe.models.tiles import choose_direct_tiles, choose_row_tiles
 
 KEYS = {(0, "q_proj"): (96, 96), (0, "down_proj"): (1536, 96), (-1, "lm_head"): (96, 49152)}
 

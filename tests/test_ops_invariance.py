@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels import ops
-from lathe.models.exactness import choose_attention_tiles, choose_direct_tiles
+from lathe.models.tiles import choose_attention_tiles, choose_direct_tiles
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -1,0 +1,280 @@
+"""Choosing the tiles of a pool's batch-invariant ops on this machine: values handed to the decoder
+(``Decoder.ladder``, ``grad_ladder``, ``lora_ladders``, ``attn_tiles``), which ``lathe.models.exactness`` then checks.
+
+Why per machine: batch invariance is a property of the kernel library's code paths here, not of Lathe's code alone
+(``lathe.kernels.ops`` explains the tiles). ``choose_ladder`` picks an ``ops.Ladder`` for the linears: the heights
+run as direct products (``ops.DIRECT_TILE_CANDIDATES``) and the ladder of tile heights (the reference tile
+``ops.ROW_TILE`` plus each of ``ops.ROW_TILE_CANDIDATES``), each admitted only where its rows are bitwise the
+reference tile's for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread
+count; ``choose_lone`` then times the admitted ways of running a lone decode row and keeps the faster (the one
+choice made by time, as it cannot change a bit); ``choose_attention_tiles`` picks prefill attention's row tiles
+(``ops.ATTN_ROW_TILE``, the one decode uses, plus each of ``ops.ATTN_TILE_CANDIDATES`` whose prefill and chunked
+prefill have its bits). Every choice but the lone row's is made by bits, so one machine and library always choose
+the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from lathe.kernels import ops
+from lathe.models.decoder import Decoder
+from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, module_shape
+
+BATCH_ROWS = (1, 3, 13, 17, 64, 300)
+"""Row counts of the batches each op's rows are compared in: a lone row, counts that leave a tile part full, and
+several tiles' worth."""
+
+ATTENTION_LENGTH = 300
+"""Keys of the attention check: past 256, where one long key reduction changed bits (measured)."""
+
+ATTENTION_SPLITS = (0, 1, 4, 17, 64, 150, 257, ATTENTION_LENGTH)
+"""Where the attention checks cut the sequence into chunked prefills (each part at its own offset)."""
+
+
+def default_threads(model: Decoder) -> list[int]:
+    """The thread counts a pool checks: 1 and torch's current count on CPU, the current count elsewhere."""
+    if model.device.type == "cpu":
+        return sorted({1, torch.get_num_threads()})
+    return [torch.get_num_threads()]
+
+
+def head_block(head: torch.Tensor) -> torch.Tensor:
+    """The LM head's ``[V, K]`` weight cut to its first column block of products (its first ``ops.col_cap`` rows,
+    or all of a head narrower than that): a slice whose products have the whole head's shapes, which
+    ``choose_row_tiles`` tries instead of the whole vocabulary."""
+    return head[:ops.col_cap(head.shape[1], head.element_size())]
+
+
+def model_weights(model: Decoder) -> list[torch.Tensor]:
+    """One ``[N, K]`` base weight per distinct shape of layer 0, and the LM head's ``head_block`` (the self-check
+    then runs the whole head with the chosen ladder)."""
+    shapes: dict[tuple[int, int], torch.Tensor] = {}
+    for target in ATTN_TARGETS + MLP_TARGETS:
+        block = "self_attn" if target in ATTN_TARGETS else "mlp"
+        weight = model.w[f"model.layers.0.{block}.{target}.weight"]
+        shapes.setdefault(tuple(weight.shape), weight)
+    return [*shapes.values(), head_block(model.lm_head)]
+
+
+def backward_weights(model: Decoder) -> list[torch.Tensor]:
+    """The operands of the linears' backward products, dX = dY @ W, as ``[K, N]`` weights (what
+    ``choose_row_tiles`` takes): each distinct layer shape, and the whole LM head (its backward reduces over
+    the vocabulary, so a slice would not have its shapes)."""
+    layers = model_weights(model)[:-1]
+    return [w.t() for w in (*layers, model.lm_head)]
+
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _RowTrial:
+    """Row pools for ``weights`` and their reference tile's products at each thread count, computed once; ``agrees``
+    tries a way of computing the products against them."""
+
+    def __init__(self, weights: list[torch.Tensor], threads: list[int], seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.weights, self.threads = [w.t() for w in weights], threads
+        self.pools = [torch.randn(BATCH_ROWS[-1], w.shape[0], generator=gen).to(w.dtype) for w in self.weights]
+        self.refs: dict[int, list[torch.Tensor]] = {}
+        for n in threads:
+            with at_threads(n), torch.no_grad():
+                pairs = zip(self.weights, self.pools, strict=True)
+                self.refs[n] = [ops.tiled_matmul(p, w, tile=ops.ROW_TILE) for w, p in pairs]
+
+    def agrees(self, product: Product) -> bool:
+        """Whether ``product(x, w)`` gives every row the reference tile's bits, for every weight at every thread
+        count: the whole pool, the pool shifted by one row (every row at the next position of its tile) and two
+        lone rows."""
+        starts_stops = ((0, BATCH_ROWS[-1]), (1, BATCH_ROWS[-1]), (0, 1), (1, 2))
+        for n in self.threads:
+            with at_threads(n):
+                for w, pool, ref in zip(self.weights, self.pools, self.refs[n], strict=True):
+                    if any(differing(product(pool[a:b], w), ref[a:b]) for a, b in starts_stops):
+                        return False
+        return True
+
+
+def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
+    """The tile ladder for ``linear`` on this machine: ``ops.ROW_TILE`` and every ``ops.ROW_TILE_CANDIDATES``
+    height whose rows are bitwise the reference tile's for each ``[N, K]`` weight at each thread count.
+
+    Decided by bits, not by timing, so the same machine and library always choose the same ladder. Off
+    the CPU the products do not use row tiles, so the ladder is the reference tile alone.
+    """
+    if any(w.device.type != "cpu" for w in weights):
+        return (ops.ROW_TILE,)
+    return _tile_ladder(_RowTrial(weights, threads, seed))
+
+
+def _tile_ladder(trial: _RowTrial, below: int | None = None) -> tuple[int, ...]:
+    """The reference tile and each admitted candidate height (only those under ``below`` when given)."""
+    candidates = [t for t in ops.ROW_TILE_CANDIDATES if below is None or t < below]
+    with torch.no_grad():
+        chosen = [t for t in candidates if trial.agrees(lambda x, w, t=t: ops.tiled_matmul(x, w, tile=t))]
+    return tuple(sorted({ops.ROW_TILE, *chosen}))
+
+
+def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
+    """The heights of ``ops.DIRECT_TILE_CANDIDATES`` whose direct products (``ops.direct_matmul``: one plain
+    library product per tile, its own threads) give every row the reference tile's bits for each ``[N, K]``
+    weight at each thread count; empty off the CPU.
+
+    Where a kernel library computes a row from that row alone whatever the height (measured on an AVX-512 EPYC:
+    fp32 from 4 rows, bf16 from 1 for most shapes), a pool then runs its linears as the library's own products
+    instead of one-thread products padded to 16-row tiles. Decided by bits, like ``choose_row_tiles``.
+    """
+    if any(w.device.type != "cpu" for w in weights):
+        return ()
+    return _direct_heights(_RowTrial(weights, threads, seed))
+
+
+def _direct_heights(trial: _RowTrial) -> tuple[int, ...]:
+    # lone=0: the rows a height leaves over (the trial's lone rows among them) are zero-padded to a tile of it,
+    # so an admitted height admits that way of running them too (``choose_lone``)
+    with torch.no_grad():
+        return tuple(h for h in ops.DIRECT_TILE_CANDIDATES
+                     if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,), lone=0)))
+
+
+def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too: bool = False) -> ops.Ladder:
+    """The ``ops.Ladder`` of ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` where no direct height
+    was admitted. With one, the tile ladder serves only the rows fewer than its smallest height, as a way for
+    ``choose_lone`` to time: where ``tiles_too`` asks for it, only heights under the reference tile are tried (a
+    taller tile is never the faster way to run a lone row). ``lone`` is the reference tile. One trial (row pools
+    and reference products) serves both choices."""
+    if any(w.device.type != "cpu" for w in weights):
+        return ops.REFERENCE
+    trial = _RowTrial(weights, threads, seed=0)
+    direct = _direct_heights(trial)
+    if not direct:
+        return ops.Ladder(_tile_ladder(trial), direct)
+    return ops.Ladder(_tile_ladder(trial, below=ops.ROW_TILE) if tiles_too else (ops.ROW_TILE,), direct)
+
+
+def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Ladder:
+    """The ladder of ``model``'s LoRA products at ``rank`` (what ``LoraBatch.delta_per_segment`` runs a decode
+    step of one adapter over): ``choose_ladder`` on a shrink ``[rank, I]`` and an expand ``[O, rank]`` of every
+    target width, in the dtype LoRA computes in, the LM head's expand cut to its first column block as for the
+    base. A lone row is zero-padded to a direct tile (``lone=0``) where a height is admitted: a LoRA product is
+    so small that the way with the fewest ops is the faster one, so it is not timed.
+
+    Random weights stand for the adapters' (the bits depend on the shapes and the library's code paths, which
+    the weights' values do not choose; so one process chooses once per set of shapes); the rank's self-check
+    (``_lora_checks``) then runs the ladder."""
+    cfg = model.cfg
+    targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
+    ins = tuple(sorted({module_shape(cfg, t)[0] for t in targets}))
+    outs = tuple(sorted({module_shape(cfg, t)[1] for t in targets}))
+    return _lora_ladder(ins, outs, rank, torch.promote_types(model.dtype, torch.float32), model.device.type,
+                        tuple(threads))
+
+
+@functools.cache
+def _lora_ladder(ins: tuple[int, ...], outs: tuple[int, ...], rank: int, wide: torch.dtype, device: str,
+                 threads: tuple[int, ...]) -> ops.Ladder:
+    gen = torch.Generator().manual_seed(rank)
+    shrinks = [torch.randn(rank, i, generator=gen) for i in ins]
+    expands = [torch.randn(min(o, ops.col_cap(rank, wide.itemsize)), rank, generator=gen) for o in outs]
+    ladder = choose_ladder([w.to(device=device, dtype=wide) for w in shrinks + expands], list(threads))
+    return dataclasses.replace(ladder, lone=0) if ladder.direct else ladder
+
+
+def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Ladder:
+    """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
+    sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
+    ladder. Both give the reference tile's bits (the trial admitted each), so this choice, unlike the others, is
+    timed: it changes speed, never bits, and is not part of the fingerprint (``UNPRINTED``).
+
+    Why timed: which is faster depends on the library. Measured on an AVX-512 EPYC, MKL runs a 4-row fp32
+    product on one thread (the tiled way spreads a weight's column halves over two) while its bf16 products
+    of a few rows use both threads and tiled bf16 products have no fast kernel.
+    """
+    if not ladder.direct:
+        return ladder
+    names = [f"model.layers.{i}.{'self_attn' if t in ATTN_TARGETS else 'mlp'}.{t}.weight"
+             for i in range(model.cfg.num_layers) for t in ATTN_TARGETS + MLP_TARGETS]
+    weights = [model.w[n] for n in names] + [model.lm_head]  # more than a cache holds, streamed as in decode
+    rows = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(model.w[names[0]])
+            for k in {w.shape[1] for w in weights}}
+
+    def seconds(lone: int) -> float:
+        candidate = dataclasses.replace(ladder, lone=lone)
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for w in weights:
+                    ops.linear(rows[w.shape[1]], w, invariant=True, ladder=candidate)
+                best = min(best, time.perf_counter() - start)
+        return best
+
+    return dataclasses.replace(ladder, lone=min((0, min(ladder.tiles)), key=seconds))
+
+
+def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:
+    """Whether prefill attention in ``tile``-row tiles has the reference tile's bits, whole and in the chunked
+    prefills of ``ATTENTION_SPLITS`` (every part at its own offset, so rows sit at other tile positions)."""
+    scale = q.shape[-1] ** -0.5
+    for n in threads:
+        with at_threads(n):
+            ref = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True)
+            for s0, s1 in [(0, len(q)), *zip(ATTENTION_SPLITS, ATTENTION_SPLITS[1:], strict=False)]:
+                part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True,
+                                     tiles=(tile,))
+                if differing(part, ref[s0:s1]):
+                    return False
+    return True
+
+
+def choose_attention_tiles(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                           threads: list[int], seed: int = 0) -> tuple[int, ...]:
+    """Prefill attention's tile ladder on this machine: ``ops.ATTN_ROW_TILE`` and every
+    ``ops.ATTN_TILE_CANDIDATES`` height whose prefill rows are bitwise the reference tile's, for the model's
+    head shapes at each thread count. Decided by bits, like ``choose_row_tiles``; off the CPU the products do
+    not depend on row tiles, so the ladder is the reference tile alone.
+    """
+    if device.type != "cpu":
+        return (ops.ATTN_ROW_TILE,)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(ATTENTION_LENGTH, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    with torch.no_grad():
+        chosen = [t for t in ops.ATTN_TILE_CANDIDATES if _attention_tile_agrees(t, q, k, v, threads)]
+    return tuple(sorted({ops.ATTN_ROW_TILE, *chosen}))
+
+
+@contextmanager
+def at_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """Indices along dim 0 where a and b differ in any element (NaN equal to NaN)."""
+    same = (a == b) | (a.isnan() & b.isnan())
+    return same.reshape(a.shape[0], -1).all(-1).logical_not().nonzero().flatten().tolist()
+
+
+def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
+    """Set ``model``'s tiles for this machine: the linears' ladder with its lone-row way, the LoRA products' ladder
+    at ``lora_rank``, the backward products' ladder for a training pool (``backward``) and prefill attention's
+    tiles, each chosen at the thread counts the pool may use."""
+    threads = default_threads(model)
+    model.ladder = choose_lone(model, choose_ladder(model_weights(model), threads, tiles_too=True))
+    model.lora_ladders = {lora_rank: choose_lora_ladder(model, lora_rank, threads)}
+    if backward:
+        model.grad_ladder = choose_ladder(backward_weights(model), threads)
+    cfg = model.cfg
+    model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                                              model.device, threads)
