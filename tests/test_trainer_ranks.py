@@ -210,32 +210,22 @@ def test_an_unreachable_leader_fails_in_bounded_time_naming_it(tiny_dir: Path) -
     assert f"trainer rank 1: could not reach the pool's leader (rank 0) at 127.0.0.1:{port} within 2 s" in err
 
 
-def test_ranks_that_disagree_on_the_world_size_both_say_so(tiny_dir: Path) -> None:
+@pytest.mark.parametrize(("lead", "follow", "said"), [
+    (("--world-size", "2"), ("--world-size", "3"),
+     "world size mismatch in the pool at 127.0.0.1:{port}: rank 1 was started with world_size 3, rank 0 with 2"),
+    # ranks resolve --dtype auto each on its own device: unlike dtypes would compute unlike bits
+    (("--world-size", "2", "--dtype", "float32"), ("--world-size", "2", "--dtype", "bfloat16"),
+     "dtype mismatch in the pool at 127.0.0.1:{port}: rank 1 holds its base weights in bfloat16, rank 0 in float32"),
+], ids=["world-size", "dtype"])
+def test_ranks_that_disagree_both_say_so(tiny_dir: Path, lead: tuple[str, ...], follow: tuple[str, ...],
+                                         said: str) -> None:
     port = str(free_port())
-    leader = trainer_rank("--world-size", "2", "--rank", "0", "--master-port", port, "--rank-timeout-s", "20")
-    follower = trainer_rank("--world-size", "3", "--rank", "1", "--master-port", port, "--rank-timeout-s", "20")
+    leader = trainer_rank(*lead, "--rank", "0", "--master-port", port, "--rank-timeout-s", "20")
+    follower = trainer_rank(*follow, "--rank", "1", "--master-port", port, "--rank-timeout-s", "20")
     _, lead_err = leader.communicate(timeout=60)
     _, follow_err = follower.communicate(timeout=60)
     assert leader.returncode == EXIT_BAD_POOL
-    assert (f"trainer rank 0: world size mismatch in the pool at 127.0.0.1:{port}: rank 1 was started with "
-            "world_size 3, rank 0 with 2") in lead_err
-    assert follower.returncode in (EXIT_BAD_POOL, EXIT_RANK_LOST)  # it may find the leader gone already
-    assert "trainer rank 1: " in follow_err
-
-
-def test_ranks_that_hold_the_base_in_unlike_dtypes_both_say_so(tiny_dir: Path) -> None:
-    """Ranks resolve ``--dtype auto`` each on its own device: a pool whose ranks chose unlike dtypes would compute
-    unlike bits, so it does not form, and the leader says which rank holds what."""
-    port = str(free_port())
-    leader = trainer_rank("--world-size", "2", "--rank", "0", "--master-port", port, "--rank-timeout-s", "20",
-                          "--dtype", "float32")
-    follower = trainer_rank("--world-size", "2", "--rank", "1", "--master-port", port, "--rank-timeout-s", "20",
-                            "--dtype", "bfloat16")
-    _, lead_err = leader.communicate(timeout=60)
-    _, follow_err = follower.communicate(timeout=60)
-    assert leader.returncode == EXIT_BAD_POOL
-    assert (f"trainer rank 0: dtype mismatch in the pool at 127.0.0.1:{port}: rank 1 holds its base weights in "
-            "bfloat16, rank 0 in float32") in lead_err
+    assert "trainer rank 0: " + said.format(port=port) in lead_err
     assert follower.returncode in (EXIT_BAD_POOL, EXIT_RANK_LOST)  # it may find the leader gone already
     assert "trainer rank 1: " in follow_err
 
