@@ -11,12 +11,15 @@ equal bit for bit only between pools on the same kind of device.
 from __future__ import annotations
 
 import argparse
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
+
+from lathe.models.decoder import Decoder
 
 T = TypeVar("T")
 
@@ -102,3 +105,36 @@ def on_passing_thread(fn: Callable[..., T], *args: object, name: str = "lathe-po
     """
     with ThreadPoolExecutor(1, thread_name_prefix=name) as passing:
         return passing.submit(fn, *args).result()
+
+
+def load_decoder(path: Path | str, name: str, check: Callable[[str, Decoder], object], *, dtype: str, device: str,
+                 invariant: bool, sgmv: bool, checkpoint_layers: bool = False) -> Decoder:
+    """The base model at ``path`` as a pool serves it under ``name``: ``dtype`` weights on ``device``, the
+    invariant ops or the plain ones, LoRA through SGMV or not, its tiles chosen and self-checked by ``check``
+    (``PoolExactness.check``) before anyone computes with it. Both pools load their base models here."""
+    model = Decoder.from_dir(path, dtype=DTYPES[dtype], device=device, invariant=invariant,
+                             checkpoint_layers=checkpoint_layers)
+    model.sgmv = sgmv
+    check(name, model)
+    return model
+
+
+class OncePerName(Generic[T]):
+    """What a pool keeps per served base model, made by ``make(name)`` once, on first use or at warm-up, on a
+    passing thread (``on_passing_thread``) and under one lock, so that first uses at once make it once."""
+
+    def __init__(self, make: Callable[[str], T], thread_name: str) -> None:
+        self._make, self._thread_name = make, thread_name
+        self._made: dict[str, T] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> T:
+        with self._lock:
+            if name not in self._made:
+                self._made[name] = on_passing_thread(self._make, name, name=self._thread_name)
+            return self._made[name]
+
+    def values(self) -> list[T]:
+        """What is made so far."""
+        with self._lock:
+            return list(self._made.values())

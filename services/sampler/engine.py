@@ -58,7 +58,14 @@ from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, Resour
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
-from lathe.models.pool import DTYPES, check_device, default_device, on_passing_thread, resolve_dtype
+from lathe.models.pool import (
+    DTYPES,
+    OncePerName,
+    check_device,
+    default_device,
+    load_decoder,
+    resolve_dtype,
+)
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
@@ -200,12 +207,11 @@ class SamplerEngine:
         self.dtype = DTYPES[cfg.dtype]
         self.adapters = AdapterCache(source, cfg.adapter_cache)
         self.steps = 0
-        self._bases: dict[str, _Base] = {}
+        self._bases = OncePerName(self._load, "sampler-load-model")
         self.metrics = SamplerMetrics()
         self.exactness = PoolExactness("sampler", cfg.invariant,
                                        lambda name, exact: self.metrics.exactness.labels(model=name).set(exact))
         self._adapter_dtype = adapter_dtype(self.dtype, cfg.sgmv)
-        self._base_lock = threading.Lock()
         self._cond = threading.Condition()
         self._live: set[_Request] = set()
         self._queued = 0  # accepted and not yet admitted (being checked or waiting)
@@ -219,22 +225,17 @@ class SamplerEngine:
     # ---- models ----
 
     def base(self, name: str) -> _Base:
-        """The served base model ``name``, loaded on first use (``NotFound`` when not served), on a passing thread
-        (``on_passing_thread``: no thread but the scheduler's keeps OpenMP workers)."""
-        with self._base_lock:
-            if name not in self._bases:
-                self._bases[name] = on_passing_thread(self._load, name, name="sampler-load-model")
-            return self._bases[name]
+        """The served base model ``name`` and what decodes with it, made once (``OncePerName``; ``NotFound`` when
+        not served)."""
+        return self._bases.get(name)
 
     def _load(self, name: str) -> _Base:
         try:
             entry = self.catalog.resolve(name)
         except KeyError:
             raise NotFound(f"base_model {name!r} is not served by this sampler") from None
-        model = Decoder.from_dir(entry.path, dtype=self.dtype, device=self.cfg.device,
-                                 invariant=self.cfg.invariant)
-        model.sgmv = self.cfg.sgmv
-        self.exactness.check(name, model)
+        model = load_decoder(entry.path, name, self.exactness.check, dtype=self.cfg.dtype, device=self.cfg.device,
+                             invariant=self.cfg.invariant, sgmv=self.cfg.sgmv)
         tok_file = Path(entry.path) / "tokenizer.json"
         cfg = model.cfg
         limits = ModelLimits(
@@ -274,7 +275,7 @@ class SamplerEngine:
         """The KV pools over every base model: blocks free or cached (``available``: evictable), reserved by
         running requests, and the full prompt blocks found cached (``prefix_hits``) or not (``prefix_misses``)."""
         with self._cond:
-            bases = list(self._bases.values())
+            bases = self._bases.values()
             return {"available": sum(b.kv.blocks.available for b in bases),
                     "reserved": sum(b.kv_reserved for b in bases),
                     "prefix_hits": sum(b.kv.blocks.hits for b in bases),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -21,7 +20,7 @@ from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, default_seed, values_per_rank
-from lathe.models.pool import DTYPES, on_passing_thread
+from lathe.models.pool import OncePerName, load_decoder
 from lathe.trainer.bank import Adapter, read_state
 from lathe.trainer.config import TrainerConfig
 from lathe.trainer.optim_state import check_family, family_of
@@ -52,28 +51,20 @@ def lora_cost(path: Path) -> pb.LoraCost:
 class BaseModels:
     def __init__(self, cfg: TrainerConfig, catalog: ModelCatalog, exactness: PoolExactness) -> None:
         self.cfg, self.catalog, self.exactness = cfg, catalog, exactness
-        self._loaded: dict[str, Decoder] = {}
-        self._lock = threading.Lock()  # one load (and self-check) per base model, warm-up included
+        self._loaded = OncePerName(self._load, "trainer-load")
 
     def get(self, name: str) -> Decoder:
-        """The served base model ``name``, loaded (and self-checked) once, on first use or at warm-up, on a
-        passing thread (``on_passing_thread``: no thread but the cycle's keeps OpenMP workers)."""
-        with self._lock:
-            if name not in self._loaded:
-                self._loaded[name] = on_passing_thread(self._load, name, name="trainer-load")
-            return self._loaded[name]
+        """The served base model ``name``, loaded and self-checked once (``OncePerName``)."""
+        return self._loaded.get(name)
 
     def _load(self, name: str) -> Decoder:
         try:
             entry = self.catalog.resolve(name)
         except KeyError as e:
             raise NotFound(str(e.args[0]) if e.args else f"unknown base model {name!r}") from None
-        model = Decoder.from_dir(entry.path, dtype=DTYPES[self.cfg.dtype], device=self.cfg.device,
-                                 invariant=self.cfg.invariant,
-                                 checkpoint_layers=self.cfg.activation_checkpointing)
-        model.sgmv = self.cfg.sgmv
-        self.exactness.check(name, model)
-        return model
+        c = self.cfg
+        return load_decoder(entry.path, name, self.exactness.check, dtype=c.dtype, device=c.device,
+                            invariant=c.invariant, sgmv=c.sgmv, checkpoint_layers=c.activation_checkpointing)
 
     def capabilities(self) -> pb.ServerCapabilities:
         """Every served model with its length, this pool's exactness report and its LoRA cost."""
