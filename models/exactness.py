@@ -169,6 +169,12 @@ class PoolExactness:
         report = self.reports.get(name)
         return report.fields() if report is not None else {"checked": False}
 
+    def stamp(self, name: str) -> tuple[str, bool]:
+        """What every receipt of a pass on ``name`` carries: its fingerprint and whether it passed ("", False
+        before the model is loaded)."""
+        report = self.reports.get(name)
+        return (report.fingerprint, report.exact) if report is not None else ("", False)
+
 
 UNPRINTED = ("lone_tile", "lora_direct_tiles")
 """Keys of ``tiles`` left out of the fingerprint: the lone row's way, chosen by time among ways of equal bits, and

@@ -76,9 +76,9 @@ from lathe.sampler.sampling import choose, generator
 from lathe.sampler.slots import BGMV, SlotPool
 from lathe.sampler.step import Item, ItemOut, run_step
 from lathe.sampler.validate import ModelLimits, Plan, check_sample
-from lathe.types import TensorData
+from lathe.types import Receipt, TensorData
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import error_to_proto, tensor_to_proto
+from lathe.wire import error_to_proto, receipt_to_proto, tensor_to_proto
 
 
 class CatalogEntry(Protocol):
@@ -560,13 +560,12 @@ class SamplerEngine:
         self._release_caches(r)
         now = time.monotonic()
         started = r.admitted or now
-        exactness = self.exactness.fields(r.req.base_model)
-        receipt = pb.Receipt(
-            request_id=r.req.request_id, seq_id=r.req.seq_id, cycle=r.step, dtype=self.cfg.dtype, op="sample",
+        fingerprint, exact = self.exactness.stamp(r.req.base_model)
+        receipt = receipt_to_proto(Receipt(
+            request_id=r.req.request_id, model_id="", seq_id=r.req.seq_id, cycle=r.step,
             tokens=(len(r.plan.prompt) + sum(len(s.tokens) for s in r.seqs)) if error is None else 0,
-            queued_s=started - r.arrived, run_s=now - started,
-            fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)),
-        )
+            adapter_step=0, queued_s=started - r.arrived, run_s=now - started, dtype=self.cfg.dtype, op="sample",
+            fingerprint=fingerprint, exact=exact))
         self.metrics.record_request(queued_s=receipt.queued_s, total_s=now - r.arrived, failed=error is not None)
         if error is not None:
             result = pb.SampleResult(receipt=receipt, error=error_to_proto(error))

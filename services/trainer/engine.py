@@ -588,12 +588,12 @@ class TrainerEngine:
         self.metrics.paged_adapters.set(self.bank.paged)
 
     def _finish(self, m: _Model, item: Pending, cycle: int, start: float, result: Result, tokens: int = 0) -> None:
-        exactness = self.exactness.fields(self.bank.base_model(m.model_id))
+        fingerprint, exact = self.exactness.stamp(self.bank.base_model(m.model_id))
         result.receipt = Receipt(
             request_id=item.op.request_id, model_id=item.op.model_id, seq_id=item.seq_id, cycle=cycle,
             tokens=tokens, adapter_step=self.bank.get(m.model_id).step, queued_s=start - item.arrived,
-            run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.kind,
-            fingerprint=str(exactness.get("fingerprint", "")), exact=bool(exactness.get("exact", False)))
+            run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.kind, fingerprint=fingerprint,
+            exact=exact)
         if self.store is not None:
             self._snapshot(m, item, result)  # before the answer, which it records
         self.metrics.wait_seconds.observe(max(0.0, start - item.arrived))
