@@ -100,7 +100,7 @@ class Registry:
         check_no_project("project_id", project_id)
         if limit < 0 or offset < 0:
             raise InvalidArgument(f"limit and offset must be >= 0, got limit={limit} offset={offset}")
-        mine = sorted((r for r in self.runs.by_id.values() if r.tenant == tenant), key=lambda r: r.created_at)
+        mine = self.runs.of(tenant)
         return mine[offset:offset + (limit or 20)], len(mine)
 
     async def list_checkpoints(self, tenant: str, run_id: str, limit: int, offset: int

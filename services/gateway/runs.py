@@ -93,6 +93,10 @@ class Runs:
         r = self.find_any(model_id)
         return r if r is not None and r.tenant == tenant else None
 
+    def of(self, tenant: str) -> list[Run]:
+        """The tenant's runs known here, oldest first."""
+        return sorted((r for r in self.by_id.values() if r.tenant == tenant), key=lambda r: r.created_at)
+
     def get(self, tenant: str, model_id: str) -> Run:
         r = self.find(tenant, model_id)
         if r is None:
