@@ -250,7 +250,8 @@ def _lone_tile(t: torch.Tensor, w: torch.Tensor, blocks: list[tuple[int, int]]) 
     return torch.cat([y, _bmm(t[None], w[None, :, c0:])[0]], dim=1)
 
 
-def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lone: int = ROW_TILE) -> torch.Tensor:
+def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lone: int = ROW_TILE,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w as direct products; x [M, K], w [K, N] -> y [M, N].
 
     Rows are cut largest height first (each height taking as many whole tiles as fit) and each tile is one
@@ -259,7 +260,8 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     as ``tiled_matmul`` with tiles of ``lone`` rows, or, with ``lone=0``, zero-padded to one direct tile of the
     smallest height. A row's bits are the reference tile's only on a machine where the pool's self-check
     admitted ``heights`` (``choose_direct_tiles``, whose trial runs this function with ``lone=0``) and ``lone``
-    (a height of its tile ladder).
+    (a height of its tile ladder). With ``packed`` (``prepack(w.T, smallest height)``), a zero-padded lone tile is
+    multiplied by that copy instead of ``w`` (``prepacked_tile``; the pool admits it by bits: ``choose_packed``).
     """
     x = x.contiguous()  # the rows' layout the self-check admitted the heights with
     m = x.shape[0]
@@ -271,7 +273,9 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     smallest = min(heights, default=0)
 
     def padded(rows: torch.Tensor) -> torch.Tensor:  # fewer than ``smallest``: one zero-padded tile, sliced back
-        return product(F.pad(rows, (0, 0, 0, smallest - rows.shape[0])), x.new_empty(smallest, n))[:rows.shape[0]]
+        tile = F.pad(rows, (0, 0, 0, smallest - rows.shape[0]))
+        y = product(tile, x.new_empty(smallest, n)) if packed is None else prepacked_tile(tile, packed)
+        return y[:rows.shape[0]]
 
     if m < smallest and not lone:  # a decode step's lone row: its product is a view of the padded tile's
         return padded(x)
@@ -287,6 +291,24 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     elif start < m:
         y[start:] = tiled_matmul(x[start:], w, tile=lone or ROW_TILE)
     return y
+
+
+def prepack(weight: torch.Tensor, height: int) -> torch.Tensor | None:
+    """``weight`` [N, K] packed once by oneDNN for products of ``height`` rows (``prepacked_tile``), or None where
+    this torch build has no such packing or ``weight`` is wider than one column block (``direct_tile`` cuts those,
+    and the packed product would not). CPU only."""
+    n, k = weight.shape
+    if weight.device.type != "cpu" or n > col_cap(k, weight.element_size()) \
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, height)
+
+
+def prepacked_tile(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """rows [h, K] @ the weight ``packed`` holds (``prepack``) -> [h, N]: one oneDNN product on a weight packed
+    once, where ``direct_tile`` packs it again for every product. Its rows have ``direct_tile``'s bits only where
+    a pool's trial found so (``lathe.models.tiles.choose_packed``)."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, None, "none", [], "")
 
 
 def lone_height(ladder: Ladder, rows: int, device: torch.device) -> int:
@@ -331,7 +353,8 @@ def row_groups(rows: int, tiles: tuple[int, ...], least: int = 1) -> list[tuple[
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool,
-           ladder: Ladder = REFERENCE, grad_ladder: Ladder = REFERENCE) -> torch.Tensor:
+           ladder: Ladder = REFERENCE, grad_ladder: Ladder = REFERENCE, packed: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """y = x @ weight.T + bias; x [..., K], weight [N, K], bias [N] or None -> y [..., N].
 
     Invariant mode flattens the leading dims to M rows. With ``ladder.direct`` heights (CPU), rows run as
@@ -340,7 +363,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     added after. Mixing heights keeps a row's bits only where every height gives the reference tile's bits: the
     self-check picks the ladder per machine and verifies that. Differentiable in both modes: in invariant mode
     backward's dX = dY @ weight runs over its own ladder, ``grad_ladder``, admitted by bits on the transposed
-    products (``_InvariantLinear``).
+    products (``_InvariantLinear``). ``packed``: ``weight``'s prepacked copy (``prepack``), which a lone row runs
+    through out of autograd where the pool admitted that way (``direct_matmul``).
     """
     if not invariant:
         return F.linear(x, weight, bias)
@@ -348,18 +372,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _InvariantLinear.apply(rows, weight, ladder, grad_ladder)
     else:
-        y = _tiled_linear(rows, weight, ladder)
+        y = _tiled_linear(rows, weight, ladder, packed)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder) -> torch.Tensor:
+def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder, packed: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """rows [M, K] @ weight.T as ``direct_matmul`` over ``ladder.direct`` (CPU), else over
     ``row_groups(M, ladder.tiles)`` -> [M, N]."""
     w = weight.t()
     if ladder.direct and rows.device.type == "cpu":
-        return direct_matmul(rows, w, ladder.direct, ladder.lone)
+        return direct_matmul(rows, w, ladder.direct, ladder.lone, packed)
     least = torch.get_num_threads() if rows.device.type == "cpu" else 1
     groups = row_groups(rows.shape[0], ladder.tiles, least)
     parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in groups]

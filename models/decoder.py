@@ -104,6 +104,7 @@ class Decoder(torch.nn.Module):
         self.grad_ladder = ops.REFERENCE  # the same for their backward, in a trainer pool
         self.lora_ladders: dict[int, ops.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
         self.attn_tiles = (ops.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
+        self.packed: dict[str, torch.Tensor] = {}  # layer weights prepacked for lone decode rows, once admitted
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -142,7 +143,7 @@ class Decoder(torch.nn.Module):
 
     def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraDeltas | None) -> torch.Tensor:
         y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant,
-                       ladder=self.ladder, grad_ladder=self.grad_ladder)
+                       ladder=self.ladder, grad_ladder=self.grad_ladder, packed=self.packed.get(name + ".weight"))
         if lora is not None:
             d = lora.delta(key, x, self.lora_ladders)
             if d is not None:

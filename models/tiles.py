@@ -198,8 +198,7 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Lad
     """
     if not ladder.direct:
         return ladder
-    names = [f"model.layers.{i}.{'self_attn' if t in ATTN_TARGETS else 'mlp'}.{t}.weight"
-             for i in range(model.cfg.num_layers) for t in ATTN_TARGETS + MLP_TARGETS]
+    names = _layer_weight_names(model)
     weights = [model.w[n] for n in names] + [model.lm_head]  # more than a cache holds, streamed as in decode
     rows = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(model.w[names[0]])
             for k in {w.shape[1] for w in weights}}
@@ -216,6 +215,62 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Lad
         return best
 
     return dataclasses.replace(ladder, lone=min((0, min(ladder.tiles)), key=seconds))
+
+
+def _layer_weight_names(model: Decoder) -> list[str]:
+    return [f"model.layers.{i}.{'self_attn' if t in ATTN_TARGETS else 'mlp'}.{t}.weight"
+            for i in range(model.cfg.num_layers) for t in ATTN_TARGETS + MLP_TARGETS]
+
+
+def packed_agrees(model: Decoder, threads: list[int]) -> bool:
+    """Whether lone rows zero-padded to ``model.ladder``'s smallest direct height come out of ``ops.prepacked_tile``
+    bitwise as out of ``ops.direct_tile``, for each distinct layer weight shape at every thread count (False
+    where this torch has no oneDNN packing)."""
+    height = min(model.ladder.direct)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in {tuple(model.w[n].shape): n for n in _layer_weight_names(model)}.values():
+            weight = model.w[name]
+            packed = ops.prepack(weight, height)
+            if packed is None:
+                return False
+            for row in torch.randn(3, weight.shape[1], generator=gen).to(weight.dtype):
+                tile = torch.nn.functional.pad(row[None], (0, 0, 0, height - 1))
+                for n in threads:
+                    with at_threads(n):
+                        if differing(ops.prepacked_tile(tile, packed), ops.direct_tile(tile, weight.t())):
+                            return False
+    return True
+
+
+def choose_packed(model: Decoder, threads: list[int], repeats: int = 3) -> dict[str, torch.Tensor]:
+    """Prepacked copies of ``model``'s layer weights (``ops.prepack``) for its lone decode rows, by weight name, or
+    none. Where ``model.ladder`` zero-pads a lone row to a direct tile (``lone=0``), the library packs every weight
+    again for each of those products; multiplying by a copy packed once is faster where it has the tile's bits.
+
+    Admitted by bits first (``packed_agrees``; measured on an AVX-512 EPYC: equal in bf16, not in fp32), then
+    timed, like ``choose_lone``, over every layer weight streamed as in decode, and kept only where faster. The
+    copies cost the layer weights' bytes again (a sampling pool only). Not part of the fingerprint
+    (``UNPRINTED``): it changes speed, never bits."""
+    ladder = model.ladder
+    if model.device.type != "cpu" or not ladder.direct or ladder.lone or not packed_agrees(model, threads):
+        return {}
+    height, names = min(ladder.direct), _layer_weight_names(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        copies = {n: ops.prepack(model.w[n], height) for n in names}
+        rows = {k: torch.randn(1, k, generator=gen).to(model.dtype) for k in {model.w[n].shape[1] for n in names}}
+
+        def seconds(use: dict[str, torch.Tensor]) -> float:
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for n in names:
+                    ops.linear(rows[model.w[n].shape[1]], model.w[n], invariant=True, ladder=ladder, packed=use.get(n))
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        return copies if seconds(copies) < seconds({}) else {}
 
 
 def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:
@@ -268,10 +323,13 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
 
 def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
     """Set ``model``'s tiles for this machine: the linears' ladder with its lone-row way, the LoRA products' ladder
-    at ``lora_rank``, the backward products' ladder for a training pool (``backward``) and prefill attention's
-    tiles, each chosen at the thread counts the pool may use."""
+    at ``lora_rank``, the backward products' ladder for a training pool (``backward``) or, for a sampling pool, the
+    prepacked layer weights of its lone decode rows, and prefill attention's tiles, each chosen at the thread
+    counts the pool may use."""
     threads = default_threads(model)
     model.ladder = choose_lone(model, choose_ladder(model_weights(model), threads, tiles_too=True))
+    if not backward:
+        model.packed = choose_packed(model, threads)
     model.lora_ladders = {lora_rank: choose_lora_ladder(model, lora_rank, threads)}
     if backward:
         model.grad_ladder = choose_ladder(backward_weights(model), threads)

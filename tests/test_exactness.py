@@ -118,6 +118,32 @@ def test_a_pool_times_the_ways_of_running_a_lone_row_and_both_keep_the_reference
     assert len(prints) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prepacked_lone_rows_are_used_only_where_they_keep_the_padded_tiles_bits(tiny_dir: Path,
+                                                                                 dtype: torch.dtype) -> None:
+    """``choose_packed`` gives a sampling pool's lone decode rows prepacked layer weights only where
+    ``packed_agrees`` found their products bitwise the zero-padded direct tile's. Where they agree, a decoded lone
+    row's logprobs through the copies equal those without, bit for bit; where they do not (or lone rows run in
+    tiles), the pool gets none; a training pool never does."""
+    model = Decoder.from_dir(tiny_dir, dtype=dtype)
+    tiles.choose_tiles(model, 8, backward=True)
+    assert model.packed == {}
+    tiles.choose_tiles(model, 8, backward=False)
+    usable = model.ladder.direct and not model.ladder.lone and tiles.packed_agrees(model, [1, 2])
+    if not usable:
+        assert model.packed == {}
+        return
+    assert set(model.packed) <= set(tiles._layer_weight_names(model))
+    copies = {n: ops.prepack(model.w[n], min(model.ladder.direct)) for n in tiles._layer_weight_names(model)}
+    adapters = exactness._adapters(model, 8, torch.Generator().manual_seed(4))
+    out = []
+    for packed in ({}, copies):  # one token alone: every linear runs a lone row
+        model.packed = packed
+        with torch.no_grad():
+            out.append(exactness._logprobs(model, [[5]], [[3]], exactness._layout([1], adapters[:1])))
+    assert torch.equal(out[0], out[1])
+
+
 def test_each_adapter_rank_gets_a_lora_ladder_whose_lone_rows_have_the_reference_bits(tiny_dir: Path) -> None:
     """A pool chooses the LoRA products' ladder of its own rank at start and of each new rank before its first
     pass; a decode step of one adapter (one segment, no autograd) runs over it with the reference tile's bits."""
@@ -184,7 +210,7 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
                           "direct_tiles": [], "grad_direct_tiles": [], "lone_tile": ops.ROW_TILE,
-                          "lora_direct_tiles": {},
+                          "lone_packed": False, "lora_direct_tiles": {},
                           "attn_row_tile": ops.ATTN_ROW_TILE,
                           "attn_row_tiles": [ops.ATTN_ROW_TILE], "key_chunk": ops.KEY_CHUNK,
                           "col_block_bytes": ops.COL_BLOCK_BYTES}
