@@ -1,13 +1,14 @@
-"""A lone decode row's base products: the pool's way today vs oneDNN's prepacked weights (a candidate, not used yet).
+"""A lone decode row's base products: the zero-padded direct tile vs oneDNN's prepacked weights.
 
 A sequence decoding alone runs every base linear on one row. Where the self-check admits no direct height of 1
 (bf16 on an AVX-512 EPYC: the smallest admitted height is 4), the row is zero-padded to a 4-row direct tile, and
 the library packs each weight again for every product. oneDNN can pack a weight once
-(``torch.ops.mkldnn._reorder_linear_weight``) and multiply by the packed copy (``_linear_pointwise``). This script
-runs, over every layer weight of SmolLM2-135M (streamed from memory, as in decode): the 4-row product as the
-pool runs it, the same rows through the prepacked weights, and a plain 1-row product (what transformers runs), and
-says whether the prepacked rows are bitwise the 4-row tile's at each thread count (what a pool would have to check
-before using them). Best of --repeats, each way in turn.
+(``torch.ops.mkldnn._reorder_linear_weight``) and multiply by the packed copy (``_linear_pointwise``); a sampling
+pool does so where its trial admits it (``lathe.models.tiles.choose_packed``). This script runs, over every layer
+weight of SmolLM2-135M (streamed from memory, as in decode): the 4-row product as the pool runs it, the same rows
+through the prepacked weights, and a plain 1-row product (what transformers runs), and says whether the prepacked
+rows are bitwise the 4-row tile's at each thread count (what the pool checks first). Best of --repeats, each way
+in turn.
 
 Run it alone: other processes on the same cores distort these timings badly.
 Run: .venv/bin/python bench/bench_prepacked.py [--dtype bfloat16 --threads 1 2 --repeats 7]
