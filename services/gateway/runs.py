@@ -231,7 +231,7 @@ class Runs:
         trainer_op = pb.TrainerOp(model_id=model_id, seq_id=seq_id, request_id=entry.request_id, tenant=tenant,
                                   max_checkpoint_bytes=self.quotas.of(tenant).max_checkpoint_bytes, **op)
         holder = self.ledger.record(entry, Operation(entry.request_id, tenant, model_id, seq_id, next(iter(op)),
-                                               trainer_op.SerializeToString(), sampling_seq_id), run)
+                                                     trainer_op.SerializeToString(), sampling_seq_id), run)
         if holder == entry.request_id:
             self.ledger.spawn(entry, self.ledger.remember(entry, (model_id, seq_id), work(run, trainer_op)))
         return pb.SubmitResponse(request_id=holder, model_id=model_id)

@@ -161,8 +161,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     @authed
     async def ListSessions(self, request: pb.ListSessionsRequest, tenant: str) -> pb.ListSessionsResponse:
-        return pb.ListSessionsResponse(session_ids=self.core.registry.list_sessions(tenant, request.limit or 20,
-                                                                           request.offset))
+        page = self.core.registry.list_sessions(tenant, request.limit or 20, request.offset)
+        return pb.ListSessionsResponse(session_ids=page)
 
     @authed
     async def GetSession(self, request: pb.GetSessionRequest, tenant: str) -> pb.SessionInfo:
@@ -234,7 +234,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             note = export_note(list(request.age_encryption_recipients) or None, request.name,
                                _optional(request, "ttl_seconds"))
         return await self.core.runs.submit(tenant, request.model_id, request.seq_id,
-                                      save=Downloads.staging_save(request.model_id, request.seq_id, note))
+                                           save=Downloads.staging_save(request.model_id, request.seq_id, note))
 
     @authed
     async def GetExternalWeightsUrls(self, request: pb.ExternalWeightsUrlsRequest, tenant: str

@@ -577,5 +577,5 @@ class TinkerHttpDoor:
 
     async def weights_info(self, request: Request, tenant: str) -> dict[str, Any]:
         """``Registry.weights_info`` (without the checkpoint's run in the registry, Tinker's default: AdamW)."""
-        return tj.weights_info(await self.core.registry.weights_info(tenant, (await self._fields(request))
-                                                             .get("tinker_path", str)))
+        path = (await self._fields(request)).get("tinker_path", str)
+        return tj.weights_info(await self.core.registry.weights_info(tenant, path))
