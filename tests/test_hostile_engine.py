@@ -16,8 +16,8 @@ from lathe.errors import InvalidArgument, ResourceExhausted, Unavailable
 from lathe.gateway.core import GatewayCore
 from lathe.gateway.records import Run
 from lathe.models.catalog import ModelCatalog
-from lathe.trainer import engine as engine_mod
 from lathe.trainer import intake
+from lathe.trainer import runner as runner_mod
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
 from tests.test_trainer_engine import submit
@@ -126,7 +126,7 @@ def test_creating_an_adapter_mid_cycle_never_pages_out_the_cycles_own(model_cach
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for one resident adapter, another tenant's create_adapter lands while "a" is in its
     backward: a's gradients must stay on a's resident adapter, so its step equals an undisturbed run's."""
-    real = engine_mod.run_jobs
+    real = runner_mod.run_jobs
     ref, eng = _engine(model_cache), _engine(model_cache, max_resident_adapters=1, page_store=str(tmp_path))
     for e in (ref, eng):
         _create(e, "a")
@@ -135,10 +135,10 @@ def test_creating_an_adapter_mid_cycle_never_pages_out_the_cycles_own(model_cach
         _create(eng, "intruder", tenant="other")
         return real(model, jobs)
 
-    monkeypatch.setattr(engine_mod, "run_jobs", with_intruder)
+    monkeypatch.setattr(runner_mod, "run_jobs", with_intruder)
     futs = [submit(eng, _fb("a", 1, [_datum(TOKENS)])), submit(eng, _opt("a", 2))]
     eng.run_cycle()
-    monkeypatch.setattr(engine_mod, "run_jobs", real)
+    monkeypatch.setattr(runner_mod, "run_jobs", real)
     ref_futs = [submit(ref, _fb("a", 1, [_datum(TOKENS)])), submit(ref, _opt("a", 2))]
     ref.run_cycle()
     assert [f.result(timeout=WAIT_S).WhichOneof("result") for f in futs + ref_futs] == [

@@ -8,8 +8,9 @@ one ``ops.Result`` per operation (an output or an error, and its receipt), throu
 Data path: ``submit(op)`` puts an operation into its model's ``Sequencer`` (strict ``seq_id`` order, exactly
 once) and returns a future; a ``Skip`` is answered at once and its seq_id passed over. The cycle thread
 repeatedly takes, for every model, its next operations in order: at most one forward / forward_backward plus
-the optim_step right behind it, or one save / load. Saves and loads run first; then all forward /
-forward_backward jobs of one base model run as ONE packed pass (``step.run_jobs``); then the due optim_steps.
+the optim_step right behind it, or one save / load; ``runner.CycleRunner`` runs the cycle: saves and loads first,
+then all forward / forward_backward jobs of one base model as ONE packed pass (``step.run_jobs``), then the due
+optim_steps.
 Each operation gets its own result and receipt. A failing operation (non-finite loss, a checkpoint that
 cannot be read) fails alone and changes nothing; so does one that trips over a bug: no exception stops the
 cycle thread. Should the thread end anyway, the operations still waiting get ``Unavailable`` and so does every
@@ -33,18 +34,17 @@ snapshot is due. Run creation and the capabilities still speak ``lathe.v1`` mess
 A pool of several ranks (``group``, ``lathe.trainer.dist``): this engine on rank 0 is the cycle leader and the
 only one with queues, a store and callers. Each cycle it fetches what its loads read, broadcasts the cycle as a
 ``lathe.trainer.plan.Plan`` (with the runs created since the last one), and every rank then runs the same
-``_execute``: controls, the packed pass split by adapter over the ranks (``lathe.trainer.shard``), optim_steps.
-A follower's engine applies the plans (``replay``), so every rank holds the same adapters bit for bit; only the
-leader writes checkpoints and snapshots. When a collective fails (``RankLost``) the leader answers every
-operation it holds with that retryable error, refuses new ones, and calls ``on_rank_lost`` (the process exits
-and the pool re-forms; docs/distributed.md). An idle leader broadcasts an empty plan every ``heartbeat_s``.
+``_execute`` (its ``CycleRunner``): controls, the packed pass split by adapter over the ranks
+(``lathe.trainer.shard``), optim_steps. A follower's engine applies the plans (``replay``), so every rank holds
+the same adapters bit for bit; only the leader writes checkpoints and snapshots. When a collective fails
+(``RankLost``) the leader answers every operation it holds with that retryable error, refuses new ones, and calls
+``on_rank_lost`` (the process exits and the pool re-forms; docs/distributed.md). An idle leader broadcasts an
+empty plan every ``heartbeat_s``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import logging
 import sys
 import threading
@@ -67,29 +67,20 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.pool import on_passing_thread
-from lathe.trainer import shard
 from lathe.trainer.bank import AdapterBank
 from lathe.trainer.config import TrainerConfig
-from lathe.trainer.custom_loss import reduce_metrics
 from lathe.trainer.cycle import Partial, Work, plan_cycle
 from lathe.trainer.dist import Group, RankLost
 from lathe.trainer.lifecycle import BaseModels, CheckpointStore, RunMaker
 from lathe.trainer.metrics import CycleMetrics
-from lathe.trainer.ops import ForwardBackward, Limits, Load, Op, OptimStep, Result, Save, Skip
-from lathe.trainer.optim_state import optim_step
+from lathe.trainer.ops import ForwardBackward, Limits, Op, Result, Skip
 from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.pages import DirPages
 from lathe.trainer.plan import Create, Files, Plan, Step
 from lathe.trainer.recovery import Record
-from lathe.trainer.step import Job, JobResult, run_jobs
+from lathe.trainer.runner import CycleRunner
 from lathe.types import (
-    ForwardBackwardOutput,
-    LoadWeightsResponse,
-    OptimStepResponse,
     Receipt,
-    SaveWeightsForSamplerResponse,
-    SaveWeightsResponse,
-    TensorData,
     recovery_path,
 )
 from lathe.v1 import lathe_pb2 as pb
@@ -151,6 +142,7 @@ class TrainerEngine:
         pages = DirPages(Path(cfg.page_store) if cfg.page_store else cfg.cache_root / "paged")
         self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.bases.get(name).cfg,
                                 cfg.device)
+        self.runner = CycleRunner(cfg, self.bank, self.bases, self.maker, self.metrics, group, self._finish)
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -496,7 +488,7 @@ class TrainerEngine:
         start = time.monotonic()
         try:
             for w in works:
-                self._fetch(w)
+                self.runner.fetch(w)
             if self.group is not None:
                 self._last_beat = start
                 self.group.broadcast(Plan(cycle, creates, [_step(w) for w in works]))
@@ -520,13 +512,7 @@ class TrainerEngine:
         Returns the tokens computed; raises only ``RankLost``."""
         tokens = 0
         try:
-            for w in works:
-                if w.control is not None:
-                    self._finish(w.run, w.control, cycle, start, self._control(w))
-            tokens = self._compute([w for w in works if w.compute is not None], cycle, start)
-            for w in works:
-                if w.optim is not None:
-                    self._finish(w.run, w.optim, cycle, start, self._optim(w.run, w.optim.op.body))
+            tokens = self.runner.run(works, cycle, start)
         except RankLost:
             raise
         except Exception as e:  # noqa: BLE001 - a bug fails this cycle's unanswered operations, not the thread
@@ -598,104 +584,3 @@ class TrainerEngine:
             self._snapshot(m, item, result)  # before the answer, which it records
         self.metrics.wait_seconds.observe(max(0.0, start - item.arrived))
         item.future.set_result(result)
-
-    def _compute(self, works: list[Work], cycle: int, start: float) -> int:
-        """One packed pass per base model over this cycle's forward / forward_backward parts."""
-        by_base: dict[str, list[Work]] = {}
-        for w in works:
-            by_base.setdefault(self.bank.base_model(w.run.model_id), []).append(w)
-        tokens = 0
-        for base, part in by_base.items():
-            jobs = [Job(self.bank.get(w.run.model_id).weights, w.compute.examples[w.part[0]:w.part[1]],
-                        w.compute.request.loss_fn, w.compute.request.loss_cfg, w.compute.request.backward,
-                        w.compute.request.custom)
-                    for w in part]
-            tokens += sum(len(x) for j in jobs for x in j.examples)
-            model = self.bases.get(base)
-            self.exactness.check_ranks(base, model, {j.weights.spec.rank for j in jobs})
-
-            # run_jobs never raises: a job that fails, fails alone (its cycle-mates' results are their own)
-            results = run_jobs(model, jobs) if self.group is None else \
-                shard.run_sharded(self.group, jobs, functools.partial(run_jobs, model))
-            for w, res in zip(part, results, strict=True):
-                self._absorb(w, res, cycle, start)
-        return tokens
-
-    def _absorb(self, w: Work, res: JobResult, cycle: int, start: float) -> None:
-        """Fold one part's result into its request; answer the request when it is done or failed."""
-        m, p = w.run, w.compute
-        if res.error is None:
-            p.logprobs += res.logprobs
-            p.loss += res.loss
-            p.metric_sums.update({k: p.metric_sums.get(k, 0.0) + v for k, v in res.metric_sums.items()})
-            p.done = w.part[1]
-            if not w.last_part:
-                return
-        elif p.grad_backup is not None:
-            for n, param in self.bank.get(m.model_id).weights.named_parameters().items():
-                param.grad = p.grad_backup[n]
-        m.partial = None
-        if res.error is None:
-            self.metrics.observe_kl(p.examples, p.logprobs)
-        out = self._fb_result(p, res.error)
-        self._finish(m, p.item, cycle, start, out, tokens=p.request.tokens)
-        if res.error is not None and w.optim is not None:
-            self._finish(m, w.optim, cycle, start, self._optim(m, w.optim.op.body))
-            w.optim = None
-
-    @staticmethod
-    def _fb_result(p: Partial, error: LatheError | None) -> Result:
-        if error is not None:
-            return Result(error=error)
-        outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in p.logprobs]
-        return Result(ForwardBackwardOutput("ArrayRecord", outputs,
-                                            {**reduce_metrics(p.metric_sums, len(p.logprobs)), "loss:sum": p.loss}))
-
-    def _optim(self, m: _Model, step: OptimStep) -> Result:
-        try:
-            adapter = self.bank.get(m.model_id)
-            metrics = optim_step(adapter.weights.named_parameters(), adapter.opt, step.params)
-        except LatheError as e:  # params of another optimizer family than the run's
-            return Result(error=e)
-        except Exception as e:  # noqa: BLE001 - this step fails alone
-            return Result(error=Internal(f"optim_step failed: {type(e).__name__}: {e}"))
-        return Result(OptimStepResponse(metrics))
-
-    def _fetch(self, w: Work) -> None:
-        """Read the checkpoint a load of ``w`` applies (before a pool's plan goes out), or the error reading it
-        met: every rank then applies the same bytes, or fails the same way."""
-        if w.control is None or not isinstance(w.control.op.body, Load):
-            return
-        op = w.control.op
-        try:
-            w.fetched = self.maker.store().get(tenant=op.tenant, path=op.body.path)
-        except LatheError as e:
-            w.fetched = e
-        except Exception as e:  # noqa: BLE001 - e.g. a checkpoint the store cannot decode: this operation fails alone
-            w.fetched = Internal(f"{op.kind} failed: {type(e).__name__}: {e}")
-
-    def _control(self, w: Work) -> Result:
-        op = w.control.op
-        try:
-            adapter = self.bank.get(w.run.model_id)
-            req = op.body
-            if isinstance(req, Save) and not self._writes:
-                return Result()  # a follower: the leader writes the checkpoint
-            if isinstance(req, Save):
-                files = adapter.state_files(self.cfg.dtype) if req.kind == "weights" else adapter.sampler_files()
-                meta = {"base_model": adapter.base_model, "step": adapter.step, **adapter.peft_config(),
-                        "user_metadata": req.user_metadata}
-                path = self.maker.store().put(tenant=op.tenant, run_id=adapter.model_id, kind=req.kind, name=req.name,
-                                         files=files, metadata_json=json.dumps(meta),
-                                         ttl_seconds=req.ttl_seconds, overwrite=req.overwrite,
-                                         max_tenant_bytes=req.max_checkpoint_bytes)
-                saved = SaveWeightsResponse if req.kind == "weights" else SaveWeightsForSamplerResponse
-                return Result(saved(path))
-            if isinstance(w.fetched, LatheError):
-                raise w.fetched
-            adapter.load_files(w.fetched, with_optimizer=req.with_optimizer)
-            return Result(LoadWeightsResponse(req.path, adapter.model_id))
-        except LatheError as e:
-            return Result(error=e)
-        except Exception as e:  # noqa: BLE001 - e.g. a checkpoint the store cannot decode: this operation fails alone
-            return Result(error=Internal(f"{op.kind} failed: {type(e).__name__}: {e}"))
