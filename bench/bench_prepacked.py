@@ -8,23 +8,29 @@ pool does so where its trial admits it (``lathe.models.tiles.choose_packed``). T
 weight of SmolLM2-135M (streamed from memory, as in decode): the 4-row product as the pool runs it, the same rows
 through the prepacked weights, and a plain 1-row product (what transformers runs), and says whether the prepacked
 rows are bitwise the 4-row tile's at each thread count (what the pool checks first). Best of --repeats, each way
-in turn.
+in turn. With ``--decode``, it first decodes one sequence (one rank-32 adapter, 32-token prompt, 32 new tokens) in a
+``SamplerEngine`` with the pool's prepacked copies and without them, alternating in one process, and prints the
+median ms per token of each and whether their greedy tokens are equal.
 
 Run it alone: other processes on the same cores distort these timings badly.
-Run: .venv/bin/python bench/bench_prepacked.py [--dtype bfloat16 --threads 1 2 --repeats 7]
+Run: .venv/bin/python bench/bench_prepacked.py [--dtype bfloat16 --threads 1 2 --repeats 7 --decode]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_sampling import lathe_engine, lathe_generate, random_adapter, sampler_files
 from machine import cpu_line
 
+from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
+from lathe.models.pool import on_passing_thread
 from lathe.models.smollm2 import import_smollm2
 
 CACHE = Path(".cache/lathe")
@@ -40,13 +46,51 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return best * 1e3
 
 
+def decode_ab(path: Path, dtype: str, rounds: int = 4, new_tokens: int = 32) -> None:
+    """A single-sequence decode with the sampling pool's prepacked copies and without, alternating."""
+    torch.set_num_threads(2)
+    cfg = ModelConfig.from_dir(path)
+    adapter = "tinker://bench-0/sampler_weights/s"
+    files = on_passing_thread(lambda: {adapter: sampler_files(random_adapter(cfg, 32, 100))})
+    paths = list(files)
+    prompts = torch.randint(cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    engine = lathe_engine(path, cfg, dtype, True, files, 1)
+    try:
+        lathe_generate(engine, prompts, paths, 3)
+        model = engine.base(engine.catalog.entries()[0].name).model
+        copies = dict(model.packed)
+        ms: dict[str, list[float]] = {"prepacked": [], "padded tile": []}
+        tokens: dict[str, list[int]] = {}
+        for _ in range(rounds):
+            for way, packed in (("prepacked", copies), ("padded tile", {})):
+                model.packed = packed
+                start = time.perf_counter()
+                tokens[way] = lathe_generate(engine, prompts, paths, new_tokens + 1)[0]
+                mid = time.perf_counter()
+                lathe_generate(engine, prompts, paths, 1)  # the prompt's prefill and one token, taken off
+                ms[way].append(((mid - start) - (time.perf_counter() - mid)) / new_tokens * 1e3)
+    finally:
+        engine.stop()
+    print(f"single-sequence decode, {dtype}, 2 threads, {len(copies)} prepacked layer weights chosen by the pool")
+    for way, values in ms.items():
+        print(f"  {way:<12} {statistics.median(values):6.1f} ms/token  (runs: {', '.join(f'{v:.1f}' for v in values)})")
+    if copies:
+        ratio = statistics.median(ms["prepacked"]) / statistics.median(ms["padded tile"])
+        same = tokens["prepacked"] == tokens["padded tile"]
+        print(f"  prepacked / padded tile: {ratio:.2f}; greedy tokens equal: {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--decode", action="store_true", help="also decode one sequence in a SamplerEngine, both ways")
     args = ap.parse_args()
-    model = Decoder.from_dir(import_smollm2(CACHE), dtype=getattr(torch, args.dtype))
+    path = import_smollm2(CACHE)
+    if args.decode:  # first: the products below run on this thread, whose OpenMP team would then slow the engine's
+        decode_ab(path, args.dtype)
+    model = Decoder.from_dir(path, dtype=getattr(torch, args.dtype))
     weights = [w for name, w in model.w.items() if name.endswith("proj.weight")]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 4) for w in weights]
     rows = {k: torch.randn(4, k, generator=torch.Generator().manual_seed(k)).to(weights[0].dtype)
