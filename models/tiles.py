@@ -223,9 +223,9 @@ def _layer_weight_names(model: Decoder) -> list[str]:
 
 
 def packed_agrees(model: Decoder, threads: list[int]) -> bool:
-    """Whether lone rows zero-padded to ``model.ladder``'s smallest direct height come out of ``ops.prepacked_tile``
-    bitwise as out of ``ops.direct_tile``, for each distinct layer weight shape at every thread count (False
-    where this torch has no oneDNN packing)."""
+    """Whether rows fewer than ``model.ladder``'s smallest direct height (a lone decode row, or what a batch leaves
+    over), zero-padded to it, come out of ``ops.prepacked_tile`` bitwise as out of ``ops.direct_tile``, for each
+    distinct layer weight shape at every thread count (False where this torch has no oneDNN packing)."""
     height = min(model.ladder.direct)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -234,8 +234,9 @@ def packed_agrees(model: Decoder, threads: list[int]) -> bool:
             packed = ops.prepack(weight, height)
             if packed is None:
                 return False
-            for row in torch.randn(3, weight.shape[1], generator=gen).to(weight.dtype):
-                tile = torch.nn.functional.pad(row[None], (0, 0, 0, height - 1))
+            rows = torch.randn(height, weight.shape[1], generator=gen).to(weight.dtype)
+            for live in range(1, height):  # a lone row, and every count of rows a batch may leave over
+                tile = torch.nn.functional.pad(rows[:live], (0, 0, 0, height - live))
                 for n in threads:
                     with at_threads(n):
                         if differing(ops.prepacked_tile(tile, packed), ops.direct_tile(tile, weight.t())):
