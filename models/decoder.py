@@ -235,7 +235,7 @@ class Decoder(torch.nn.Module):
         if lora is not None:
             d = lora.delta((-1, UNEMBED), h, self.lora_ladders)
             if d is not None:
-                y = y + d
+                return y.float() + d  # the bits of y + d; a mixed-dtype add is several times slower
         return y.float()
 
     def target_logprobs(
