@@ -161,6 +161,12 @@ def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, t
     return out
 
 
+def _columns(mats: list[torch.Tensor], c0: int, c1: int) -> list[torch.Tensor]:
+    """Rows ``c0:c1`` of each expand weight (a column block of its output); the weights themselves when the block
+    is all of them (one op fewer per adapter and target)."""
+    return mats if c0 == 0 and c1 == mats[0].shape[0] else [m[c0:c1] for m in mats]
+
+
 class _GroupedLora(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layout: TileLayout, scales: list[float], n: int,  # noqa: ANN001
@@ -173,7 +179,7 @@ class _GroupedLora(torch.autograd.Function):
         vs = _products(xt, a, layout, transpose=True).mul_(scale)  # [tiles, tile, r]: the scaled shrink
         rank, out_features = a[0].shape[0], b[0].shape[0]
         blocks = ops.col_blocks(rank, out_features, b[0].element_size())
-        parts = [_products(vs, [m[c0:c1] for m in b], layout, transpose=True) for c0, c1 in blocks]
+        parts = [_products(vs, _columns(b, c0, c1), layout, transpose=True) for c0, c1 in blocks]
         yt = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         ctx.save_for_backward(xt, vs, scale, *a, *b)
         ctx.layout, ctx.n, ctx.blocks, ctx.x_dtype = layout, n, blocks, x.dtype
@@ -190,7 +196,7 @@ class _GroupedLora(torch.autograd.Function):
         grad_b: list[list[torch.Tensor]] = []
         for c0, c1 in ctx.blocks:
             g = gt[:, :, c0:c1]
-            part = _products(g, [m[c0:c1] for m in b], layout, transpose=False)  # [tiles, tile, r]
+            part = _products(g, _columns(b, c0, c1), layout, transpose=False)  # [tiles, tile, r]
             dvs = part if dvs is None else dvs + part
             grad_b.append(layout.per_segment_products(g, vs))  # [blk, r] per segment
         dv = dvs.mul_(scale)
@@ -204,7 +210,7 @@ class _GroupedLora(torch.autograd.Function):
             da[slot] = grad_a[s] if da[slot] is None else da[slot] + grad_a[s]
             db[slot] = gb if db[slot] is None else db[slot] + gb
         dx_rows = layout.unpad(dx).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        grads = [None if g is None else g.to(dt) for g, dt in zip(da + db, ctx.w_dtypes, strict=True)]
+        grads = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(da + db, ctx.w_dtypes, strict=True)]
         return (dx_rows, None, None, None, *grads)
 
 
