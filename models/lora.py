@@ -80,6 +80,11 @@ def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     }[target]
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without a dispatched op when it is one already (a decode step runs this ~800 times)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _lone_tile(ladder: ops.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) -> int:
     """``ops.lone_height`` out of autograd (under it, ``ops.linear``'s differentiable products run); 0 in it."""
     if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
@@ -288,11 +293,11 @@ class LoraBatch:
         wide = torch.promote_types(x.dtype, torch.float32)
         parts = []
         for s0, s1, w in self._segments:
-            xs = x[s0:s1].to(wide)
+            xs = _as(x if s1 - s0 == x.shape[0] else x[s0:s1], wide)
             if key not in w.a:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
                 continue
-            a, b, ladder = w.a[key].to(wide), w.b[key].to(wide), ladders.get(w.spec.rank, ops.REFERENCE)
+            a, b, ladder = _as(w.a[key], wide), _as(w.b[key], wide), ladders.get(w.spec.rank, ops.REFERENCE)
             tile = _lone_tile(ladder, s1 - s0, x, a)
             if tile:  # both products in one zero-padded direct tile, as ``ops.linear`` runs each of them
                 v = ops.direct_tile(F.pad(xs, (0, 0, 0, tile - (s1 - s0))), a.t())
