@@ -12,7 +12,7 @@ process run, the same operations:
 Batch shapes per tenant: 1x32, 1x128 and 4x128 tokens. Prints aggregate tokens/s, mean step latency,
 the packed/serial speedup, packed vs. one-big, and the cycle planning overhead read from the trainer's
 Prometheus metrics. Beside the packed run: the arithmetic floor of a round (its training FLOPs at this
-machine's measured fp32 GEMM rate), the trainer's own cycle time per round (its metrics), and the
+machine's measured GEMM rate), the trainer's own cycle time and cycles per round (its metrics), and the
 overhead per tenant-step: (round time - floor) / tenants, the time a tenant's step costs beyond its
 arithmetic.
 
@@ -110,13 +110,19 @@ class Tenants:
             return list(pool.map(lambda i: tenant_loop(self.clients[i], self.data[i], steps), range(len(self.clients))))
 
     def measure(self, stack: Stack, steps: int) -> dict[str, float]:
-        cycles0 = metric(trainer_metrics(stack), "lathe_trainer_cycle_seconds_sum")
+        before = trainer_metrics(stack)
         t0 = time.perf_counter()
         lats = self.run(steps)
         wall = time.perf_counter() - t0
-        cycles = metric(trainer_metrics(stack), "lathe_trainer_cycle_seconds_sum") - cycles0
+        after = trainer_metrics(stack)
+
+        def grew(name: str) -> float:
+            return metric(after, name) - metric(before, name)
+
         return {"tokens_per_s": self.tokens * steps / wall, "round_s": wall / steps,
-                "cycle_s": cycles / steps, "latency_s": statistics.mean(x for lat in lats for x in lat)}
+                "cycle_s": grew("lathe_trainer_cycle_seconds_sum") / steps,
+                "cycles": grew("lathe_trainer_cycle_seconds_count") / steps,
+                "latency_s": statistics.mean(x for lat in lats for x in lat)}
 
 
 def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -180,12 +186,12 @@ def run_model(key: str, args: argparse.Namespace) -> None:
     rate = gemm_gflops(args.threads, dtype=dtype)
     cfg = ModelConfig.from_dir(CACHE / MODEL_DIRS[key])
     print(f"packed rounds against the arithmetic floor ({dtype} GEMM at {rate:.0f} GFLOP/s, {args.threads} threads):")
-    print(f"{'tokens/tenant':<14}{'round s':>9}{'cycles s':>10}{'floor s':>9}{'floor/round':>12}"
+    print(f"{'tokens/tenant':<14}{'round s':>9}{'cycles s':>10}{'cycles':>8}{'floor s':>9}{'floor/round':>12}"
           f"{'overhead/tenant-step ms':>25}")
     for n, length in shapes:
         p = rows[("packed", n, length)]
         floor = args.tenants * n * length * train_flops_per_token(cfg, RANK, length) / (rate * 1e9)
-        print(f"{f'{n}x{length}':<14}{p['round_s']:>9.2f}{p['cycle_s']:>10.2f}{floor:>9.2f}"
+        print(f"{f'{n}x{length}':<14}{p['round_s']:>9.2f}{p['cycle_s']:>10.2f}{p['cycles']:>8.1f}{floor:>9.2f}"
               f"{floor / p['round_s']:>12.2f}{1e3 * (p['round_s'] - floor) / args.tenants:>25.0f}")
 
 

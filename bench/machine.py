@@ -19,10 +19,11 @@ def cpu_line() -> str:
     return f"{fields.get('Model name', '?').strip()} ({os.cpu_count()} cores; flags {' '.join(flags)})"
 
 
-def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 30,
+def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 300,
                 dtype: str = "float32") -> float:
     """GEMM throughput of this machine at ``threads`` torch threads ([rows, k] @ [k, n] in ``dtype``, best of
-    ``repeats``): the arithmetic rate a figure's floor is computed with."""
+    ``repeats``, a few tenths of a second, so a shared VM's slow moment does not set it): the arithmetic rate a
+    figure's floor is computed with."""
     import time
 
     import torch

@@ -10,11 +10,10 @@ Every product has the shape the per-segment reference (``LoraBatch.delta_per_seg
 each segment alone) gives it: ``[tile, I] @ [I, r]`` per tile for the shrink, ``[tile, r] @ [r, <= block]``
 per tile and column block for the expand, the same weight layouts (transposed views), the same column
 blocks, and the scale applied to the shrink's ``[T, r]`` result (r values a row, not O), before the
-expand. Products of one rank go through one ``ops._bmm`` per product kind, whatever the number of segments
-(a tile's weight is its adapter's: stacked when they are small, a view of the one adapter when the batch
-has one, one product per segment when stacking would copy more than ``STACK_BYTES``), so a row's bits
-equal the reference's. The pool's self-check verifies that on
-its machine (``lathe.models.exactness``).
+expand. Each product kind is one ``ops._bmm`` over every tile where a tile's weight can be a view (the batch
+has one adapter) or a stacked copy (short segments, small weights: ``stacks``), else one ``ops._bmm`` per
+segment; either way a tile is the same ``[tile, .] @ [., .]`` product, so a row's bits equal the reference's.
+The pool's self-check verifies that on its machine (``lathe.models.exactness``).
 
 Backward is written out (a ``torch.autograd.Function``) so that it, too, costs a few products per target
 instead of autograd's per-segment slices, zero-filled full-size gradients and concatenations. Each
@@ -33,6 +32,12 @@ from lathe.kernels import ops
 
 STACK_BYTES = 8 << 20
 """Most bytes of per-tile weight copies one grouped product makes; above it, one product per segment."""
+
+STACK_TILES = 2
+"""Most tiles a segment may have, on average, for a grouped product to stack per-tile weight copies. Measured on
+a 2-core EPYC (8 segments, fp32, rank 16): stacked copies win at 1-2 tiles a segment (38 vs 246 us a shrink at
+one tile, where one product per segment pads a lone tile to the threads), break even at 4, and lose at 8
+(an expand to 576 columns: 2027 us stacked, 228 us per segment)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +137,10 @@ def _spans(rows: int) -> int:
 
 def stacks(layout: TileLayout, weight: torch.Tensor) -> bool:
     """Whether a grouped product over ``layout`` stacks per-tile copies of weights shaped like ``weight`` (one
-    product for all its segments) rather than running one product per segment (past ``STACK_BYTES``)."""
-    return layout.tiles * weight.numel() * weight.element_size() <= STACK_BYTES
+    product for all its segments) rather than running one product per segment (segments of more than
+    ``STACK_TILES`` tiles on average, or copies past ``STACK_BYTES``)."""
+    return (layout.tiles <= STACK_TILES * len(layout.runs)
+            and layout.tiles * weight.numel() * weight.element_size() <= STACK_BYTES)
 
 
 def _products(lhs: torch.Tensor, mats: list[torch.Tensor], layout: TileLayout, transpose: bool) -> torch.Tensor:
