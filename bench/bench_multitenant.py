@@ -12,9 +12,9 @@ process run, the same operations:
 Batch shapes per tenant: 1x32, 1x128 and 4x128 tokens. Prints aggregate tokens/s, mean step latency,
 the packed/serial speedup, packed vs. one-big, and the cycle planning overhead read from the trainer's
 Prometheus metrics. Beside the packed run: the arithmetic floor of a round (its training FLOPs at this
-machine's measured GEMM rate), the trainer's own cycle time and cycles per round (its metrics), and the
-overhead per tenant-step: (round time - floor) / tenants, the time a tenant's step costs beyond its
-arithmetic.
+machine's measured GEMM rate), the trainer's own cycle time, cycles and passes (cycles that computed
+tokens) per round (its metrics), and the overhead per tenant-step: (round time - floor) / tenants, the time
+a tenant's step costs beyond its arithmetic.
 
 Shared VMs drift (the same round read 1.8 and 2.6 s minutes apart on one 2-core machine), so both servers run
 at once (only the one being measured works) and every case is measured ``--repeats`` times, packed, serial and
@@ -84,7 +84,7 @@ def tenant_loop(tc: lathe.TrainingClient, data: list[lathe.Datum], steps: int) -
 
 
 def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -110,6 +110,9 @@ class Tenants:
             return list(pool.map(lambda i: tenant_loop(self.clients[i], self.data[i], steps), range(len(self.clients))))
 
     def measure(self, stack: Stack, steps: int) -> dict[str, float]:
+        """``steps`` steady rounds: one step first, untimed, so that the tenants arrive together (the trainer's last
+        cycle was another case's, whose runs its next cycle would wait for in vain)."""
+        self.run(1)
         before = trainer_metrics(stack)
         t0 = time.perf_counter()
         lats = self.run(steps)
@@ -122,6 +125,8 @@ class Tenants:
         return {"tokens_per_s": self.tokens * steps / wall, "round_s": wall / steps,
                 "cycle_s": grew("lathe_trainer_cycle_seconds_sum") / steps,
                 "cycles": grew("lathe_trainer_cycle_seconds_count") / steps,
+                "passes": (grew("lathe_trainer_tokens_per_cycle_count")
+                           - grew('lathe_trainer_tokens_per_cycle_bucket{le="16.0"}')) / steps,
                 "latency_s": statistics.mean(x for lat in lats for x in lat)}
 
 
@@ -186,12 +191,12 @@ def run_model(key: str, args: argparse.Namespace) -> None:
     rate = gemm_gflops(args.threads, dtype=dtype)
     cfg = ModelConfig.from_dir(CACHE / MODEL_DIRS[key])
     print(f"packed rounds against the arithmetic floor ({dtype} GEMM at {rate:.0f} GFLOP/s, {args.threads} threads):")
-    print(f"{'tokens/tenant':<14}{'round s':>9}{'cycles s':>10}{'cycles':>8}{'floor s':>9}{'floor/round':>12}"
-          f"{'overhead/tenant-step ms':>25}")
+    print(f"{'tokens/tenant':<14}{'round s':>9}{'cycles s':>10}{'cycles':>8}{'passes':>8}{'floor s':>9}"
+          f"{'floor/round':>12}{'overhead/tenant-step ms':>25}")
     for n, length in shapes:
         p = rows[("packed", n, length)]
         floor = args.tenants * n * length * train_flops_per_token(cfg, RANK, length) / (rate * 1e9)
-        print(f"{f'{n}x{length}':<14}{p['round_s']:>9.2f}{p['cycle_s']:>10.2f}{p['cycles']:>8.1f}{floor:>9.2f}"
+        print(f"{f'{n}x{length}':<14}{p['round_s']:>9.2f}{p['cycle_s']:>10.2f}{p['cycles']:>8.1f}{p['passes']:>8.1f}{floor:>9.2f}"
               f"{floor / p['round_s']:>12.2f}{1e3 * (p['round_s'] - floor) / args.tenants:>25.0f}")
 
 

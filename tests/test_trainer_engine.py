@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -466,6 +467,30 @@ def test_a_cycle_waits_for_the_runs_of_the_last_one_to_rejoin(model_cache: Path,
         late = [submit(eng, op) for op in (fb("b", 3, batch(3)), opt("b", 4))]
         cycles = {f.result(timeout=60).receipt.cycle for f in early + late}
         assert cycles == {2}, cycles
+    finally:
+        eng.stop()
+
+
+def test_the_rejoin_window_renews_as_each_run_of_the_last_cycle_comes_back(model_cache: Path, tiny_dir: Path
+                                                                           ) -> None:
+    """Through a busy gateway a burst of clients answered together spreads over more than one window; each
+    run that comes back renews it, so the burst still shares one cycle (three runs 1.6 s apart, a 3 s window:
+    the last arrives 3.2 s after the cycle, and before the window renewed by the second runs out)."""
+    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_fraction=1e6, rejoin_max_s=3.0,
+                        cycle_gather_s=60.0)
+    eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache))
+    runs = ("a", "b", "c")
+    for m in runs:
+        create(eng, m)
+    first = [submit(eng, op) for m in runs for op in (fb(m, 1, batch(1)), opt(m, 2))]
+    eng.start()
+    try:
+        assert {f.result(timeout=60).receipt.cycle for f in first} == {1}
+        later = []
+        for m in runs:
+            time.sleep(1.6)
+            later += [submit(eng, op) for op in (fb(m, 3, batch(2)), opt(m, 4))]
+        assert {f.result(timeout=60).receipt.cycle for f in later} == {2}
     finally:
         eng.stop()
 

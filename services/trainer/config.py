@@ -28,8 +28,9 @@ class TrainerConfig:
     max_queue_per_tenant: int = 1024  # operations waiting, one tenant's runs together
     max_resident_adapters: int = 256
     cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
-    rejoin_fraction: float = 0.05  # a cycle waits up to this share of the last one for that one's runs to rejoin
-    rejoin_max_s: float = 0.1  # and never longer than this (0: no wait)
+    # (or the rejoin window below, when longer: a burst of clients spreads its requests over the gateway)
+    rejoin_fraction: float = 0.05  # a cycle waits this share of the last one for that one's runs to rejoin,
+    rejoin_max_s: float = 0.1  # never longer than this (0: no wait), renewed as each of them comes back
     max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
     page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
     order_wait_s: float = 300.0  # operations waiting this long for a seq_id that has not arrived fail

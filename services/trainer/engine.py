@@ -152,7 +152,9 @@ class TrainerEngine:
         self._lost: RankLost | None = None  # why the pool broke, once it did
         self._last_beat = time.monotonic()  # when the leader last broadcast a plan
         self._rejoin: set[str] = set()  # runs of the last cycle, which the next one waits for (``_gather``)
+        self._rejoin_window = 0.0  # how long after the last cycle, or after one of its runs came back
         self._rejoin_until = 0.0  # until when
+        self._rejoin_seen = 0  # how many of them the cycle thread has seen come back
 
     # ---- runs and their adapters (made by ``lifecycle.RunMaker``) ----
 
@@ -338,7 +340,7 @@ class TrainerEngine:
                     while not self._stopping and not self._ready() and not self._beat_due():
                         self._lock.wait(timeout=_sooner(wait_s, self._beat_left()))
                         wait_s = self._expire(time.monotonic())
-                    self._gather(time.monotonic() + self.cfg.cycle_gather_s)
+                    self._gather(time.monotonic() + max(self.cfg.cycle_gather_s, self._rejoin_window))
                     if self._stopping:
                         return
                 try:
@@ -414,17 +416,28 @@ class TrainerEngine:
 
     def _gather(self, step_deadline: float) -> None:
         """Something is ready; wait (caller holds the lock) while a forward_backward at a queue's head waits for
-        its optim_step (until ``step_deadline``) or a run of the last cycle has not sent its next operation yet
-        (until ``_rejoin_until``, a few percent of that cycle: clients answered together resubmit within
-        milliseconds, and a cycle that starts with the first of them alone leaves the rest to a second cycle
-        that shares nothing with it)."""
+        its optim_step (until ``step_deadline``) or a run of the last cycle has not sent its next operation yet.
+
+        Clients answered by one cycle resubmit together, but through the gateway a burst of them spreads over
+        tens of milliseconds, and a cycle that starts with the first few leaves the rest to a second cycle that
+        shares nothing with it. So the wait for the last cycle's runs lasts a window (``_rejoin_window``: a few
+        percent of that cycle) after the cycle and is renewed each time one of them comes back: the burst joins
+        one cycle however many it holds, and a run that does not come back (it left to sample, or finished)
+        costs the window once. In all, at most one window more than the last cycle had runs."""
         while not self._stopping:
             now = time.monotonic()
+            if (n := self._rejoined()) > self._rejoin_seen:
+                self._rejoin_seen, self._rejoin_until = n, max(self._rejoin_until, now + self._rejoin_window)
             left = max(step_deadline - now if self._awaiting_step() else 0.0,
                        self._rejoin_until - now if self._awaiting_rejoin() else 0.0)
             if left <= 0:
                 return
             self._lock.wait(timeout=left)
+
+    def _rejoined(self) -> int:
+        """How many runs of the last cycle have an operation waiting again."""
+        return sum((m := self._models.get(r)) is not None and (m.partial is not None or m.seq.peek() is not None)
+                   for r in self._rejoin)
 
     def _awaiting_rejoin(self) -> bool:
         """Is a run of the last cycle idle while the next cycle still has room for it?"""
@@ -504,7 +517,8 @@ class TrainerEngine:
                                   runs=len(works), tenants=len({w.run.tenant for w in works}), queued=queued)
         with self._lock:
             self._rejoin = {w.run.model_id for w in works}
-            self._rejoin_until = end + min(self.cfg.rejoin_max_s, self.cfg.rejoin_fraction * (end - start))
+            self._rejoin_window = min(self.cfg.rejoin_max_s, self.cfg.rejoin_fraction * (end - start))
+            self._rejoin_until, self._rejoin_seen = end + self._rejoin_window, 0
         return len(works)
 
     def _execute(self, works: list[Work], cycle: int, start: float) -> int:
