@@ -45,6 +45,7 @@ from lathe.trainer.step import Job, run_jobs
 from lathe.trainer.validate import Example
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
+from tests.helpers import CrossDtype
 
 torch.set_num_threads(1)
 BASE = "lathe/tiny-llama"
@@ -238,6 +239,14 @@ def test_sampled_logprobs_equal_trainer_forward_bitwise(model_cache: Path, tiny_
     bad, total = _mismatches(model_cache, tiny_dir, dtype, invariant=True)
     assert total > 100
     assert bad == 0, f"{bad}/{total} sampled logprobs differ from the trainer's"
+
+
+def test_a_bf16_pool_samples_without_ops_across_dtypes(model_cache: Path, tiny_dir: Path) -> None:
+    """Prefill and decode steps of a bf16 pool meet the fp32 LoRA only through casts (the LM head's correction was
+    once added to the bf16 logits across dtypes, several times slower than an upcast and an fp32 add)."""
+    with CrossDtype() as mode:
+        _runs(model_cache, tiny_dir, "bfloat16", True)
+    assert mode.seen == []
 
 
 @pytest.mark.canary

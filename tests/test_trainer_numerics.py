@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder, Packed
@@ -18,6 +17,7 @@ from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 from lathe.trainer.ops import Example
 from lathe.trainer.optimizer import AdamParams, AdamState, adamw_step
 from lathe.trainer.step import Job, run_jobs
+from tests.helpers import CrossDtype
 
 torch.set_num_threads(1)
 
@@ -210,29 +210,13 @@ def test_activation_checkpointing_gives_the_same_gradients(model: Decoder) -> No
     assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1], strict=True))
 
 
-class _CrossDtype(TorchDispatchMode):
-    """Records every op that reads floating tensors of more than one dtype (casts excepted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        floats = {a.dtype for a in (*args, *kwargs.values())
-                  if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() > 0}
-        if len(floats) > 1 and func not in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
-            self.seen.append(f"{func}: {sorted(map(str, floats))}")
-        return func(*args, **kwargs)
-
-
 def test_a_bf16_packed_pass_adds_nothing_across_dtypes(tiny_dir) -> None:  # noqa: ANN001
     """bf16 base and fp32 LoRA meet only through casts: an op across dtypes (a bf16 + fp32 add of the logits ran
     6x slower than an upcast and an fp32 add, with the same bits) would cost the whole head's time again."""
     bf16 = Decoder.from_dir(tiny_dir, dtype=torch.bfloat16)
     jobs = [Job(_adapter(bf16, 4, 5 + k), [_example(bf16.cfg.vocab_size, 19, 60 + k)], "cross_entropy", {},
                 backward=True) for k in range(2)]
-    with _CrossDtype() as mode:
+    with CrossDtype() as mode:
         results = run_jobs(bf16, jobs)
     assert all(r.error is None for r in results)
     assert all(p.grad is not None for p in jobs[0].weights.parameters())
