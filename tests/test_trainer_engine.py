@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -514,3 +516,13 @@ def test_a_run_that_does_not_rejoin_delays_the_next_cycle_a_bounded_time(model_c
         eng.stop()
     with pytest.raises(ValueError, match="rejoin_fraction"):
         TrainerConfig(rejoin_fraction=-1.0)
+
+
+@pytest.mark.parametrize(("flag", "said"), [
+    ("--rejoin-fraction", "rejoin_fraction and rejoin_max_s must be >= 0, got -1.0 and 0.1"),
+    ("--cycle-gather-s", "cycle_gather_s must be >= 0 seconds, got -1.0"),
+])
+def test_the_trainer_refuses_a_negative_cycle_window_as_a_usage_error(flag: str, said: str) -> None:
+    bad = subprocess.run([sys.executable, "-m", "lathe.trainer", flag, "-1"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and f"error: {said}" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -67,17 +67,10 @@ def main() -> None:
         loss_budget = LossBudget(args.max_loss_elements, args.max_loss_calls)
     except ValueError as e:
         ap.error(str(e))
-    cfg = TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
-                        invariant=not args.no_invariant, sgmv=args.sgmv,
-                        activation_checkpointing=args.activation_checkpointing,
-                        max_request_tokens=args.max_request_tokens,
-                        cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
-                        page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle,
-                        cycle_gather_s=args.cycle_gather_s, rejoin_fraction=args.rejoin_fraction,
-                        rejoin_max_s=args.rejoin_max_s,
-                        order_wait_s=args.order_wait_s, max_queue=args.max_queue,
-                        max_queue_per_tenant=args.max_queue_per_tenant,
-                        snapshots=SnapshotPolicy(every_steps=args.snapshot_every), loss_budget=loss_budget)
+    try:
+        cfg = config_from(args, loss_budget)
+    except ValueError as e:  # a value no trainer runs with, named by the config
+        ap.error(str(e))
     store = None
     if args.checkpoints:
         from lathe.checkpoints.client import CheckpointsClient
@@ -105,6 +98,21 @@ def main() -> None:
     _serve(args, probes, lambda server: pb_grpc.add_TrainerServicer_to_server(TrainerServicer(engine), server),
            on_stop=engine.stop)
     ranks.stop_followers(children)
+
+
+def config_from(args: argparse.Namespace, loss_budget: LossBudget) -> TrainerConfig:
+    """The trainer's config from its flags (``ValueError`` naming a value it refuses)."""
+    return TrainerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
+                         invariant=not args.no_invariant, sgmv=args.sgmv,
+                         activation_checkpointing=args.activation_checkpointing,
+                         max_request_tokens=args.max_request_tokens,
+                         cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
+                         page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle,
+                         cycle_gather_s=args.cycle_gather_s, rejoin_fraction=args.rejoin_fraction,
+                         rejoin_max_s=args.rejoin_max_s,
+                         order_wait_s=args.order_wait_s, max_queue=args.max_queue,
+                         max_queue_per_tenant=args.max_queue_per_tenant,
+                         snapshots=SnapshotPolicy(every_steps=args.snapshot_every), loss_budget=loss_budget)
 
 
 def _serve(args: argparse.Namespace, probes: Probes, add: Callable[[grpc.aio.Server], None],

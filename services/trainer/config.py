@@ -42,6 +42,8 @@ class TrainerConfig:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))  # "auto" becomes what it chose
         if not self.order_wait_s > 0:
             raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
+        if not self.cycle_gather_s >= 0:
+            raise ValueError(f"cycle_gather_s must be >= 0 seconds, got {self.cycle_gather_s}")
         if not (self.rejoin_fraction >= 0 and self.rejoin_max_s >= 0):
             raise ValueError(f"rejoin_fraction and rejoin_max_s must be >= 0, got {self.rejoin_fraction} and "
                              f"{self.rejoin_max_s}")
