@@ -575,3 +575,10 @@ def test_adapter_cache_is_lru_and_versioned(tiny_dir: Path) -> None:
     w = adapters(tiny_dir)[paths[1]]
     assert all(torch.equal(got[1].b[k], w.b[k].detach().to(torch.bfloat16)) for k in w.b)
     assert got[1].spec == LoraSpec(rank=4, train_mlp=False)
+
+
+def test_the_sampler_refuses_a_config_value_as_a_usage_error() -> None:
+    bad = subprocess.run([sys.executable, "-m", "lathe.sampler", "--kv-blocks", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "error: kv_blocks must be 0 (derived) or >= 2 (one is the null block), got 1" \
+        in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

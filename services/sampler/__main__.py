@@ -7,7 +7,7 @@ import argparse
 from lathe.checkpoints.client import CheckpointsClient
 from lathe.errors import Unavailable
 from lathe.models.catalog import ModelCatalog
-from lathe.models.pool import add_pool_arguments, apply_threads
+from lathe.models.pool import add_pool_arguments, apply_threads, config_or_usage_error
 from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.sampler.server import SamplerServicer
@@ -59,14 +59,7 @@ def main() -> None:
     add_metrics_port(ap)
     args = ap.parse_args()
     apply_threads(args)
-    cfg = SamplerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
-                        invariant=not args.no_invariant, sgmv=args.sgmv, max_running=args.max_running,
-                        max_queue=args.max_queue,
-                        adapter_cache=args.adapter_cache, max_prefill_tokens=args.max_prefill_tokens,
-                        max_running_tokens=args.max_running_tokens,
-                        kv_blocks=args.kv_blocks, prefix_cache=not args.no_prefix_cache, bgmv=args.bgmv,
-                        adapter_slots=args.adapter_slots, slot_rank=args.slot_rank,
-                        cuda_graphs=not args.no_cuda_graphs)
+    cfg = config_or_usage_error(ap, lambda: config_from(args))
     source = CheckpointsSource(CheckpointsClient(args.checkpoints)) if args.checkpoints else None
     catalog = ModelCatalog.from_spec(cfg.models, cfg.cache_root)
     engine = SamplerEngine(cfg, catalog, source)
@@ -78,6 +71,17 @@ def main() -> None:
     run("lathe.sampler", args.host, args.port,
         lambda server: pb_grpc.add_SamplerServicer_to_server(SamplerServicer(engine), server),
         on_stop=engine.stop, probes=probes)
+
+
+def config_from(args: argparse.Namespace) -> SamplerConfig:
+    """The sampler's config from its flags (``ValueError`` naming a value it refuses)."""
+    return SamplerConfig(models=args.models, cache_root=args.cache_root, dtype=args.dtype, device=args.device,
+                         invariant=not args.no_invariant, sgmv=args.sgmv, max_running=args.max_running,
+                         max_queue=args.max_queue, adapter_cache=args.adapter_cache,
+                         max_prefill_tokens=args.max_prefill_tokens, max_running_tokens=args.max_running_tokens,
+                         kv_blocks=args.kv_blocks, prefix_cache=not args.no_prefix_cache, bgmv=args.bgmv,
+                         adapter_slots=args.adapter_slots, slot_rank=args.slot_rank,
+                         cuda_graphs=not args.no_cuda_graphs)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from lathe.models.catalog import ModelCatalog
-from lathe.models.pool import add_pool_arguments, apply_threads
+from lathe.models.pool import add_pool_arguments, apply_threads, config_or_usage_error
 from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.serving import run, setup_logging
 from lathe.trainer import ranks
@@ -67,10 +67,7 @@ def main() -> None:
         loss_budget = LossBudget(args.max_loss_elements, args.max_loss_calls)
     except ValueError as e:
         ap.error(str(e))
-    try:
-        cfg = config_from(args, loss_budget)
-    except ValueError as e:  # a value no trainer runs with, named by the config
-        ap.error(str(e))
+    cfg = config_or_usage_error(ap, lambda: config_from(args, loss_budget))
     store = None
     if args.checkpoints:
         from lathe.checkpoints.client import CheckpointsClient
