@@ -198,23 +198,27 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Lad
     """
     if not ladder.direct:
         return ladder
-    names = _layer_weight_names(model)
-    weights = [model.w[n] for n in names] + [model.lm_head]  # more than a cache holds, streamed as in decode
-    rows = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(model.w[names[0]])
-            for k in {w.shape[1] for w in weights}}
-
     def seconds(lone: int) -> float:
-        candidate = dataclasses.replace(ladder, lone=lone)
-        best = float("inf")
-        with torch.no_grad():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for w in weights:
-                    ops.linear(rows[w.shape[1]], w, invariant=True, ladder=candidate)
-                best = min(best, time.perf_counter() - start)
-        return best
+        return _lone_row_seconds(model, dataclasses.replace(ladder, lone=lone), {}, repeats)
 
     return dataclasses.replace(ladder, lone=min((0, min(ladder.tiles)), key=seconds))
+
+
+def _lone_row_seconds(model: Decoder, ladder: ops.Ladder, packed: dict[str, torch.Tensor], repeats: int) -> float:
+    """Best of ``repeats`` passes of one row through every layer weight and the LM head (more than a cache holds,
+    streamed as in decode) over ``ladder``, through the prepacked copies in ``packed`` where it has one."""
+    names = _layer_weight_names(model)
+    weights = [(model.w[n], packed.get(n)) for n in names] + [(model.lm_head, None)]
+    gen = torch.Generator().manual_seed(0)
+    rows = {k: torch.randn(1, k, generator=gen).to(model.w[names[0]]) for k in sorted({w.shape[1] for w, _ in weights})}
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w, p in weights:
+                ops.linear(rows[w.shape[1]], w, invariant=True, ladder=ladder, packed=p)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _layer_weight_names(model: Decoder) -> list[str]:
@@ -256,22 +260,11 @@ def choose_packed(model: Decoder, threads: list[int], repeats: int = 3) -> dict[
     ladder = model.ladder
     if model.device.type != "cpu" or not ladder.direct or ladder.lone or not packed_agrees(model, threads):
         return {}
-    height, names = min(ladder.direct), _layer_weight_names(model)
-    gen = torch.Generator().manual_seed(1)
+    height = min(ladder.direct)
     with torch.no_grad():
-        copies = {n: ops.prepack(model.w[n], height) for n in names}
-        rows = {k: torch.randn(1, k, generator=gen).to(model.dtype) for k in {model.w[n].shape[1] for n in names}}
-
-        def seconds(use: dict[str, torch.Tensor]) -> float:
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for n in names:
-                    ops.linear(rows[model.w[n].shape[1]], model.w[n], invariant=True, ladder=ladder, packed=use.get(n))
-                best = min(best, time.perf_counter() - start)
-            return best
-
-        return copies if seconds(copies) < seconds({}) else {}
+        copies = {n: ops.prepack(model.w[n], height) for n in _layer_weight_names(model)}
+    faster = _lone_row_seconds(model, ladder, copies, repeats) < _lone_row_seconds(model, ladder, {}, repeats)
+    return copies if faster else {}
 
 
 def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: list[int]) -> bool:

@@ -99,6 +99,11 @@ class _Model:
     snapshot_seq: int = 0  # the seq_id its latest recovery snapshot was taken after
     snapshot_tried: int = 0  # the seq_id after which one was last due, written or not (``SnapshotPolicy.every_ops``)
 
+    @property
+    def ready(self) -> bool:
+        """Has it work for the next cycle (a request part-way through, or an operation at its queue's head)?"""
+        return self.partial is not None or self.seq.peek() is not None
+
 
 def _fail(item: Pending, err: LatheError) -> None:
     """Answer ``item`` with ``err`` unless it has its answer already (no receipt: it never ran)."""
@@ -437,16 +442,14 @@ class TrainerEngine:
 
     def _rejoined(self) -> int:
         """How many runs of the last cycle have an operation waiting again."""
-        return sum((m := self._models.get(r)) is not None and (m.partial is not None or m.seq.peek() is not None)
-                   for r in self._rejoin)
+        return sum((m := self._models.get(r)) is not None and m.ready for r in self._rejoin)
 
     def _awaiting_rejoin(self) -> bool:
         """Is a run of the last cycle idle while the next cycle still has room for it?"""
-        if not any((m := self._models.get(r)) is not None and m.partial is None and m.seq.peek() is None
-                   for r in self._rejoin):
+        if not any((m := self._models.get(r)) is not None and not m.ready for r in self._rejoin):
             return False
         limit = self.cfg.max_runs_per_cycle
-        ready = sum(m.partial is not None or m.seq.peek() is not None for m in self._models.values())
+        ready = sum(m.ready for m in self._models.values())
         return not limit or ready < limit
 
     def _awaiting_step(self) -> bool:
@@ -463,7 +466,7 @@ class TrainerEngine:
         return False
 
     def _ready(self) -> bool:
-        return any(m.partial is not None or m.seq.peek() is not None for m in self._models.values())
+        return any(m.ready for m in self._models.values())
 
     def _begin(self, m: _Model, item: Pending) -> Partial | None:
         """Start a forward / forward_backward request (checked at the intake) as it reaches the head of its
