@@ -188,14 +188,14 @@ class _GroupedLora(torch.autograd.Function):
         blocks = ops.col_blocks(rank, out_features, b[0].element_size())
         parts = [_products(vs, _columns(b, c0, c1), layout, transpose=True) for c0, c1 in blocks]
         yt = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        ctx.save_for_backward(xt, vs, scale, *a, *b)
+        ctx.save_for_backward(x, vs, scale, *a, *b)  # x, not its padded wide copy: backward rebuilds that
         ctx.layout, ctx.n, ctx.blocks, ctx.x_dtype = layout, n, blocks, x.dtype
         ctx.w_dtypes = [m.dtype for m in weights]
         return layout.unpad(yt)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        xt, vs, scale, *weights = ctx.saved_tensors
+        x, vs, scale, *weights = ctx.saved_tensors
         layout, n = ctx.layout, ctx.n
         a, b = weights[:n], weights[n:]
         gt = layout.pad(grad.to(vs.dtype))  # [tiles, tile, O]
@@ -208,7 +208,7 @@ class _GroupedLora(torch.autograd.Function):
             grad_b.append(layout.per_segment_products(g, vs))  # [blk, r] per segment
         dv = dvs.mul_(scale)
         dx = _products(dv, list(a), layout, transpose=False)  # [tiles, tile, I]
-        grad_a = layout.per_segment_products(dv, xt)  # [r, I] per segment
+        grad_a = layout.per_segment_products(dv, layout.pad(x.to(vs.dtype)))  # [r, I] per segment
         da: list[torch.Tensor | None] = [None] * n
         db: list[torch.Tensor | None] = [None] * n
         for s, (_, _, slot) in enumerate(layout.runs):

@@ -81,10 +81,13 @@ that machine. ``bench/bench_invariance.py`` measures the cost against the plain 
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lathe.kernels.activations import recomputed
 
 ROW_TILE = 16
 """Rows of the reference ``linear`` tile in invariant mode (measured invariant at every position on AVX2 and
@@ -402,7 +405,7 @@ class _InvariantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder,  # noqa: ANN001
                 grad_ladder: Ladder) -> torch.Tensor:
-        ctx.save_for_backward(rows, weight)
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, weight)  # x only for a trained weight
         ctx.grad_ladder = grad_ladder
         return _tiled_linear(rows, weight, ladder)
 
@@ -421,13 +424,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bo
     in both modes except for a lone row of more than 32768 elements, which only the invariant mode
     handles (it reduces the row next to a zero row, as it would be in any batch).
     """
-    xf = x.to(_wide(x.dtype))
-    rows = xf.reshape(-1, xf.shape[-1])
-    n = rows.shape[0]
-    if invariant and n == 1:
-        rows = _pad_rows(rows, 2)
-    mean_sq = rows.pow(2).mean(-1, keepdim=True)[:n].reshape(*x.shape[:-1], 1)
-    return weight * (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype)
+    wide = _wide(x.dtype)
+    xf = x.to(wide)
+    # a narrower x: backward reads its upcast again rather than autograd keeping the wide copy
+    with contextlib.nullcontext() if xf is x else recomputed(xf, lambda: x.to(wide)):
+        rows = xf.reshape(-1, xf.shape[-1])
+        n = rows.shape[0]
+        if invariant and n == 1:
+            rows = _pad_rows(rows, 2)
+        mean_sq = rows.pow(2).mean(-1, keepdim=True)[:n].reshape(*x.shape[:-1], 1)
+        return weight * (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, invariant: bool) -> torch.Tensor:

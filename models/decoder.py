@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
-from lathe.kernels import ops
+from lathe.kernels import activations, ops
 from lathe.models.config import ModelConfig
 from lathe.models.lora import UNEMBED, LoraBatch, LoraDeltas
 
@@ -208,7 +208,9 @@ class Decoder(torch.nn.Module):
         p = f"model.layers.{i}.mlp."
         gate = self._linear(x, p + "gate_proj", (i, "gate_proj"), lora)
         up = self._linear(x, p + "up_proj", (i, "up_proj"), lora)
-        return self._linear(torch.nn.functional.silu(gate) * up, p + "down_proj", (i, "down_proj"), lora)
+        h = activations.swiglu(gate, up)
+        with activations.recomputed(h, lambda: activations.swiglu(gate, up)):  # backward rebuilds h from gate, up
+            return self._linear(h, p + "down_proj", (i, "down_proj"), lora)
 
     # ---- public ----
 
