@@ -33,7 +33,7 @@ def forward(seq: int) -> pb.TrainerOp:
     return op
 
 
-POLICY = SnapshotPolicy(every_steps=2, every_ops=5)
+POLICY = SnapshotPolicy(every_steps=2, every_ops=5, stagger=False)
 FORWARDS = [forward(s) for s in range(1, 8)]  # a run that never steps
 
 

@@ -3,6 +3,7 @@ operations after it, and ends with the weights of an uninterrupted run, bit for 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ from lathe.checkpoints.store import open_store
 from lathe.errors import NotFound
 from lathe.models.catalog import ModelCatalog
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
+from lathe.trainer.ops import OptimStep
 from lathe.trainer.recovery import SnapshotPolicy
-from lathe.types import recovery_path
+from lathe.types import AdamParams, recovery_path
 from lathe.v1 import lathe_pb2 as pb
 from tests.test_trainer_engine import BASE, batch, fb, opt, submit, weights
 
@@ -35,7 +37,8 @@ class ServiceStore:
 
 
 def trainer(model_cache: Path, store: ServiceStore, every: int = 2) -> TrainerEngine:
-    eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, snapshots=SnapshotPolicy(every_steps=every)),
+    policy = SnapshotPolicy(every_steps=every, stagger=False)
+    eng = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache, snapshots=policy),
                         ModelCatalog.from_spec(BASE, model_cache), store)
     eng.start()
     return eng
@@ -124,3 +127,60 @@ def test_a_run_started_from_a_saved_state_is_recovered_from_that_state(model_cac
     second.stop()
     assert info.next_seq_id == 1 and info.step == 2
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_runs_stepping_together_write_their_snapshots_after_different_steps() -> None:
+    """Eight runs that step in the same cycles: each still snapshots every 10th step, but not all after the same
+    one (a burst of eight ~70 MB writes held a whole pool); without ``stagger``, at multiples of 10."""
+    runs = [f"sess-{k}:train:0" for k in range(8)]
+
+    def due_steps(policy: SnapshotPolicy, run_id: str) -> list[int]:
+        return [s for s in range(1, 31) if policy.due(OptimStep(AdamParams()), s, 1, run_id)]
+
+    staggered = {r: due_steps(SnapshotPolicy(every_steps=10), r) for r in runs}
+    for steps in staggered.values():
+        assert len(steps) == 3 and steps[1] - steps[0] == steps[2] - steps[1] == 10
+    assert len({steps[0] for steps in staggered.values()}) >= 4
+    assert {r: due_steps(SnapshotPolicy(every_steps=10, stagger=False), r) for r in runs} == {
+        r: [10, 20, 30] for r in runs}
+
+
+class GatedStore(ServiceStore):
+    """A checkpoints service whose recovery writes for one run wait until ``gate`` opens."""
+
+    def __init__(self, root: Path, run_id: str) -> None:
+        super().__init__(root)
+        self.run_id, self.gate, self.waiting = run_id, threading.Event(), threading.Event()
+
+    def put(self, **kw: object) -> str:
+        if kw["run_id"] == self.run_id and kw["kind"] == "recovery" and kw["files"].get("adapter_model.safetensors"):
+            self.waiting.set()
+            assert self.gate.wait(timeout=120)
+        return super().put(**kw)
+
+
+def test_a_slow_snapshot_write_holds_its_own_runs_answers_and_no_one_elses(model_cache: Path, tmp_path: Path) -> None:
+    """The write runs beside the cycles: while run 'slow''s snapshot after its optim_step hangs in the store, run
+    'fast' keeps stepping (snapshots included) and 'slow''s next forward_backward is computed, but 'slow''s
+    answers leave only once the write is done, in order, the first naming the snapshot."""
+    store = GatedStore(tmp_path / "store", "slow")
+    eng = trainer(model_cache, store, every=1)
+    try:
+        for run_id in ("slow", "fast"):
+            eng.create_adapter(pb.CreateAdapterRequest(model_id=run_id, tenant="t", base_model=BASE, lora_config=LORA))
+        held = [submit(eng, op) for op in (fb("slow", 1, batch(1)), opt("slow", 2), fb("slow", 3, batch(2)))]
+        assert store.waiting.wait(timeout=120)
+        fast = run(eng, [fb("fast", 1, batch(3)), opt("fast", 2), fb("fast", 3, batch(4)), opt("fast", 4)])
+        assert [r.receipt.recovery_seq_id for r in fast] == [0, 2, 0, 4]
+        assert held[0].done() and not held[1].done() and not held[2].done()
+        done_order: list[int] = []
+        for k, f in enumerate(held[1:], start=2):
+            f.add_done_callback(lambda _, k=k: done_order.append(k))
+        store.gate.set()
+        answers = [f.result(timeout=120) for f in held]
+        assert done_order == [2, 3]
+        assert [r.receipt.recovery_seq_id for r in answers] == [0, 2, 0]
+        assert answers[2].receipt.cycle > answers[1].receipt.cycle  # computed while the write was waiting
+    finally:
+        store.gate.set()
+        eng.stop()

@@ -51,6 +51,9 @@ def main() -> None:
                     help="operations that wait this long for a seq_id that never arrives fail, naming it")
     ap.add_argument("--snapshot-every", type=int, default=d.snapshots.every_steps,
                     help="write a run's recovery snapshot every this many optimizer steps (0: only at saves)")
+    ap.add_argument("--snapshot-stagger", action=argparse.BooleanOptionalAction, default=d.snapshots.stagger,
+                    help="offset each run's snapshot steps by its model id, so runs stepping together do not all "
+                         "write after the same cycle")
     ap.add_argument("--max-loss-elements", type=int, default=d.loss_budget.elements,
                     help="elements of a custom loss's nodes over one pass's datums, and over one cycle's jobs")
     ap.add_argument("--max-loss-calls", type=int, default=d.loss_budget.calls,
@@ -109,7 +112,8 @@ def config_from(args: argparse.Namespace, loss_budget: LossBudget) -> TrainerCon
                          rejoin_max_s=args.rejoin_max_s,
                          order_wait_s=args.order_wait_s, max_queue=args.max_queue,
                          max_queue_per_tenant=args.max_queue_per_tenant,
-                         snapshots=SnapshotPolicy(every_steps=args.snapshot_every), loss_budget=loss_budget)
+                         snapshots=SnapshotPolicy(every_steps=args.snapshot_every, stagger=args.snapshot_stagger),
+                         loss_budget=loss_budget)
 
 
 def _serve(args: argparse.Namespace, probes: Probes, add: Callable[[grpc.aio.Server], None],

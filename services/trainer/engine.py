@@ -67,6 +67,7 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.pool import on_passing_thread
+from lathe.trainer.answers import Answers
 from lathe.trainer.bank import AdapterBank
 from lathe.trainer.config import TrainerConfig
 from lathe.trainer.cycle import Partial, Work, plan_cycle
@@ -149,6 +150,7 @@ class TrainerEngine:
                                 cfg.device)
         self.runner = CycleRunner(cfg, self.bank, self.bases, self.maker, self.metrics, group, self._finish)
         self._lock = threading.Condition()
+        self.answers = Answers()  # operations' answers, held behind their runs' snapshot writes
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop_died = False  # the cycle thread ended without being stopped
@@ -223,8 +225,8 @@ class TrainerEngine:
             adapter = self.maker.from_state(req, state)
         else:
             adapter = self.maker.fresh(req)
-        if snapshot is None and self._writes and self.store is not None:
-            self.maker.write_snapshot(adapter, record)  # recovery must never depend on anything but the snapshot
+        if snapshot is None and self._writes and self.store is not None:  # recovery never depends on anything else
+            self.maker.write_snapshot(self.maker.copy_snapshot(adapter, state=record.state), record)
         with self._lock:
             live = self._live(req.model_id)
             if live is not None:
@@ -250,33 +252,40 @@ class TrainerEngine:
         info.next_seq_id = m.seq.next_seq
         return info
 
-    def _snapshot(self, m: _Model, item: Pending, result: Result) -> None:
-        """Write ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``, its receipt
-        made, not yet answered); ``result.recovery_path`` names it once written.
+    def _snapshot(self, m: _Model, item: Pending, result: Result) -> Callable[[], None] | None:
+        """The write of ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``, its receipt
+        made, not yet answered), its state copied now; None if none is due. ``result.recovery_path`` names it, and
+        is emptied again if the write fails.
 
-        Written before ``item`` is answered, the snapshot records the answers of ``item`` and of the operations
-        answered since the run's previous snapshot: should this trainer stop before an answer reaches the
-        gateway, the rebuilt run answers that seq_id's repeat from the record (``Sequencer.after``), as applied.
-        A snapshot that cannot be written is logged and skipped: the operation stands, recovery replays from the
-        previous snapshot instead, and the next try waits until one is due again (``every_ops`` counts from this
-        try, so a store that is down does not hold every later operation for its retries)."""
+        The write runs on the writer thread (``Answers``), before ``item`` is answered: the snapshot records the
+        answers of ``item`` and of the operations answered since the run's previous snapshot, so should this
+        trainer stop before an answer reaches the gateway, the rebuilt run answers that seq_id's repeat from the
+        record (``Sequencer.after``), as applied. A snapshot that cannot be written is logged and skipped: the
+        operation stands, recovery replays from the previous snapshot instead, and the next try waits until one is
+        due again (``every_ops`` counts from this try, so a store that is down does not hold every later
+        operation for its retries)."""
         adapter = self.bank.get(m.model_id)
         if result.error is not None or not self.cfg.snapshots.due(item.op.body, adapter.step,
-                                                                   item.seq_id - m.snapshot_tried):
-            return
+                                                                   item.seq_id - m.snapshot_tried, m.model_id):
+            return None
         result.recovery_path = recovery_path(m.model_id)  # as the record answers it
-        with self._lock:  # submit() may pass skips into ``answered`` meanwhile
-            answers = {s: f.result() for s, f in m.seq.answered.items()
-                       if m.snapshot_seq < s < item.seq_id and f.done()}
         m.snapshot_tried = item.seq_id
-        try:
-            self.maker.write_snapshot(adapter, Record(item.seq_id, {**answers, item.seq_id: result}))
-        except Exception as e:  # noqa: BLE001 - the operation stands; only the snapshot is missing
-            result.recovery_path = ""
-            log.error("recovery snapshot of %s after seq_id %d failed: %s: %s", m.model_id, item.seq_id,
-                      type(e).__name__, e)
-            return
-        m.snapshot_seq = item.seq_id
+        snapshot = self.maker.copy_snapshot(adapter)
+
+        def write() -> None:
+            with self._lock:  # submit() may pass skips into ``answered`` meanwhile
+                answers = {s: f.result() for s, f in list(m.seq.answered.items())
+                           if m.snapshot_seq < s < item.seq_id and f.done()}
+            try:
+                self.maker.write_snapshot(snapshot, Record(item.seq_id, {**answers, item.seq_id: result}))
+            except Exception as e:  # noqa: BLE001 - the operation stands; only the snapshot is missing
+                result.recovery_path = ""
+                log.error("recovery snapshot of %s after seq_id %d failed: %s: %s", m.model_id, item.seq_id,
+                          type(e).__name__, e)
+                return
+            m.snapshot_seq = item.seq_id
+
+        return write
 
     # ---- submission ----
 
@@ -336,6 +345,7 @@ class TrainerEngine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.answers.close()
 
     def _loop(self) -> None:
         try:
@@ -598,7 +608,6 @@ class TrainerEngine:
             tokens=tokens, adapter_step=self.bank.get(m.model_id).step, queued_s=start - item.arrived,
             run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.kind, fingerprint=fingerprint,
             exact=exact)
-        if self.store is not None:
-            self._snapshot(m, item, result)  # before the answer, which it records
+        write = self._snapshot(m, item, result) if self.store is not None else None
         self.metrics.wait_seconds.observe(max(0.0, start - item.arrived))
-        item.future.set_result(result)
+        self.answers.answer(m.model_id, item.future, result, write)  # after the snapshot, which records it

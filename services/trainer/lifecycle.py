@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -76,6 +77,16 @@ class BaseModels:
         ])
 
 
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A run's recovery snapshot before its record: whose it is, its manifest fields and its state files."""
+
+    tenant: str
+    model_id: str
+    meta: dict[str, object]
+    files: dict[str, bytes]
+
+
 class RunMaker:
     def __init__(self, cfg: TrainerConfig, bases: BaseModels, store: CheckpointStore | None) -> None:
         self.cfg, self.bases, self._store = cfg, bases, store
@@ -124,13 +135,18 @@ class RunMaker:
         adapter.restore_page(files)
         return adapter
 
-    def write_snapshot(self, adapter: Adapter, record: Record) -> None:
-        """Write ``adapter``'s recovery snapshot: its state (unless ``record.state`` is False) and ``record``."""
-        meta = {"base_model": adapter.base_model, "step": adapter.step, "seq_id": record.seq_id}
-        files = adapter.page_files(self.cfg.dtype) if record.state else {}
-        self.store().put(tenant=adapter.tenant, run_id=adapter.model_id, kind=RECOVERY_KIND, name=RECOVERY_NAME,
-                          files={**files, **record.files()}, metadata_json=json.dumps(meta),
-                          ttl_seconds=self.cfg.snapshots.ttl_s, overwrite=True)
+    def copy_snapshot(self, adapter: Adapter, *, state: bool = True) -> Snapshot:
+        """``adapter`` as its recovery snapshot holds it, copied now (its state files unless ``state`` is False), so
+        the run may go on training while ``write_snapshot`` stores the copy on another thread."""
+        return Snapshot(adapter.tenant, adapter.model_id, {"base_model": adapter.base_model, "step": adapter.step},
+                        adapter.page_files(self.cfg.dtype) if state else {})
+
+    def write_snapshot(self, snapshot: Snapshot, record: Record) -> None:
+        """Store ``snapshot`` with ``record`` (``recovery.json``) as the run's recovery snapshot."""
+        self.store().put(tenant=snapshot.tenant, run_id=snapshot.model_id, kind=RECOVERY_KIND, name=RECOVERY_NAME,
+                         files={**snapshot.files, **record.files()},
+                         metadata_json=json.dumps({**snapshot.meta, "seq_id": record.seq_id}),
+                         ttl_seconds=self.cfg.snapshots.ttl_s, overwrite=True)
 
     def info(self, a: Adapter) -> pb.AdapterInfo:
         s = a.spec

@@ -5,12 +5,12 @@ them. The classic answer is a write-ahead log plus checkpoints, split between tw
 
 - the gateway's ledger holds every acknowledged operation's request (the log);
 - the trainer writes a **recovery snapshot** of a run right after applying some of its operations: every
-  ``every_steps``-th optimizer step, every training-state save, every load (so a rebuild never reads a checkpoint
-  again: it may have been overwritten or deleted since), and at least every ``every_ops`` seq_ids (so a
-  forward-only run has them too). A snapshot is the run's whole state at that point, in the paging format (LoRA
-  weights, AdamW moments, step and the gradients accumulated but not yet applied), stored through the
-  checkpoints service at ``tinker://<run>/recovery/latest`` (overwritten in place; it expires ``ttl_s`` after
-  its last write, so an abandoned run's snapshot goes away).
+  ``every_steps``-th optimizer step (each run's count offset by its model id: ``stagger``), every training-state save,
+  every load (so a rebuild never reads a checkpoint again: it may have been overwritten or deleted since), and at
+  least every ``every_ops`` seq_ids (so a forward-only run has them too). A snapshot is the run's whole state at that
+  point, in the paging format (LoRA weights, AdamW moments, step and the gradients accumulated but not yet applied),
+  stored through the checkpoints service at ``tinker://<run>/recovery/latest`` (overwritten in place; it expires
+  ``ttl_s`` after its last write, so an abandoned run's snapshot goes away).
 
 Every run has one from its creation on (seq_id 0), so that recovery never needs anything but the snapshot: a
 run created from a saved training state gets a snapshot of that state, and a fresh run a record of its own
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import json
+import zlib
 from dataclasses import dataclass, field
 
 from lathe.trainer.intake import result_to_proto
@@ -99,6 +100,9 @@ class SnapshotPolicy:
     # steps (forward only) or steps rarely lets go of its logged operations too, and its rebuild replays few
     every_ops: int = 64
     ttl_s: int = 30 * 24 * 3600
+    # each run's steps offset by a number of its model id (0 .. every_steps - 1), so that runs stepping together
+    # (a pool's tenants in one cycle) do not all write theirs after the same cycle; False: at multiples of every_steps
+    stagger: bool = True
 
     def __post_init__(self) -> None:
         if self.every_steps < 0 or self.every_ops < 0:
@@ -107,9 +111,12 @@ class SnapshotPolicy:
         if self.ttl_s < 1:
             raise ValueError(f"snapshot ttl_s must be >= 1, got {self.ttl_s}")
 
-    def due(self, body: Body, step_after: int, since: int) -> bool:
-        """Is a snapshot due right after a successful operation ``body`` that left the adapter at ``step_after``,
-        ``since`` seq_ids after the last one that was due (written or not)?"""
+    def due(self, body: Body, step_after: int, since: int, model_id: str) -> bool:
+        """Is a snapshot due right after a successful operation ``body`` of run ``model_id`` that left its adapter at
+        ``step_after``, ``since`` seq_ids after the last one that was due (written or not)?"""
         if (isinstance(body, Save) and body.kind == "weights") or isinstance(body, Load) or 0 < self.every_ops <= since:
             return True
-        return isinstance(body, OptimStep) and self.every_steps > 0 and step_after % self.every_steps == 0
+        if not isinstance(body, OptimStep) or self.every_steps == 0:
+            return False
+        offset = zlib.crc32(model_id.encode()) % self.every_steps if self.stagger else 0
+        return (step_after + offset) % self.every_steps == 0
