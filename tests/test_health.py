@@ -71,14 +71,15 @@ def test_every_service_answers_serving_once_ready_without_the_secret(live: Stack
 
 
 def test_pools_start_with_the_pool_allocator_settings_and_the_other_services_without_them(live: Stack) -> None:
-    """The stack hands trainer and sampler glibc's pool settings (one arena, freed memory kept), unless the
-    environment has its own; the torch-free services keep the environment's, and park their OpenMP threads.
+    """The stack hands trainer, sampler and checkpoints glibc's pool settings (one arena, freed memory kept), unless
+    the environment has its own; the gateway keeps the environment's; the torch-free services park their OpenMP
+    threads.
     (Read from what the stack passes: glibc rewrites the copy a process shows in /proc/<pid>/environ.)"""
     mine = os.environ.get("GLIBC_TUNABLES")
     for s in live.services:
         env = live.service_env(s.name)
         pool = s.name in ("trainer", "sampler")
-        assert env.get("GLIBC_TUNABLES") == ((mine or POOL_MALLOC) if pool else mine), s.name
+        assert env.get("GLIBC_TUNABLES") == ((mine or POOL_MALLOC) if pool or s.name == "checkpoints" else mine), s.name
         assert env.get("OMP_WAIT_POLICY") == (os.environ.get("OMP_WAIT_POLICY") if pool else
                                               os.environ.get("OMP_WAIT_POLICY", "PASSIVE")), s.name
         assert env["LATHE_INTERNAL_TOKEN"] == live.internal_token

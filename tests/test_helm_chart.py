@@ -115,8 +115,10 @@ def test_pool_containers_get_the_stacks_allocator_settings_and_an_empty_value_dr
         assert env_of(pod["containers"][0])["GLIBC_TUNABLES"] == POOL_MALLOC
     gateway = one(objs, "Deployment", f"{RELEASE}-lathe-gateway")["spec"]["template"]["spec"]
     assert "GLIBC_TUNABLES" not in env_of(gateway["containers"][0])
+    checkpoints = one(objs, "Deployment", f"{RELEASE}-lathe-checkpoints")["spec"]["template"]["spec"]
+    assert env_of(checkpoints["containers"][0])["GLIBC_TUNABLES"] == POOL_MALLOC
     values = tmp_path / "values.yaml"
-    values.write_text('poolDefaults:\n  malloc: ""\n')
+    values.write_text('poolDefaults:\n  malloc: ""\ncheckpoints:\n  malloc: ""\n')
     assert "GLIBC_TUNABLES" not in render(str(values))
 
 

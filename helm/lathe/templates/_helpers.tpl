@@ -66,7 +66,7 @@ imagePullSecrets:
 {{- define "lathe.checkpointsAddress" -}}{{ include "lathe.fullname" . }}-checkpoints:{{ .Values.checkpoints.port }}{{- end -}}
 
 {{- /* The shared secret, from the environment (never argv): every Lathe container gets it. */ -}}
-{{/* A pool container's allocator settings (poolDefaults.malloc), or nothing when they are empty. */}}
+{{/* A container's allocator settings (poolDefaults.malloc, checkpoints.malloc), or nothing when empty. */}}
 {{- define "lathe.poolMalloc" -}}
 {{- with .malloc -}}
 - name: GLIBC_TUNABLES
