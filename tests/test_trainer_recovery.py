@@ -184,3 +184,32 @@ def test_a_slow_snapshot_write_holds_its_own_runs_answers_and_no_one_elses(model
     finally:
         store.gate.set()
         eng.stop()
+
+
+def test_the_next_cycle_waits_for_a_run_whose_answer_waits_on_its_snapshot_write(model_cache: Path,
+                                                                               tmp_path: Path) -> None:
+    """Two runs stepping in lock step: while 'slow''s answer waits for its snapshot write, 'fast''s next step is
+    not run without it (that would cost a second pass every round a run writes one); once the write is done and
+    'slow' sends its next step, both share a cycle again."""
+    store = GatedStore(tmp_path / "store", "slow")
+    cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_write_max_s=60.0,
+                        snapshots=SnapshotPolicy(every_steps=1, stagger=False))
+    eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache), store)
+    eng.start()
+    try:
+        for run_id in ("slow", "fast"):
+            eng.create_adapter(pb.CreateAdapterRequest(model_id=run_id, tenant="t", base_model=BASE, lora_config=LORA))
+        first = {r: [submit(eng, fb(r, 1, batch(1))), submit(eng, opt(r, 2))] for r in ("slow", "fast")}
+        assert store.waiting.wait(timeout=120)
+        assert first["fast"][1].result(timeout=120).receipt.cycle == first["slow"][0].result(timeout=120).receipt.cycle
+        fast_next = [submit(eng, fb("fast", 3, batch(2))), submit(eng, opt("fast", 4))]
+        with pytest.raises(TimeoutError):
+            fast_next[0].result(timeout=1.0)  # the tiny model's step takes milliseconds: it is waiting
+        store.gate.set()
+        assert first["slow"][1].result(timeout=120).receipt.recovery_seq_id == 2
+        slow_next = [submit(eng, fb("slow", 3, batch(3))), submit(eng, opt("slow", 4))]
+        cycles = {f.result(timeout=120).receipt.cycle for f in fast_next + slow_next}
+        assert len(cycles) == 1
+    finally:
+        store.gate.set()
+        eng.stop()

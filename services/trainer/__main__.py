@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--rejoin-fraction", type=float, default=d.rejoin_fraction,
                     help="a cycle waits this share of the last one for that one's runs, renewed as each comes back")
     ap.add_argument("--rejoin-max-s", type=float, default=d.rejoin_max_s, help="and never a window longer than this")
+    ap.add_argument("--rejoin-write-max-s", type=float, default=d.rejoin_write_max_s,
+                    help="but for a run whose answer waits on its snapshot write, up to this long after the cycle")
     ap.add_argument("--page-store", default="", help="directory for paged-out adapters (scratch)")
     ap.add_argument("--order-wait-s", type=float, default=d.order_wait_s,
                     help="operations that wait this long for a seq_id that never arrives fail, naming it")
@@ -109,7 +111,7 @@ def config_from(args: argparse.Namespace, loss_budget: LossBudget) -> TrainerCon
                          cycle_tokens=args.cycle_tokens, max_resident_adapters=args.max_resident_adapters,
                          page_store=args.page_store, max_runs_per_cycle=args.max_runs_per_cycle,
                          cycle_gather_s=args.cycle_gather_s, rejoin_fraction=args.rejoin_fraction,
-                         rejoin_max_s=args.rejoin_max_s,
+                         rejoin_max_s=args.rejoin_max_s, rejoin_write_max_s=args.rejoin_write_max_s,
                          order_wait_s=args.order_wait_s, max_queue=args.max_queue,
                          max_queue_per_tenant=args.max_queue_per_tenant,
                          snapshots=SnapshotPolicy(every_steps=args.snapshot_every, stagger=args.snapshot_stagger),

@@ -32,7 +32,8 @@ _Task = tuple[Future[Result], Result, Callable[[], None] | None]
 
 
 class Answers:
-    def __init__(self, writers: int = WRITERS) -> None:
+    def __init__(self, released: Callable[[str], None] = lambda run: None, writers: int = WRITERS) -> None:
+        self._released = released  # called with a run once its last held answer is given
         self._writers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="lathe-snapshots")
         self._lock = threading.RLock()  # a future's done-callback may answer again on this thread
         self._held: dict[str, deque[_Task]] = {}  # run -> its answers not given yet, oldest first
@@ -69,7 +70,12 @@ class Answers:
                 queue.popleft()
                 if not queue:
                     del self._held[run]
-                    return
+                    break
+        self._released(run)
+
+    def holds(self, run: str) -> bool:
+        """Are answers of ``run`` waiting for a snapshot write? (No lock taken: callers may hold their own.)"""
+        return run in self._held
 
     def close(self) -> None:
         """Write and answer everything held, then stop the writer threads."""

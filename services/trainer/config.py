@@ -31,6 +31,7 @@ class TrainerConfig:
     # (or the rejoin window below, when longer: a burst of clients spreads its requests over the gateway)
     rejoin_fraction: float = 0.05  # a cycle waits this share of the last one for that one's runs to rejoin,
     rejoin_max_s: float = 0.1  # never longer than this (0: no wait), renewed as each of them comes back
+    rejoin_write_max_s: float = 2.0  # and while one's answer waits for its snapshot write, up to this long
     max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
     page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
     order_wait_s: float = 300.0  # operations waiting this long for a seq_id that has not arrived fail
@@ -44,6 +45,6 @@ class TrainerConfig:
             raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
         if not self.cycle_gather_s >= 0:
             raise ValueError(f"cycle_gather_s must be >= 0 seconds, got {self.cycle_gather_s}")
-        if not (self.rejoin_fraction >= 0 and self.rejoin_max_s >= 0):
-            raise ValueError(f"rejoin_fraction and rejoin_max_s must be >= 0, got {self.rejoin_fraction} and "
-                             f"{self.rejoin_max_s}")
+        if not (self.rejoin_fraction >= 0 and self.rejoin_max_s >= 0 and self.rejoin_write_max_s >= 0):
+            raise ValueError(f"rejoin_fraction, rejoin_max_s and rejoin_write_max_s must be >= 0, got "
+                             f"{self.rejoin_fraction}, {self.rejoin_max_s} and {self.rejoin_write_max_s}")

@@ -150,7 +150,7 @@ class TrainerEngine:
                                 cfg.device)
         self.runner = CycleRunner(cfg, self.bank, self.bases, self.maker, self.metrics, group, self._finish)
         self._lock = threading.Condition()
-        self.answers = Answers()  # operations' answers, held behind their runs' snapshot writes
+        self.answers = Answers(self._write_done)  # operations' answers, held behind their runs' snapshot writes
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop_died = False  # the cycle thread ended without being stopped
@@ -162,6 +162,7 @@ class TrainerEngine:
         self._rejoin_window = 0.0  # how long after the last cycle, or after one of its runs came back
         self._rejoin_until = 0.0  # until when
         self._rejoin_seen = 0  # how many of them the cycle thread has seen come back
+        self._rejoin_write_end = 0.0  # the latest the window stays open for a run whose snapshot is being written
 
     # ---- runs and their adapters (made by ``lifecycle.RunMaker``) ----
 
@@ -444,11 +445,26 @@ class TrainerEngine:
             now = time.monotonic()
             if (n := self._rejoined()) > self._rejoin_seen:
                 self._rejoin_seen, self._rejoin_until = n, max(self._rejoin_until, now + self._rejoin_window)
+            if self._awaiting_write():
+                self._rejoin_until = max(self._rejoin_until, min(now + self._rejoin_window, self._rejoin_write_end))
             left = max(step_deadline - now if self._awaiting_step() else 0.0,
                        self._rejoin_until - now if self._awaiting_rejoin() else 0.0)
             if left <= 0:
                 return
             self._lock.wait(timeout=left)
+
+    def _awaiting_write(self) -> bool:
+        """Is a run of the last cycle idle because its answer waits for its snapshot write (``Answers``)? The
+        write was the trainer's doing, so the window stays open for it, up to ``rejoin_write_max_s`` after the
+        cycle: in a pool stepping in lock step a cycle that left it behind would cost a second pass a round."""
+        return any(self.answers.holds(r) for r in self._rejoin)
+
+    def _write_done(self, run: str) -> None:
+        """``Answers`` gave ``run``'s held answers: the rejoin window restarts for it (its client resubmits now)."""
+        with self._lock:
+            if run in self._rejoin:
+                self._rejoin_until = max(self._rejoin_until, time.monotonic() + self._rejoin_window)
+                self._lock.notify_all()
 
     def _rejoined(self) -> int:
         """How many runs of the last cycle have an operation waiting again."""
@@ -533,6 +549,7 @@ class TrainerEngine:
             self._rejoin = {w.run.model_id for w in works}
             self._rejoin_window = min(self.cfg.rejoin_max_s, self.cfg.rejoin_fraction * (end - start))
             self._rejoin_until, self._rejoin_seen = end + self._rejoin_window, 0
+            self._rejoin_write_end = end + self.cfg.rejoin_write_max_s
         return len(works)
 
     def _execute(self, works: list[Work], cycle: int, start: float) -> int:
