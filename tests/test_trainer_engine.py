@@ -519,7 +519,9 @@ def test_a_run_that_does_not_rejoin_delays_the_next_cycle_a_bounded_time(model_c
 
 
 @pytest.mark.parametrize(("flag", "said"), [
-    ("--rejoin-fraction", "rejoin_fraction and rejoin_max_s must be >= 0, got -1.0 and 0.1"),
+    ("--rejoin-fraction", "rejoin_fraction, rejoin_max_s and rejoin_write_max_s must be >= 0, got -1.0, 0.1 and 2.0"),
+    ("--rejoin-write-max-s", "rejoin_fraction, rejoin_max_s and rejoin_write_max_s must be >= 0, got 0.05, 0.1 and "
+                             "-1.0"),
     ("--cycle-gather-s", "cycle_gather_s must be >= 0 seconds, got -1.0"),
 ])
 def test_the_trainer_refuses_a_negative_cycle_window_as_a_usage_error(flag: str, said: str) -> None:
