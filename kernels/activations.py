@@ -23,7 +23,7 @@ saved a view of it has run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +68,12 @@ class _Rebuilt:
         return self.value
 
 
-@contextlib.contextmanager
-def recomputed(t: torch.Tensor, make: Callable[[], torch.Tensor]) -> Iterator[None]:
+def recomputed(t: torch.Tensor, make: Callable[[], torch.Tensor]) -> contextlib.AbstractContextManager[object]:
     """See the module docstring. ``t`` must be alive through the block (its storage is how its views are told
-    apart); it and ``make()``'s result are contiguous tensors of one dtype and shape."""
+    apart); it and ``make()``'s result are contiguous tensors of one dtype and shape. Without grad (decoding) the
+    block is a shared no-op context: nothing is saved there."""
     if not torch.is_grad_enabled():
-        yield
-        return
+        return _NOTHING
     if not t.is_contiguous():
         raise ValueError(f"recomputed: the tensor to rebuild must be contiguous (shape {tuple(t.shape)}, "
                          f"strides {t.stride()})")
@@ -91,5 +90,7 @@ def recomputed(t: torch.Tensor, make: Callable[[], torch.Tensor]) -> Iterator[No
         source, shape, stride, offset = saved
         return source.get().as_strided(shape, stride, offset - base)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+_NOTHING = contextlib.nullcontext()

@@ -195,6 +195,16 @@ def test_the_next_cycle_waits_for_a_run_whose_answer_waits_on_its_snapshot_write
     cfg = TrainerConfig(models=BASE, cache_root=model_cache, rejoin_write_max_s=60.0,
                         snapshots=SnapshotPolicy(every_steps=1, stagger=False))
     eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache), store)
+    held_back = threading.Event()  # set when the cycle thread decides to wait for a run's snapshot write
+    awaiting_write = eng._awaiting_write
+
+    def spy() -> bool:
+        waits = awaiting_write()
+        if waits:
+            held_back.set()
+        return waits
+
+    eng._awaiting_write = spy
     eng.start()
     try:
         for run_id in ("slow", "fast"):
@@ -203,8 +213,8 @@ def test_the_next_cycle_waits_for_a_run_whose_answer_waits_on_its_snapshot_write
         assert store.waiting.wait(timeout=120)
         assert first["fast"][1].result(timeout=120).receipt.cycle == first["slow"][0].result(timeout=120).receipt.cycle
         fast_next = [submit(eng, fb("fast", 3, batch(2))), submit(eng, opt("fast", 4))]
-        with pytest.raises(TimeoutError):
-            fast_next[0].result(timeout=1.0)  # the tiny model's step takes milliseconds: it is waiting
+        assert held_back.wait(timeout=120)
+        assert not fast_next[0].done()  # waiting for 'slow' (up to rejoin_write_max_s, 60 s, while the gate is shut)
         store.gate.set()
         assert first["slow"][1].result(timeout=120).receipt.recovery_seq_id == 2
         slow_next = [submit(eng, fb("slow", 3, batch(3))), submit(eng, opt("slow", 4))]
