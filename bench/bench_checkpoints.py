@@ -36,7 +36,7 @@ from lathe.checkpoints.client import CheckpointsClient
 from lathe.checkpoints.seaweed import LocalS3
 from lathe.models.config import ModelConfig
 from lathe.models.lora import LoraSpec
-from lathe.serving import READY_MARK
+from lathe.runtime.serving import READY_MARK
 from lathe.trainer.bank import Adapter
 
 REPO = Path(__file__).resolve().parents[1]

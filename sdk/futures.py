@@ -32,8 +32,8 @@ import grpc
 from google.protobuf.message import Message
 
 from lathe.backoff import Backoff
+from lathe.channels import CHANNEL_OPTIONS
 from lathe.errors import FailedPrecondition, Unavailable, from_rpc_error
-from lathe.serving import CHANNEL_OPTIONS
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 

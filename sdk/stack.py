@@ -15,7 +15,7 @@ A trainer pool of several ranks (``trainer_ranks``) is one child: its rank 0 sta
 is lost the whole pool exits and is restarted as one (docs/distributed.md).
 
 Each stack makes a fresh shared secret and hands it to its children in their environment (never argv), so
-trainer, sampler and checkpoints answer the stack's own services only (``lathe.internal_auth``).
+trainer, sampler and checkpoints answer the stack's own services only (``lathe.runtime.internal_auth``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lathe.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token
-from lathe.probes import METRICS_MARK
-from lathe.serving import READY_MARK
+from lathe.runtime.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token
+from lathe.runtime.probes import METRICS_MARK
+from lathe.runtime.serving import READY_MARK
 
 if TYPE_CHECKING:
     from lathe.checkpoints.seaweed import LocalS3

@@ -28,7 +28,7 @@ from lathe.errors import PermissionDenied
 from lathe.export import export_merged
 from lathe.gateway.auth import ApiKeys
 from lathe.gateway.downloads import EXPORT_NOTE_KEY, ExportNote, UrlSigner
-from lathe.internal_auth import TOKEN_ENV
+from lathe.runtime.internal_auth import TOKEN_ENV
 from lathe.stack import Stack, StackConfig
 from lathe.trainer.dist import free_port
 

@@ -28,7 +28,7 @@ from lathe.gateway.core import GatewayCore
 from lathe.gateway.discovery import DiscoveryConfig, Endpoint, Pool
 from lathe.gateway.kube_discovery import KubernetesDirectory, parse_slice
 from lathe.gateway.routing import pick
-from lathe.internal_auth import TOKEN_ENV
+from lathe.runtime.internal_auth import TOKEN_ENV
 from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 

@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import lathe
 from lathe.errors import Unavailable
-from lathe.internal_auth import RequireToken
 from lathe.models.catalog import ModelCatalog
-from lathe.probes import LIVENESS, NOT_SERVING, SERVING, Probes, Warmup
+from lathe.runtime.internal_auth import RequireToken
+from lathe.runtime.probes import LIVENESS, NOT_SERVING, SERVING, Probes, Warmup
 from lathe.stack import POOL_MALLOC, Stack, StackConfig
 from lathe.trainer import intake
 from lathe.trainer.engine import TrainerConfig, TrainerEngine

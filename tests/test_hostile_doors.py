@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from lathe.serving import CHANNEL_OPTIONS
+from lathe.channels import CHANNEL_OPTIONS
 from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc

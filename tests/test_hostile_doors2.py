@@ -22,11 +22,11 @@ import zstandard
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import lathe
+from lathe.channels import CHANNEL_OPTIONS
 from lathe.errors import ResourceExhausted
 from lathe.gateway.auth import ApiKeys
 from lathe.gateway.limits import DecodeGate, HttpLimits
 from lathe.gateway.server import GateDecodes, RequireApiKey
-from lathe.serving import CHANNEL_OPTIONS
 from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lathe
-from lathe.serving import CHANNEL_OPTIONS
+from lathe.channels import CHANNEL_OPTIONS
 from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc

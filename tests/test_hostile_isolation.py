@@ -28,8 +28,8 @@ import pytest
 from tinker import types
 from tinker.proto import request_conv
 
-from lathe.internal_auth import METADATA_KEY
-from lathe.serving import CHANNEL_OPTIONS
+from lathe.channels import CHANNEL_OPTIONS
+from lathe.runtime.internal_auth import METADATA_KEY
 from lathe.stack import Stack, StackConfig
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc

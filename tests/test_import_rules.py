@@ -20,14 +20,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {  # import name -> folder (pyproject's package-dir)
-    "lathe": "sdk", "lathe.gateway": "services/gateway", "lathe.trainer": "services/trainer",
-    "lathe.sampler": "services/sampler", "lathe.checkpoints": "services/checkpoints", "lathe.models": "models",
-    "lathe.kernels": "kernels",
+    "lathe": "sdk", "lathe.runtime": "runtime", "lathe.gateway": "services/gateway",
+    "lathe.trainer": "services/trainer", "lathe.sampler": "services/sampler",
+    "lathe.checkpoints": "services/checkpoints", "lathe.models": "models", "lathe.kernels": "kernels",
 }
 
-# the lathe package (sdk/) holds three rooms: what every room shares, the client SDK, and the operator's tools
-SHARED = ("lathe.errors", "lathe.types", "lathe.registry_types", "lathe.wire", "lathe.serving", "lathe.internal_auth",
-          "lathe.backoff", "lathe.loss_graph", "lathe.probes", "lathe.v1")
+# the lathe package (sdk/) holds three rooms: what every room shares, the client SDK, and the operator's tools;
+# lathe.runtime (runtime/) is how a service process runs, for the services and the tools that start them
+SHARED = ("lathe.errors", "lathe.types", "lathe.registry_types", "lathe.wire", "lathe.channels", "lathe.backoff",
+          "lathe.loss_graph", "lathe.v1")
+RUNTIME = ("lathe.runtime",)
 CLIENT = ("lathe.service_client", "lathe.training_client", "lathe.sampling_client", "lathe.rest_client",
           "lathe.registry_wire", "lathe.futures", "lathe.connect", "lathe.tokenizer", "lathe.loss_trace")
 TOOLS = ("lathe.cli", "lathe.checkpoint_cli", "lathe.export", "lathe.stack")
@@ -50,11 +52,12 @@ ROOMS = [
     Room("shared", SHARED, SHARED, STORAGE, TORCH),
     # get_tokenizer builds a transformers tokenizer (from a built-in model's files: the catalog) when called
     Room("SDK client", ("lathe",) + CLIENT, SHARED + CLIENT + ("lathe.models.catalog",), STORAGE, TORCH),
-    Room("tools", TOOLS, SHARED + ("lathe.checkpoints",), STORAGE, TORCH),  # export --merged needs torch
-    Room("gateway", ("lathe.gateway",), SHARED, TORCH + ("minio", "boto3")),
-    Room("trainer", ("lathe.trainer",), SHARED + POOL + ("lathe.checkpoints.client",), STORAGE),
-    Room("sampler", ("lathe.sampler",), SHARED + POOL + ("lathe.checkpoints.client",), STORAGE),
-    Room("checkpoints", ("lathe.checkpoints",), SHARED, TORCH + ("sqlalchemy",)),
+    Room("runtime", RUNTIME, SHARED, STORAGE + TORCH),
+    Room("tools", TOOLS, SHARED + RUNTIME + ("lathe.checkpoints",), STORAGE, TORCH),  # export --merged needs torch
+    Room("gateway", ("lathe.gateway",), SHARED + RUNTIME, TORCH + ("minio", "boto3")),
+    Room("trainer", ("lathe.trainer",), SHARED + RUNTIME + POOL + ("lathe.checkpoints.client",), STORAGE),
+    Room("sampler", ("lathe.sampler",), SHARED + RUNTIME + POOL + ("lathe.checkpoints.client",), STORAGE),
+    Room("checkpoints", ("lathe.checkpoints",), SHARED + RUNTIME, TORCH + ("sqlalchemy",)),
     Room("models", ("lathe.models",), ("lathe.kernels",), ("grpc",) + STORAGE),
     Room("kernels", ("lathe.kernels",), (), ("grpc",) + STORAGE),
 ]
@@ -149,8 +152,8 @@ def test_every_module_imports_only_what_its_room_may() -> None:
 
 def test_the_rules_catch_a_trainer_that_reaches_for_storage_or_the_sdk(tmp_path: Path) -> None:
     assert [room_of(m).name for m in ("lathe.trainer.engine", "lathe.training_client", "lathe", "lathe.export",
-                                      "lathe.checkpoints.client", "lathe.v1.lathe_pb2")] == \
-        ["trainer", "SDK client", "SDK client", "tools", "checkpoints", "shared"]
+                                      "lathe.checkpoints.client", "lathe.v1.lathe_pb2", "lathe.runtime.serving")] == \
+        ["trainer", "SDK client", "SDK client", "tools", "checkpoints", "shared", "runtime"]
     assert room_of("lathe.no_such_module") is None
     bad = tmp_path / "bad.py"
     bad.write_text("import minio\nfrom lathe.checkpoints.store import open_store\n"
@@ -163,6 +166,12 @@ def test_the_rules_catch_a_trainer_that_reaches_for_storage_or_the_sdk(tmp_path:
         "bad.py:5: trainer module lathe.trainer.bad imports lathe.training_client (inside a function)"]
     assert offences(room_of("lathe.gateway"), "lathe.gateway.bad", bad, known)[-1] == \
         "bad.py:6: gateway module lathe.gateway.bad imports torch (inside a function)"
+    plumbing = tmp_path / "plumbing.py"
+    plumbing.write_text("from lathe.runtime.serving import READY_MARK\n")
+    known |= {"lathe.runtime.serving"}
+    assert offences(room_of("lathe.futures"), "lathe.futures", plumbing, known) == [
+        "plumbing.py:1: SDK client module lathe.futures imports lathe.runtime.serving"]
+    assert offences(room_of("lathe.gateway"), "lathe.gateway.bad", plumbing, known) == []
     eager = tmp_path / "eager.py"
     eager.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\nimport torch\n")
     assert offences(room_of("lathe.types"), "lathe.types", eager, known) == [
@@ -171,13 +180,13 @@ def test_the_rules_catch_a_trainer_that_reaches_for_storage_or_the_sdk(tmp_path:
 
 PROBE = """
 import importlib, json, pkgutil, sys
-names = ["lathe", "lathe.errors", "lathe.types", "lathe.wire", "lathe.futures", "lathe.gateway"]
+names = ["lathe", "lathe.errors", "lathe.types", "lathe.wire", "lathe.futures", "lathe.runtime", "lathe.gateway"]
 imported, culprit = [], None
 for name in names:
     importlib.import_module(name)
     imported.append(name)
     culprit = culprit or (name if "torch" in sys.modules else None)
-for package in (sys.modules["lathe"], sys.modules["lathe.gateway"]):
+for package in (sys.modules["lathe"], sys.modules["lathe.runtime"], sys.modules["lathe.gateway"]):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
         imported.append(info.name)
@@ -186,10 +195,10 @@ print(json.dumps({"imported": imported, "culprit": culprit}))
 """
 
 
-def test_sdk_and_gateway_import_no_torch() -> None:
+def test_sdk_runtime_and_gateway_import_no_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"lathe.service_client", "lathe.training_client", "lathe.rest_client",
-            "lathe.v1.lathe_pb2"} <= set(report["imported"])
+            "lathe.v1.lathe_pb2", "lathe.runtime.serving", "lathe.runtime.probes"} <= set(report["imported"])
     assert report["culprit"] is None, f"importing {report['culprit']} imported torch"

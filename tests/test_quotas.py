@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import lathe
+from lathe.channels import CHANNEL_OPTIONS
 from lathe.errors import ResourceExhausted
 from lathe.gateway.quotas import QuotaConfig, Quotas, TenantQuotas
-from lathe.serving import CHANNEL_OPTIONS
 from lathe.stack import Stack, StackConfig
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc

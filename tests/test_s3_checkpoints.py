@@ -29,7 +29,7 @@ from lathe.errors import (
     Unavailable,
     from_rpc_error,
 )
-from lathe.internal_auth import internal_channel
+from lathe.runtime.internal_auth import internal_channel
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from tests.s3_server import checkpoints_process

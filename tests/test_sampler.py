@@ -35,10 +35,10 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
 from lathe.models.pool import DTYPES
+from lathe.runtime.serving import READY_MARK
 from lathe.sampler.adapters import AdapterCache
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.sampler.sampling import Rule, choose, generator
-from lathe.serving import READY_MARK
 from lathe.trainer.bank import Adapter
 from lathe.trainer.optimizer import AdamState
 from lathe.trainer.step import Job, run_jobs

@@ -18,7 +18,7 @@ import pytest
 
 from lathe.errors import FailedPrecondition, Unauthenticated
 from lathe.gateway.auth import ApiKeys
-from lathe.internal_auth import (
+from lathe.runtime.internal_auth import (
     METADATA_KEY,
     TOKEN_ENV,
     TOKEN_FILE_ENV,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import lathe
-from lathe.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV
+from lathe.runtime.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from lathe.stack import Stack, StackConfig
 from tests.test_e2e_sft import logprobs, sft_batch
 

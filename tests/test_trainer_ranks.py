@@ -21,7 +21,7 @@ import pytest
 
 import lathe
 from lathe.models.catalog import ModelCatalog
-from lathe.probes import SERVING
+from lathe.runtime.probes import SERVING
 from lathe.stack import Stack, StackConfig
 from lathe.trainer.dist import EXIT_BAD_POOL, EXIT_RANK_LOST, PoolConfig, free_port, join
 from lathe.trainer.engine import TrainerConfig, TrainerEngine

@@ -14,8 +14,8 @@ import ctypes.util
 import logging
 import signal
 
-from lathe.probes import add_metrics_port, serve_metrics
-from lathe.serving import READY_MARK, setup_logging
+from lathe.runtime.probes import add_metrics_port, serve_metrics
+from lathe.runtime.serving import READY_MARK, setup_logging
 
 from .server import serve
 

@@ -39,9 +39,9 @@ import urllib3
 from google.protobuf.message import Message
 
 from lathe.backoff import Backoff
+from lathe.channels import CHANNEL_OPTIONS, reconnect_options
 from lathe.errors import AlreadyExists, Internal, Unavailable, from_rpc_error
-from lathe.internal_auth import internal_channel
-from lathe.serving import CHANNEL_OPTIONS, reconnect_options
+from lathe.runtime.internal_auth import internal_channel
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
@@ -85,7 +85,7 @@ def _verify(path: str, name: str, f: cpb.StoredFile, size: int, sha256: str) -> 
 
 class CheckpointsClient:
     """One channel to a checkpoints server at ``target`` (``host:port``); safe to share between threads.
-    Every call carries this process's internal token (``lathe.internal_auth``)."""
+    Every call carries this process's internal token (``lathe.runtime.internal_auth``)."""
 
     def __init__(self, target: str, *, timeout_s: float = 600.0, retry: Retry = Retry(),
                  direct_reads: bool = True) -> None:

@@ -20,10 +20,10 @@ from typing import TypeVar
 
 import grpc
 
+from lathe.channels import CHANNEL_OPTIONS
 from lathe.errors import InvalidArgument, LatheError, Unavailable
-from lathe.internal_auth import server_interceptors
-from lathe.probes import Probes
-from lathe.serving import CHANNEL_OPTIONS
+from lathe.runtime.internal_auth import server_interceptors
+from lathe.runtime.probes import Probes
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
@@ -203,7 +203,7 @@ async def serve(port: int, root: Path | str, host: str = "127.0.0.1", *, sweep_i
     """Start a checkpoints server on ``host:port`` (0 = a free port) over the store at ``root``.
 
     ``root`` is a directory or a store URL (see ``lathe.checkpoints.store.open_store``). Messages up
-    to 1 GiB pass both ways. Only callers holding the stack's secret get through (``lathe.internal_auth``).
+    to 1 GiB pass both ways. Only callers holding the stack's secret get through (``lathe.runtime.internal_auth``).
     """
     if sweep_interval_s <= 0:
         raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")

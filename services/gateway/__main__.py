@@ -7,12 +7,12 @@ prints ``lathe.gateway http listening on HOST:PORT``; then the gRPC door prints 
 decoding one HTTP body may cost (``limits.HttpLimits``).
 API keys come from ``--api-keys-file`` (``auth.ApiKeys``; without one, open mode on loopback only, said on
 stderr at start); ``--tls-cert`` and ``--tls-key`` put both doors behind TLS (``tls.TlsFiles``). The internal
-services are called with the stack's shared secret (``lathe.internal_auth``). Per-tenant quotas come from
+services are called with the stack's shared secret (``lathe.runtime.internal_auth``). Per-tenant quotas come from
 ``--quotas`` (``quotas.QuotaConfig``; without it, the defaults); ``--keep-result-bytes`` bounds the finished
 results kept in memory (``futures``). The control plane (sessions, runs, the
 ledger of operations) lives in the database at ``--db`` (``store.ControlStore``; default: a SQLite file in the
 cache directory); at start the gateway migrates it, loads it and sends the operations still pending on again,
-before it prints its ready lines. ``--metrics-port`` serves Prometheus metrics (``metrics``, ``lathe.probes``);
+before it prints its ready lines. ``--metrics-port`` serves Prometheus metrics (``metrics``, ``lathe.runtime.probes``);
 the gRPC door answers ``grpc.health.v1`` (ready while the database answers). The trainer and sampler pools come
 from ``--discovery`` (``discovery``):
 ``static``, the one pool at ``--trainer`` and ``--sampler``, or ``kubernetes``, the pools whose EndpointSlices
@@ -28,8 +28,8 @@ import os
 from dataclasses import fields
 from urllib.parse import urlparse
 
-from lathe.probes import Probes, add_metrics_port, serve_metrics
-from lathe.serving import READY_MARK, serve_until_stopped, setup_logging
+from lathe.runtime.probes import Probes, add_metrics_port, serve_metrics
+from lathe.runtime.serving import READY_MARK, serve_until_stopped, setup_logging
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import KEYS_FILE_ENV, ApiKeys

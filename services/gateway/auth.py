@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lathe.errors import FailedPrecondition, Unauthenticated
-from lathe.internal_auth import is_loopback
+from lathe.runtime.internal_auth import is_loopback
 
 TINKER_KEY_PREFIX = "tml-"  # the only key form the official tinker SDK sends (it refuses others itself)
 KEYS_FILE_ENV = "LATHE_API_KEYS_FILE"

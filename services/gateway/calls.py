@@ -21,8 +21,8 @@ from typing import Any
 import grpc
 
 from lathe.backoff import Backoff
+from lathe.channels import reconnect_options
 from lathe.errors import Unavailable, from_rpc_error
-from lathe.serving import reconnect_options
 
 RECONNECT_OPTIONS = reconnect_options(0.1, 1.0)  # the gateway's channels to the services it calls
 

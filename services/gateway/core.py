@@ -30,8 +30,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from lathe.internal_auth import internal_aio_channel
-from lathe.serving import CHANNEL_OPTIONS
+from lathe.channels import CHANNEL_OPTIONS
+from lathe.runtime.internal_auth import internal_aio_channel
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
 

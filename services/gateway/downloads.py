@@ -35,7 +35,7 @@ import grpc
 from starlette.responses import StreamingResponse
 
 from lathe.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, from_rpc_error
-from lathe.internal_auth import load_token
+from lathe.runtime.internal_auth import load_token
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb

@@ -1,6 +1,6 @@
 """Serving an ASGI app with uvicorn inside the gateway's own event loop, beside its gRPC server.
 
-The gateway process owns SIGINT/SIGTERM (``lathe.serving``), so this server installs no signal handlers;
+The gateway process owns SIGINT/SIGTERM (``lathe.runtime.serving``), so this server installs no signal handlers;
 it is started after binding its socket (port 0 picks a free one) and stopped by ``stop()``.
 """
 

@@ -1,14 +1,14 @@
 """The gateway's Prometheus metrics: the Tinker HTTP door's requests, and per-tenant usage.
 
 Owned by ``GatewayCore`` (``core.metrics``), shared by both doors; the process's ``Probes`` serve the same registry,
-where the gRPC door's calls are counted too (``lathe_gateway_grpc_*``, by ``lathe.probes.RequestMetrics``).
+where the gRPC door's calls are counted too (``lathe_gateway_grpc_*``, by ``lathe.runtime.probes.RequestMetrics``).
 
 - HTTP door (``timed`` wraps each route's endpoint): ``lathe_gateway_http_requests_total{route,status}``,
   ``lathe_gateway_http_request_seconds{route}``, ``lathe_gateway_http_requests_in_flight``; ``route`` is the
   handler's name (a fixed set), ``status`` the HTTP status code.
 - usage, recorded as each operation's result is recorded (``finished``): ``lathe_gateway_operations_total``
   ``{tenant,op,outcome}`` and ``lathe_gateway_tenant_tokens_total{tenant,op}`` (the tokens of its receipt).
-  Tenants are a bounded label set (``lathe.probes.TenantLabels``: past the cap they count as "other"), and by
+  Tenants are a bounded label set (``lathe.runtime.probes.TenantLabels``: past the cap they count as "other"), and by
   default an empty one (``tenant_labels`` 0, ``--metrics-tenant-labels``): every tenant is "other", since tenant
   names and their usage are the operator's customers' data, not the scraper's.
 """
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lathe.probes import LATENCY_BUCKETS, TenantLabels
+from lathe.runtime.probes import LATENCY_BUCKETS, TenantLabels
 from lathe.v1 import lathe_pb2 as pb
 
 Endpoint = Callable[[Request], Awaitable[Response]]

@@ -21,9 +21,9 @@ from typing import Any
 
 import grpc
 
+from lathe.channels import CHANNEL_OPTIONS
 from lathe.errors import LatheError, Unavailable
-from lathe.internal_auth import internal_aio_channel
-from lathe.serving import CHANNEL_OPTIONS
+from lathe.runtime.internal_auth import internal_aio_channel
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 

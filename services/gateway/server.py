@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from lathe.errors import FailedPrecondition, InvalidArgument, LatheError, Unauthenticated
-from lathe.internal_auth import OPEN_PREFIX
+from lathe.runtime.internal_auth import OPEN_PREFIX
 from lathe.types import ParsedCheckpointTinkerPath
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import lathe_pb2 as pb
@@ -52,7 +52,7 @@ class RequireApiKey(grpc.aio.ServerInterceptor):
     ``max_message_bytes``) before any handler runs, so refusing in the handler would still take in a stranger's
     64 MiB. The refusal here is a handler that takes its request as a stream and ends the call before reading a
     message: the bytes stay in the transport's flow-control window and the stream is reset. The health service
-    (``lathe.internal_auth.OPEN_PREFIX``) takes no key."""
+    (``lathe.runtime.internal_auth.OPEN_PREFIX``) takes no key."""
 
     def __init__(self, keys: ApiKeys) -> None:
         self.keys = keys

@@ -8,10 +8,10 @@ from lathe.checkpoints.client import CheckpointsClient
 from lathe.errors import Unavailable
 from lathe.models.catalog import ModelCatalog
 from lathe.models.pool import add_pool_arguments, apply_threads, config_or_usage_error
-from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
+from lathe.runtime.probes import Probes, Warmup, add_metrics_port, serve_metrics
+from lathe.runtime.serving import run, setup_logging
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
 from lathe.sampler.server import SamplerServicer
-from lathe.serving import run, setup_logging
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 

@@ -13,8 +13,8 @@ import grpc
 
 from lathe.models.catalog import ModelCatalog
 from lathe.models.pool import add_pool_arguments, apply_threads, config_or_usage_error
-from lathe.probes import Probes, Warmup, add_metrics_port, serve_metrics
-from lathe.serving import run, setup_logging
+from lathe.runtime.probes import Probes, Warmup, add_metrics_port, serve_metrics
+from lathe.runtime.serving import run, setup_logging
 from lathe.trainer import ranks
 from lathe.trainer.custom_loss import LossBudget
 from lathe.trainer.dist import PoolFormationError, join

@@ -1,6 +1,6 @@
 """What every Lathe service shows the outside: gRPC health (readiness, liveness) and Prometheus metrics.
 
-Torch-free; owned here, used by the four services' ``__main__`` and servers (through ``lathe.serving`` and the
+Torch-free; owned here, used by the four services' ``__main__`` and servers (through ``lathe.runtime.serving`` and the
 checkpoints server). One ``Probes`` per process holds:
 
 - the process's ``CollectorRegistry`` (each service adds its own metrics to it: ``lathe.<service>.metrics``),
@@ -13,7 +13,7 @@ checkpoints server). One ``Probes`` per process holds:
   respectively; ``watch`` polls the service's ``ready`` and ``alive`` callables every ``POLL_S`` (on a worker
   thread: a readiness check may do I/O) and sets the statuses; ``shutdown`` sets every name NOT_SERVING.
 
-Health calls carry no secret (kubelet sends none): ``lathe.internal_auth`` lets them through (``OPEN_PREFIX``),
+Health calls carry no secret (kubelet sends none): ``lathe.runtime.internal_auth`` lets them through (``OPEN_PREFIX``),
 and they are not counted in the request metrics (probes would drown the traffic).
 
 A pool (trainer, sampler) is ready once ``Warmup`` has loaded each served model (which runs its exactness
@@ -38,9 +38,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from lathe.internal_auth import OPEN_PREFIX
+from lathe.runtime.internal_auth import OPEN_PREFIX
 
-log = logging.getLogger("lathe.probes")
+log = logging.getLogger("lathe.runtime.probes")
 
 LIVENESS = "liveness"
 POLL_S = 0.5

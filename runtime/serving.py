@@ -1,12 +1,12 @@
-"""How every Lathe service process runs its gRPC server (torch-free; shared by all rooms).
+"""How every Lathe service process runs its gRPC server (torch-free).
 
 ``run(name, host, port, add_servicers)`` starts a ``grpc.aio`` server on ``host:port`` (port 0 picks
 a free port), prints exactly one ready line ``<name> listening on HOST:PORT`` (``lathe serve`` and the
 tests wait for it), and serves until SIGINT or SIGTERM, then stops gracefully. ``run`` serves internal
-services: it installs the shared-secret check of ``lathe.internal_auth``. Internal services take
-messages up to ``MAX_MESSAGE_BYTES`` (checkpoint bytes travel through them); the public gateway passes
+services: it installs the shared-secret check of ``lathe.runtime.internal_auth``. Internal services take
+messages up to ``lathe.channels.MAX_MESSAGE_BYTES`` (checkpoint bytes travel through them); the public gateway passes
 its own, much smaller ``max_receive_bytes``, and its TLS ``credentials`` when it has a certificate. Given the
-service's ``Probes`` (``lathe.probes``), the server also answers gRPC health and counts its calls.
+service's ``Probes`` (``lathe.runtime.probes``), the server also answers gRPC health and counts its calls.
 """
 
 from __future__ import annotations
@@ -19,22 +19,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from lathe.internal_auth import server_interceptors
-from lathe.probes import Probes
-
-MAX_MESSAGE_BYTES = 1 << 30
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-
-
-def reconnect_options(first_s: float, max_s: float) -> list[tuple[str, int]]:
-    """Channel options that make a channel try to reconnect to a service that went away after ``first_s``, then
-    at least every ``max_s``: a restarted service is found within its callers' retry backoff instead of gRPC's
-    default of up to two minutes."""
-    return [("grpc.initial_reconnect_backoff_ms", int(first_s * 1000)),
-            ("grpc.max_reconnect_backoff_ms", int(max_s * 1000))]
+from lathe.channels import MAX_MESSAGE_BYTES
+from lathe.runtime.internal_auth import server_interceptors
+from lathe.runtime.probes import Probes
 
 READY_MARK = " listening on "
 

@@ -1,5 +1,5 @@
 """Trust between Lathe's services: only callers that hold the stack's shared secret reach trainer, sampler and
-checkpoints (torch-free; owned here, used by ``lathe.serving``, the checkpoints server, the gateway core and
+checkpoints (torch-free; owned here, used by ``lathe.runtime.serving``, the checkpoints server, the gateway core and
 the checkpoints client; it imports nothing of Lathe's but the error model).
 
 The secret is a random token that the launcher generates (``lathe serve`` / ``lathe.stack``) or the deployment
