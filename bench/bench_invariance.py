@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from machine import cpu_line
 
+from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.models.tiles import choose_attention_tiles, choose_row_tiles, head_block
 
@@ -133,7 +134,7 @@ def train_forward(layer: Layer, x: torch.Tensor, mode: Mode) -> torch.Tensor:
         pieces = (t.split(s.train_length) for t in (q, k, v))
         scale = s.head_dim**-0.5
         return torch.cat(
-            [ops.attention(*qkv, q_offset=0, scale=scale, invariant=mode[0], tiles=mode[2])
+            [attn.attention(*qkv, q_offset=0, scale=scale, invariant=mode[0], tiles=mode[2])
              for qkv in zip(*pieces, strict=True)]
         )
 
@@ -141,14 +142,14 @@ def train_forward(layer: Layer, x: torch.Tensor, mode: Mode) -> torch.Tensor:
 
 
 def decode_step(layer: Layer, x: torch.Tensor, cache: torch.Tensor, mode: Mode) -> torch.Tensor:
-    """One token for each of the B sequences at position decode_cache, through ``ops.decode_attention`` (the
+    """One token for each of the B sequences at position decode_cache, through ``attn.decode_attention`` (the
     sampler's pure-decode path); cache [2, B, N, Hkv, D] with N whole key chunks, zeros past the token."""
     s, t = layer.s, layer.s.decode_cache
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = cache[:, : q.shape[0]]
         keys[:, t], values[:, t] = k, v
-        return ops.decode_attention(q, keys, values, [t] * q.shape[0], scale=s.head_dim**-0.5, invariant=mode[0])
+        return attn.decode_attention(q, keys, values, [t] * q.shape[0], scale=s.head_dim**-0.5, invariant=mode[0])
 
     return layer.forward(x, attend, mode)
 
@@ -174,7 +175,7 @@ def cases(s: Shapes, infer_layer: Layer, dtype: torch.dtype) -> dict[str, Callab
     tokens = s.train_sequences * s.train_length
     x_train = torch.randn(tokens, s.hidden, generator=gen).to(dtype)
     x_decode = torch.randn(s.decode_sequences, s.hidden, generator=gen).to(dtype)
-    slots = -(-(s.decode_cache + 1) // ops.KEY_CHUNK) * ops.KEY_CHUNK
+    slots = -(-(s.decode_cache + 1) // attn.KEY_CHUNK) * attn.KEY_CHUNK
     cache = torch.randn(2, s.decode_sequences, slots, s.kv_heads, s.head_dim, generator=gen).to(dtype)
     cache[:, :, s.decode_cache + 1 :] = 0  # spare slots hold zeros, as in the sampler's cache
 
@@ -209,14 +210,14 @@ def cases(s: Shapes, infer_layer: Layer, dtype: torch.dtype) -> dict[str, Callab
         with torch.no_grad():
             kv = cache[0, 0, : s.train_length]
             return [
-                ops.attention(q_train, kv, kv, q_offset=0, scale=scale, invariant=mode[0], tiles=mode[2])
+                attn.attention(q_train, kv, kv, q_offset=0, scale=scale, invariant=mode[0], tiles=mode[2])
                 for _ in range(s.train_sequences)
             ]
 
     def decode_attention(mode: Mode) -> object:
         with torch.no_grad():
             positions = [s.decode_cache] * s.decode_sequences
-            return ops.decode_attention(q_decode, cache[0], cache[1], positions, scale=scale, invariant=mode[0])
+            return attn.decode_attention(q_decode, cache[0], cache[1], positions, scale=scale, invariant=mode[0])
 
     return {
         f"layer forward {s.train_sequences}x{s.train_length} (autograd on)": train,
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         ladder = choose_row_tiles(layer.weights(), threads)
         attn = choose_attention_tiles(SMOLLM2.heads, SMOLLM2.kv_heads, SMOLLM2.head_dim, DTYPES[name],
                                       torch.device("cpu"), threads)
-        reference = ((ops.ROW_TILE,), (ops.ATTN_ROW_TILE,))
+        reference = ((ops.ROW_TILE,), (attn.ATTN_ROW_TILE,))
         modes: list[Mode] = [(False, *reference), (True, *reference), (True, ladder, attn)]
         print(f"{name}: tile ladders chosen by the self-check on this machine: linear {ladder}, attention {attn}")
         print(f"{'dtype':5}  {'case':48}  {'plain ms':>9}  {'ref ms':>9}  {'ratio':>6}  {'ladder ms':>9}  "

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lathe.kernels import ops
+from lathe.kernels import attention as attn
 from lathe.kernels.sgmv_triton import triton_available
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
@@ -520,7 +520,7 @@ def _paged_attention(ctx: Context) -> dict[str, object]:
     for invariant in (True, False):
         def run(invariant: bool = invariant) -> torch.Tensor:
             ks, vs, positions = step.decode(0, k, k)
-            return ops.decode_attention(q, ks, vs, positions, scale=head_dim**-0.5, invariant=invariant)
+            return attn.decode_attention(q, ks, vs, positions, scale=head_dim**-0.5, invariant=invariant)
 
         seconds, _ = median_s(ctx, run)
         out["invariant" if invariant else "plain"] = {"ms": round(1e3 * seconds, 4),

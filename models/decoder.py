@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
 from lathe.kernels import activations, ops
+from lathe.kernels import attention as attn
 from lathe.models.config import ModelConfig
 from lathe.models.lora import UNEMBED, LoraBatch, LoraDeltas
 
@@ -103,7 +104,7 @@ class Decoder(torch.nn.Module):
         self.ladder = ops.REFERENCE  # how invariant linears cut rows; the pool's self-check may widen it
         self.grad_ladder = ops.REFERENCE  # the same for their backward, in a trainer pool
         self.lora_ladders: dict[int, ops.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
-        self.attn_tiles = (ops.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
+        self.attn_tiles = (attn.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
         self.packed: dict[str, torch.Tensor] = {}  # layer weights prepacked for lone decode rows, once admitted
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
@@ -170,7 +171,7 @@ class Decoder(torch.nn.Module):
         decode = getattr(kv, "decode", None)
         if decode is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence
             ks, vs, positions = decode(i, k, v)
-            o = ops.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant)
+            o = attn.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant)
             return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
         if kv is None:
             o = self._attention_by_length(q, k, v, cu)
@@ -178,7 +179,7 @@ class Decoder(torch.nn.Module):
             outs = []
             for s in range(len(cu) - 1):
                 ks, vs, offset = kv.extend(i, s, k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]])
-                outs.append(ops.attention(q[cu[s]:cu[s + 1]], ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
+                outs.append(attn.attention(q[cu[s]:cu[s + 1]], ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
                                           invariant=self.invariant, tiles=self.attn_tiles))
             o = torch.cat(outs, dim=0)
         return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
@@ -186,7 +187,7 @@ class Decoder(torch.nn.Module):
     def _attention_by_length(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]
                              ) -> torch.Tensor:
         """Attention of a packed batch's sequences (no KV cache), the sequences of each length at once
-        (``ops.attention_batch``, the bits of each alone); q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        (``attn.attention_batch``, the bits of each alone); q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         by_length: dict[int, list[int]] = {}
         for s in range(len(cu) - 1):
             by_length.setdefault(cu[s + 1] - cu[s], []).append(s)
@@ -196,7 +197,7 @@ class Decoder(torch.nn.Module):
                 qs, ks, vs = (x.view(len(seqs), length, *x.shape[1:]) for x in (q, k, v))
             else:
                 qs, ks, vs = (torch.stack([x[cu[s]:cu[s + 1]] for s in seqs]) for x in (q, k, v))
-            o = ops.attention_batch(qs, ks, vs, scale=self.cfg.head_dim**-0.5, invariant=self.invariant,
+            o = attn.attention_batch(qs, ks, vs, scale=self.cfg.head_dim**-0.5, invariant=self.invariant,
                                     tiles=self.attn_tiles)
             if len(seqs) == len(cu) - 1:
                 return o.reshape(q.shape)

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import (
@@ -189,8 +190,8 @@ def tiles(model: Decoder) -> dict[str, object]:
             "grad_direct_tiles": list(model.grad_ladder.direct), "lone_tile": model.ladder.lone,
             "lone_packed": bool(model.packed),
             "lora_direct_tiles": {rank: list(ladder.direct) for rank, ladder in sorted(model.lora_ladders.items())},
-            "attn_row_tile": ops.ATTN_ROW_TILE,
-            "attn_row_tiles": list(model.attn_tiles), "key_chunk": ops.KEY_CHUNK,
+            "attn_row_tile": attn.ATTN_ROW_TILE,
+            "attn_row_tiles": list(model.attn_tiles), "key_chunk": attn.KEY_CHUNK,
             "col_block_bytes": ops.COL_BLOCK_BYTES}
 
 
@@ -202,7 +203,7 @@ def _rows(name: str, op: Callable[[torch.Tensor], torch.Tensor], pool: torch.Ten
     if bad:
         return Check(name, False, f"rows {[i + 1 for i in bad[:4]]} differ when the batch is shifted by one row "
                                   f"(a row's position inside a tile changes its bits)")
-    for i in (0, 1, ops.ATTN_ROW_TILE - 1, ops.ROW_TILE - 1):
+    for i in (0, 1, attn.ATTN_ROW_TILE - 1, ops.ROW_TILE - 1):
         if differing(op(pool[i : i + 1]), full[i : i + 1]):
             return Check(name, False, f"row {i} alone differs from the same row in a {len(pool)}-row batch")
     for m, offset in zip(BATCH_ROWS[1:-1], (1, 5, 11, 2), strict=True):
@@ -307,33 +308,33 @@ def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.devi
     n = ATTENTION_LENGTH
     q, k, v = (torch.randn(n, h, d, generator=gen).to(device=dev, dtype=dt) for h in (hq, hkv, hkv))
     scale = d**-0.5
-    prefill = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True, tiles=tiles)
+    prefill = attn.attention(q, k, v, q_offset=0, scale=scale, invariant=True, tiles=tiles)
     for t in (0, 1, 2, 63, 64, 65, 127, 255, 256, n - 1):
-        alone = ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=scale, invariant=True,
+        alone = attn.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=scale, invariant=True,
                               tiles=tiles)
         if differing(alone, prefill[t : t + 1]):
             return Check(name, False, f"token {t} decoded alone differs from the {n}-token prefill")
     for s0, s1 in zip(ATTENTION_SPLITS, ATTENTION_SPLITS[1:], strict=False):
-        part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True, tiles=tiles)
+        part = attn.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True, tiles=tiles)
         if differing(part, prefill[s0:s1]):
             return Check(name, False, f"chunked prefill of tokens {s0}:{s1} differs from the {n}-token prefill")
     for length, count in ((64, 2), (ATTENTION_SPLITS[3], 3)):  # several sequences of one length at once
-        together = ops.attention_batch(*(x[: length * count].view(count, length, *x.shape[1:]) for x in (q, k, v)),
+        together = attn.attention_batch(*(x[: length * count].view(count, length, *x.shape[1:]) for x in (q, k, v)),
                                        scale=scale, invariant=True, tiles=tiles)
         for j in range(count):
-            alone = ops.attention(*(x[j * length : (j + 1) * length] for x in (q, k, v)), q_offset=0, scale=scale,
+            alone = attn.attention(*(x[j * length : (j + 1) * length] for x in (q, k, v)), q_offset=0, scale=scale,
                                   invariant=True, tiles=tiles)
             if differing(alone, together[j]):
                 return Check(name, False, f"sequence {j} of {count} {length}-token sequences attended together "
                                           "differs from it alone")
     positions = [0, 2, 12, 16, 63, 64, 200, n - 1]
-    slots = -(-n // ops.KEY_CHUNK) * ops.KEY_CHUNK
+    slots = -(-n // attn.KEY_CHUNK) * attn.KEY_CHUNK
     ks = torch.zeros(len(positions), slots, hkv, d, dtype=dt, device=dev)
     vs = torch.zeros_like(ks)
     for s, p in enumerate(positions):
         ks[s, : p + 1], vs[s, : p + 1] = k[: p + 1], v[: p + 1]
     for count in (1, 3, len(positions)):
-        batched = ops.decode_attention(q[positions[:count]], ks[:count], vs[:count], positions[:count], scale=scale,
+        batched = attn.decode_attention(q[positions[:count]], ks[:count], vs[:count], positions[:count], scale=scale,
                                        invariant=True)
         bad = differing(batched, prefill[positions[:count]])
         if bad:
@@ -350,7 +351,7 @@ class _Cache:
 
     def __init__(self, model: Decoder, seqs: int, tokens: int) -> None:
         cfg = model.cfg
-        slots = -(-tokens // ops.KEY_CHUNK) * ops.KEY_CHUNK
+        slots = -(-tokens // attn.KEY_CHUNK) * attn.KEY_CHUNK
         shape = (cfg.num_layers, seqs, slots, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros_like(self.k)

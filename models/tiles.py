@@ -8,7 +8,7 @@ run as direct products (``ops.DIRECT_TILE_CANDIDATES``) and the ladder of tile h
 reference tile's for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread
 count; ``choose_lone`` then times the admitted ways of running a lone decode row and keeps the faster (the one
 choice made by time, as it cannot change a bit); ``choose_attention_tiles`` picks prefill attention's row tiles
-(``ops.ATTN_ROW_TILE``, the one decode uses, plus each of ``ops.ATTN_TILE_CANDIDATES`` whose prefill and chunked
+(``attn.ATTN_ROW_TILE``, the one decode uses, plus each of ``attn.ATTN_TILE_CANDIDATES`` whose prefill and chunked
 prefill have its bits). Every choice but the lone row's is made by bits, so one machine and library always choose
 the same.
 """
@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.models.decoder import Decoder
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, module_shape
@@ -273,9 +274,9 @@ def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch
     scale = q.shape[-1] ** -0.5
     for n in threads:
         with at_threads(n):
-            ref = ops.attention(q, k, v, q_offset=0, scale=scale, invariant=True)
+            ref = attn.attention(q, k, v, q_offset=0, scale=scale, invariant=True)
             for s0, s1 in [(0, len(q)), *zip(ATTENTION_SPLITS, ATTENTION_SPLITS[1:], strict=False)]:
-                part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True,
+                part = attn.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=scale, invariant=True,
                                      tiles=(tile,))
                 if differing(part, ref[s0:s1]):
                     return False
@@ -284,18 +285,18 @@ def _attention_tile_agrees(tile: int, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def choose_attention_tiles(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                            threads: list[int], seed: int = 0) -> tuple[int, ...]:
-    """Prefill attention's tile ladder on this machine: ``ops.ATTN_ROW_TILE`` and every
-    ``ops.ATTN_TILE_CANDIDATES`` height whose prefill rows are bitwise the reference tile's, for the model's
+    """Prefill attention's tile ladder on this machine: ``attn.ATTN_ROW_TILE`` and every
+    ``attn.ATTN_TILE_CANDIDATES`` height whose prefill rows are bitwise the reference tile's, for the model's
     head shapes at each thread count. Decided by bits, like ``choose_row_tiles``; off the CPU the products do
     not depend on row tiles, so the ladder is the reference tile alone.
     """
     if device.type != "cpu":
-        return (ops.ATTN_ROW_TILE,)
+        return (attn.ATTN_ROW_TILE,)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(ATTENTION_LENGTH, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
     with torch.no_grad():
-        chosen = [t for t in ops.ATTN_TILE_CANDIDATES if _attention_tile_agrees(t, q, k, v, threads)]
-    return tuple(sorted({ops.ATTN_ROW_TILE, *chosen}))
+        chosen = [t for t in attn.ATTN_TILE_CANDIDATES if _attention_tile_agrees(t, q, k, v, threads)]
+    return tuple(sorted({attn.ATTN_ROW_TILE, *chosen}))
 
 
 @contextmanager

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.models import exactness, tiles
 from lathe.models.decoder import Decoder
@@ -65,13 +66,13 @@ def test_a_prefill_only_attention_change_is_caught_by_the_attention_check(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Attention that rounds differently once it sees many queries breaks prefill vs decode: caught there."""
-    real = ops.attention
+    real = attn.attention
 
     def drifting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
         out = real(q, k, v, **kw)
         return out * (1 + 2**-20) if q.shape[0] > 1 else out
 
-    monkeypatch.setattr(ops, "attention", drifting)
+    monkeypatch.setattr(attn, "attention", drifting)
     report = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
     assert not report.exact
     assert report.first_failure.startswith("attention"), report.first_failure
@@ -88,8 +89,8 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     assert report.exact, report.first_failure
     assert ops.ROW_TILE in model.ladder.tiles and report.tiles["row_tiles"] == list(model.ladder.tiles)
     assert set(model.ladder.tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
-    assert ops.ATTN_ROW_TILE in model.attn_tiles and report.tiles["attn_row_tiles"] == list(model.attn_tiles)
-    assert set(model.attn_tiles) <= {ops.ATTN_ROW_TILE, *ops.ATTN_TILE_CANDIDATES}
+    assert attn.ATTN_ROW_TILE in model.attn_tiles and report.tiles["attn_row_tiles"] == list(model.attn_tiles)
+    assert set(model.attn_tiles) <= {attn.ATTN_ROW_TILE, *attn.ATTN_TILE_CANDIDATES}
     ladder = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
     assert torch.equal(ladder, reference)
 
@@ -184,16 +185,16 @@ def test_a_tile_height_with_other_bits_is_left_out_of_the_ladder(tiny_dir: Path,
 def test_an_attention_tile_height_with_other_bits_is_left_out_of_its_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill attention's ladder is judged by bits too: a height whose products round differently is not
     chosen, and the reference height (the one decode uses) always is."""
-    real = ops._chunked_attention
+    real = attn._chunked_attention
 
     def off_at_64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
                   t: int) -> torch.Tensor:
         out = real(q, k, v, q_offset, scale, t)
         return out * (1 + 2**-20) if t == 64 else out
 
-    monkeypatch.setattr(ops, "_chunked_attention", off_at_64)
+    monkeypatch.setattr(attn, "_chunked_attention", off_at_64)
     ladder = tiles.choose_attention_tiles(6, 2, 16, torch.float32, torch.device("cpu"), [1])
-    assert 64 not in ladder and ops.ATTN_ROW_TILE in ladder
+    assert 64 not in ladder and attn.ATTN_ROW_TILE in ladder
 
 
 def test_fingerprint_is_the_same_for_the_same_bits_and_differs_for_other_bits(tiny_dir: Path) -> None:
@@ -211,8 +212,8 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
                           "direct_tiles": [], "grad_direct_tiles": [], "lone_tile": ops.ROW_TILE,
                           "lone_packed": False, "lora_direct_tiles": {},
-                          "attn_row_tile": ops.ATTN_ROW_TILE,
-                          "attn_row_tiles": [ops.ATTN_ROW_TILE], "key_chunk": ops.KEY_CHUNK,
+                          "attn_row_tile": attn.ATTN_ROW_TILE,
+                          "attn_row_tiles": [attn.ATTN_ROW_TILE], "key_chunk": attn.KEY_CHUNK,
                           "col_block_bytes": ops.COL_BLOCK_BYTES}
     assert len(d["checks"]) == len(report.checks) and all(c["ok"] for c in d["checks"])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout
 from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights, _lone_tile
@@ -215,12 +216,12 @@ def test_invariant_attention_keeps_its_forward_bits_under_autograd_and_its_gradi
         dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(70, h, 16, generator=gen).to(dtype).requires_grad_() for h in (6, 2, 2))
-    out = ops.attention(q, k, v, q_offset=0, scale=0.25, invariant=True)
+    out = attn.attention(q, k, v, q_offset=0, scale=0.25, invariant=True)
     with torch.no_grad():
-        assert torch.equal(out, ops.attention(q, k, v, q_offset=0, scale=0.25, invariant=True))
+        assert torch.equal(out, attn.attention(q, k, v, q_offset=0, scale=0.25, invariant=True))
     g = torch.randn(out.shape, generator=gen).to(dtype)
     ours = torch.autograd.grad(out, [q, k, v], g)
-    theirs = torch.autograd.grad(ops.attention(q, k, v, q_offset=0, scale=0.25, invariant=False), [q, k, v], g)
+    theirs = torch.autograd.grad(attn.attention(q, k, v, q_offset=0, scale=0.25, invariant=False), [q, k, v], g)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)

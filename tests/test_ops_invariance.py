@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.models.tiles import choose_attention_tiles, choose_direct_tiles
 
@@ -116,7 +117,7 @@ def test_log_softmax_matches_float64_in_fp32(invariant: bool, dtype: torch.dtype
     _assert_close(out, _log_softmax_reference(x.double()), torch.float32)
 
 
-@pytest.mark.parametrize(("invariant", "tiles"), [(True, (ops.ATTN_ROW_TILE,)), (True, (4, 16, 64)), (False, ())],
+@pytest.mark.parametrize(("invariant", "tiles"), [(True, (attn.ATTN_ROW_TILE,)), (True, (4, 16, 64)), (False, ())],
                          ids=["invariant", "invariant-ladder", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
@@ -132,13 +133,13 @@ def test_attention_matches_float64_values_and_grads(
         _leaf(lk, 2, 16, dtype=dtype, gen=gen),
     ]
     _check_values_and_grads(
-        lambda q, k, v: ops.attention(q, k, v, q_offset=q_offset, scale=0.25, invariant=invariant, tiles=tiles),
+        lambda q, k, v: attn.attention(q, k, v, q_offset=q_offset, scale=0.25, invariant=invariant, tiles=tiles),
         lambda q, k, v: _attention_reference(q, k, v, q_offset, 0.25),
         inputs,
     )
 
 
-@pytest.mark.parametrize("tiles", [(ops.ATTN_ROW_TILE,), (ops.ATTN_ROW_TILE, *ops.ATTN_TILE_CANDIDATES)],
+@pytest.mark.parametrize("tiles", [(attn.ATTN_ROW_TILE,), (attn.ATTN_ROW_TILE, *attn.ATTN_TILE_CANDIDATES)],
                          ids=["reference", "ladder"])
 @pytest.mark.parametrize("length", [1, 33, 130])
 def test_sequences_attended_together_have_the_bits_and_gradients_of_each_alone(
@@ -150,10 +151,10 @@ def test_sequences_attended_together_have_the_bits_and_gradients_of_each_alone(
     q, k, v = (torch.randn(5, length, h, 16, generator=gen).requires_grad_() for h in (6, 2, 2))
     dout = torch.randn(5, length, 6, 16, generator=gen)
     for count in (1, 2, 5):
-        together = ops.attention_batch(q[:count], k[:count], v[:count], scale=0.25, invariant=True, tiles=tiles)
+        together = attn.attention_batch(q[:count], k[:count], v[:count], scale=0.25, invariant=True, tiles=tiles)
         grads = torch.autograd.grad(together, [q, k, v], dout[:count])
         for j in range(count):
-            alone = ops.attention(q[j], k[j], v[j], q_offset=0, scale=0.25, invariant=True, tiles=tiles)
+            alone = attn.attention(q[j], k[j], v[j], q_offset=0, scale=0.25, invariant=True, tiles=tiles)
             assert torch.equal(alone, together[j]), (count, j)
             for mine, theirs in zip(torch.autograd.grad(alone, [q, k, v], dout[j]), grads, strict=True):
                 assert torch.equal(mine[j], theirs[j]), (count, j)
@@ -162,28 +163,28 @@ def test_sequences_attended_together_have_the_bits_and_gradients_of_each_alone(
 def test_plain_attention_batch_matches_attention_per_sequence() -> None:
     gen = torch.Generator().manual_seed(12)
     q, k, v = (torch.randn(3, 20, h, 16, generator=gen) for h in (6, 2, 2))
-    together = ops.attention_batch(q, k, v, scale=0.25, invariant=False)
+    together = attn.attention_batch(q, k, v, scale=0.25, invariant=False)
     for j in range(3):
-        alone = ops.attention(q[j], k[j], v[j], q_offset=0, scale=0.25, invariant=False)
+        alone = attn.attention(q[j], k[j], v[j], q_offset=0, scale=0.25, invariant=False)
         torch.testing.assert_close(together[j], alone, rtol=1e-5, atol=1e-6)
 
 
 def test_attention_batch_rejects_bad_shapes() -> None:
     q, kv = torch.zeros(2, 4, 6, 16), torch.zeros(2, 5, 2, 16)
     with pytest.raises(ValueError, match=r"\[S, L, Hkv, D\]"):
-        ops.attention_batch(q, kv, kv, scale=1.0, invariant=True)
+        attn.attention_batch(q, kv, kv, scale=1.0, invariant=True)
     kv = torch.zeros(2, 4, 4, 16)
     with pytest.raises(ValueError, match="Hq=6"):
-        ops.attention_batch(q, kv, kv, scale=1.0, invariant=True)
+        attn.attention_batch(q, kv, kv, scale=1.0, invariant=True)
 
 
 def test_attention_rejects_bad_shapes() -> None:
     q, kv = torch.zeros(4, 6, 16), torch.zeros(10, 4, 16)
     with pytest.raises(ValueError, match="Hq=6"):
-        ops.attention(q, kv, kv, q_offset=0, scale=1.0, invariant=True)
+        attn.attention(q, kv, kv, q_offset=0, scale=1.0, invariant=True)
     kv = torch.zeros(10, 2, 16)
     with pytest.raises(ValueError, match="q_offset=7"):
-        ops.attention(q, kv, kv, q_offset=7, scale=1.0, invariant=False)
+        attn.attention(q, kv, kv, q_offset=7, scale=1.0, invariant=False)
 
 
 # ---------------------------------------------------------------- row invariance
@@ -333,32 +334,32 @@ def _qkv(length: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_invariant_attention_decode_and_chunked_prefill_equal_prefill(dtype: torch.dtype, ladder: str) -> None:
     """Prefill in the reference tile, or in the ladder this machine's self-check chooses, has decode's bits."""
-    tiles = (ops.ATTN_ROW_TILE,)
+    tiles = (attn.ATTN_ROW_TILE,)
     if ladder == "chosen":
         tiles = choose_attention_tiles(9, 3, 64, dtype, torch.device("cpu"), sorted({1, torch.get_num_threads()}))
     q, k, v = _qkv(150, dtype, seed=8)
-    prefill = ops.attention(q, k, v, q_offset=0, scale=0.125, invariant=True, tiles=tiles)
+    prefill = attn.attention(q, k, v, q_offset=0, scale=0.125, invariant=True, tiles=tiles)
     # A KV cache longer than the sequence, its spare slots holding any finite values: they never count.
     k_cache, v_cache = (torch.cat([x, torch.randn(106, 3, 64).to(dtype)]) for x in (k, v))
     for t in range(150):
-        alone = ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=0.125, invariant=True)
+        alone = attn.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=0.125, invariant=True)
         assert torch.equal(alone, prefill[t : t + 1]), f"decode of token {t} differs from prefill"
-        cached = ops.attention(q[t : t + 1], k_cache, v_cache, q_offset=t, scale=0.125, invariant=True)
+        cached = attn.attention(q[t : t + 1], k_cache, v_cache, q_offset=t, scale=0.125, invariant=True)
         assert torch.equal(cached, prefill[t : t + 1]), f"decode of token {t} from a long cache differs"
     for splits in ([0, 1, 2, 65, 129, 150], [0, 37, 64, 100, 150], [0, 63, 64, 128, 149, 150]):
         for s0, s1 in zip(splits, splits[1:], strict=False):
-            part = ops.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=0.125, invariant=True, tiles=tiles)
+            part = attn.attention(q[s0:s1], k[:s1], v[:s1], q_offset=s0, scale=0.125, invariant=True, tiles=tiles)
             assert torch.equal(part, prefill[s0:s1]), f"chunked prefill {s0}:{s1} (splits {splits}) differs"
 
 
 def test_invariant_attention_past_256_keys_where_one_long_matmul_would_break() -> None:
     """A single P @ V over all keys changes a row's bits once K passes 256 (measured); chunks must not."""
     q, k, v = _qkv(400, torch.float32, seed=13)
-    prefill = ops.attention(q, k, v, q_offset=0, scale=0.125, invariant=True)
+    prefill = attn.attention(q, k, v, q_offset=0, scale=0.125, invariant=True)
     for t in (255, 256, 300, 383, 399):
-        alone = ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=0.125, invariant=True)
+        alone = attn.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=0.125, invariant=True)
         assert torch.equal(alone, prefill[t : t + 1]), f"decode of token {t} differs from prefill"
-    part = ops.attention(q[256:300], k[:300], v[:300], q_offset=256, scale=0.125, invariant=True)
+    part = attn.attention(q[256:300], k[:300], v[:300], q_offset=256, scale=0.125, invariant=True)
     assert torch.equal(part, prefill[256:300])
 
 
@@ -366,12 +367,12 @@ def test_invariant_attention_past_256_keys_where_one_long_matmul_would_break() -
 def test_plain_attention_decode_differs_from_prefill() -> None:
     """Measured here: SDPA gives 149 of 150 fp32 tokens different bits decoded alone than in prefill."""
     q, k, v = _qkv(150, torch.float32, seed=8)
-    prefill = ops.attention(q, k, v, q_offset=0, scale=0.125, invariant=False)
+    prefill = attn.attention(q, k, v, q_offset=0, scale=0.125, invariant=False)
     differing = [
         t
         for t in range(150)
         if not torch.equal(
-            ops.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=0.125, invariant=False),
+            attn.attention(q[t : t + 1], k[: t + 1], v[: t + 1], q_offset=t, scale=0.125, invariant=False),
             prefill[t : t + 1],
         )
     ]
@@ -390,8 +391,8 @@ def test_invariant_bits_do_not_depend_on_the_thread_count() -> None:
     try:
         for n in (1, 2, 4):
             torch.set_num_threads(n)
-            prefill = ops.attention(q, k, v, q_offset=0, scale=0.125, invariant=True)
-            decode = ops.attention(q[-1:], k, v, q_offset=149, scale=0.125, invariant=True)
+            prefill = attn.attention(q, k, v, q_offset=0, scale=0.125, invariant=True)
+            decode = attn.attention(q[-1:], k, v, q_offset=149, scale=0.125, invariant=True)
             lone, batch = ops.linear(wide[:1], shrink, invariant=True), ops.linear(wide, shrink, invariant=True)
             assert torch.equal(lone, batch[:1])
             results.append((ops.linear(x, weight, invariant=True), prefill, decode, batch))
@@ -482,7 +483,7 @@ def _prefill_attend(invariant: bool) -> Attend:
     def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(q)
         for b, n in enumerate(LENGTHS):
-            out[b, :n] = ops.attention(q[b, :n], k[b, :n], v[b, :n], q_offset=0, scale=SCALE, invariant=invariant)
+            out[b, :n] = attn.attention(q[b, :n], k[b, :n], v[b, :n], q_offset=0, scale=SCALE, invariant=invariant)
         return out
 
     return attend
@@ -495,7 +496,7 @@ def _decode_attend(caches: list[torch.Tensor], live: list[int], t: int, invarian
         keys, values = caches[layer]
         keys[live, t], values[live, t] = k, v
         rows = [
-            ops.attention(
+            attn.attention(
                 q[r : r + 1],
                 keys[b, : t + 1],
                 values[b, : t + 1],
@@ -540,7 +541,7 @@ def test_plain_decoder_logprobs_differ_in_batch_and_decode() -> None:
 def test_batched_decode_attention_has_the_bits_of_per_sequence_attention(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
     lengths = [1, 63, 64, 65, 150, 7]
-    n = -(-max(lengths) // ops.KEY_CHUNK) * ops.KEY_CHUNK
+    n = -(-max(lengths) // attn.KEY_CHUNK) * attn.KEY_CHUNK
     hq, hkv, d = 6, 2, 16
     k = torch.randn(len(lengths), n, hkv, d, generator=gen).to(dtype)
     v = torch.randn(len(lengths), n, hkv, d, generator=gen).to(dtype)
@@ -550,9 +551,9 @@ def test_batched_decode_attention_has_the_bits_of_per_sequence_attention(dtype: 
     q = torch.randn(len(lengths), hq, d, generator=gen).to(dtype)
     positions = [length - 1 for length in lengths]
     for invariant in (True, False):
-        batched = ops.decode_attention(q, k, v, positions, scale=d**-0.5, invariant=invariant)
+        batched = attn.decode_attention(q, k, v, positions, scale=d**-0.5, invariant=invariant)
         for s, length in enumerate(lengths):
-            alone = ops.attention(q[s:s + 1], k[s, :length], v[s, :length], q_offset=length - 1, scale=d**-0.5,
+            alone = attn.attention(q[s:s + 1], k[s, :length], v[s, :length], q_offset=length - 1, scale=d**-0.5,
                                   invariant=invariant)
             if invariant:
                 assert torch.equal(batched[s:s + 1], alone), s

@@ -24,7 +24,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from lathe.kernels.ops import KEY_CHUNK
+from lathe.kernels.attention import KEY_CHUNK
 
 BLOCK = KEY_CHUNK
 """Token rows per block: the invariant attention's key chunk, so a block is a chunk of the key grid."""
