@@ -4,8 +4,8 @@ Owns the frozen base weights (``dtype`` of the pool: fp32 or bf16, on the pool's
 forward math: RMSNorm,
 RoPE from one precomputed table, grouped-query attention, SwiGLU, tied or untied embeddings,
 Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm. It never owns adapters or optimizer state: a
-batch's adapters (``LoraDeltas``: a ``LoraBatch``, or the sampler's BGMV slots) are passed in per call, and
-so is the sampler's KV cache; both live on ``device``.
+batch's adapters (``LoraDeltas``: a ``LoraBatch``, an ``SgmvBatch``, or the sampler's BGMV slots) are passed in
+per call, and so is the sampler's KV cache; both live on ``device``.
 Callers build a batch's index tensors on the CPU; ``hidden`` and ``target_logprobs`` move them.
 
 A batch is *packed*: the tokens of all sequences are one flat ``[T]`` row, sequence ``s`` owns rows
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from lathe.kernels import activations, ops
 from lathe.kernels import attention as attn
 from lathe.models.config import ModelConfig
-from lathe.models.lora import UNEMBED, LoraBatch, LoraDeltas
+from lathe.models.lora import UNEMBED, LoraDeltas, TrainableDeltas
 
 LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logprobs
 
@@ -242,7 +242,7 @@ class Decoder(torch.nn.Module):
         return y.float()
 
     def target_logprobs(
-        self, h: torch.Tensor, targets: torch.Tensor, lora: LoraBatch | None = None, *, chunk: int = LOGIT_CHUNK
+        self, h: torch.Tensor, targets: torch.Tensor, lora: LoraDeltas | None = None, *, chunk: int = LOGIT_CHUNK
     ) -> torch.Tensor:
         """``log_softmax(logits(h))[t, targets[t]]`` -> ``[T]`` fp32, computed ``chunk`` rows at a time.
 
@@ -263,7 +263,7 @@ class Decoder(torch.nn.Module):
 
 
     def target_logprobs_backward(
-        self, h: torch.Tensor, targets: torch.Tensor, lora: LoraBatch | None, grad: torch.Tensor, *,
+        self, h: torch.Tensor, targets: torch.Tensor, lora: TrainableDeltas | None, grad: torch.Tensor, *,
         chunk: int = LOGIT_CHUNK,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
         """``target_logprobs`` and its backward in one pass, for a loss whose gradient with respect to the
@@ -301,7 +301,7 @@ class Decoder(torch.nn.Module):
 class _ChunkLogprobs:
     """One chunk of ``target_logprobs`` as a plain callable (what activation checkpointing replays)."""
 
-    def __init__(self, model: Decoder, lora: LoraBatch | None) -> None:
+    def __init__(self, model: Decoder, lora: LoraDeltas | None) -> None:
         self.model, self.lora = model, lora
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

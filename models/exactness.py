@@ -48,11 +48,11 @@ from lathe.models.lora import (
     MLP_TARGETS,
     REFERENCE_TILES,
     UNEMBED,
-    LoraBatch,
     LoraSpec,
     LoraWeights,
     module_shape,
 )
+from lathe.models.lora_batch import LoraBatch
 from lathe.models.pool import on_passing_thread
 from lathe.models.tiles import (
     ATTENTION_LENGTH,

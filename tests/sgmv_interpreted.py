@@ -203,12 +203,14 @@ class TestInterpreted:
         torch.testing.assert_close(added.double(), base.double() + y64, **tol)
 
 
-class TestLoraBatchOnKernels:
-    """``LoraBatch(triton=True)`` (what a GPU pool runs) against its per-segment torch path."""
+class TestSgmvBatch:
+    """``SgmvBatch`` (what a GPU pool runs; ``lora_batch(sgmv=True)``) against ``LoraBatch``'s per-segment torch
+    path."""
 
     def test_mixed_ranks_and_missing_targets_match_the_torch_path(self) -> None:
         from lathe.models.config import ModelConfig
-        from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+        from lathe.models.lora import LoraSpec, LoraWeights
+        from lathe.models.lora_batch import lora_batch
 
         cfg = ModelConfig(arch="llama", vocab_size=40, hidden_size=24, intermediate_size=40, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=12, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -225,8 +227,8 @@ class TestLoraBatchOnKernels:
         x = torch.randn(20, cfg.intermediate_size, generator=gen, requires_grad=True)
         key = (0, "down_proj")  # adapter 1 has no MLP targets
         outs = []
-        for triton in (False, True):
-            batch = LoraBatch(seg, ids, adapters, invariant=False, triton=triton)
+        for sgmv in (False, True):
+            batch = lora_batch(seg, ids, adapters, invariant=False, sgmv=sgmv)
             y = batch.delta(key, x)
             y.backward(torch.ones_like(y))
             outs.append((y.detach(), x.grad.clone(), [w.a[key].grad.clone() for w in adapters if key in w.a]))

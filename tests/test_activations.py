@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from lathe.kernels.activations import recomputed, swiglu
 from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import LoraBatch
+from lathe.models.lora_batch import LoraBatch
 from tests.test_trainer_numerics import _adapter
 
 
@@ -90,8 +90,7 @@ def test_a_bf16_pass_keeps_no_wide_copy_and_two_mlp_activations_a_layer(tiny_dir
     silu(gate) and the product too)."""
     model = Decoder.from_dir(tiny_dir, dtype=torch.bfloat16)
     lengths = (21, 40)
-    lora = LoraBatch([0, 21, 61], [0, 1], [_adapter(model, 4, 1), _adapter(model, 8, 2)], invariant=True,
-                     triton=False)
+    lora = LoraBatch([0, 21, 61], [0, 1], [_adapter(model, 4, 1), _adapter(model, 8, 2)], invariant=True)
     with _Outputs() as outputs:
         h = model.hidden(Packed.from_sequences([list(range(3, 3 + n)) for n in lengths]), lora)
     gc.collect()

@@ -19,7 +19,8 @@ from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.models import exactness, tiles
 from lathe.models.decoder import Decoder
-from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights, module_shape
+from lathe.models.lora import LoraSpec, LoraWeights, module_shape
+from lathe.models.lora_batch import LoraBatch
 from lathe.models.tiny import ensure_tiny_model
 
 

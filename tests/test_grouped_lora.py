@@ -16,7 +16,8 @@ import torch
 from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout
-from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights, _lone_tile
+from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.lora_batch import LoraBatch, _lone_tile
 from lathe.models.tiles import choose_direct_tiles, choose_row_tiles
 
 KEYS = {(0, "q_proj"): (96, 96), (0, "down_proj"): (1536, 96), (-1, "lm_head"): (96, 49152)}

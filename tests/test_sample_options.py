@@ -42,7 +42,8 @@ from lathe.gateway.limits import DoorLimits
 from lathe.gateway.tinker_json import sample_request
 from lathe.kernels import ops
 from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import LoraBatch, LoraWeights
+from lathe.models.lora import LoraWeights
+from lathe.models.lora_batch import LoraBatch
 from lathe.sampler.engine import SamplerEngine
 from lathe.stack import Stack
 from lathe.types import TensorData

@@ -33,7 +33,8 @@ from tokenizers import Tokenizer
 from lathe.errors import NotFound, ResourceExhausted
 from lathe.models.catalog import ModelCatalog
 from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.lora_batch import LoraBatch
 from lathe.models.pool import DTYPES
 from lathe.runtime.serving import READY_MARK
 from lathe.sampler.adapters import AdapterCache

@@ -13,7 +13,8 @@ import torch
 
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.lora_batch import LoraBatch
 from lathe.trainer.ops import Example
 from lathe.trainer.optimizer import AdamParams, AdamState, adamw_step
 from lathe.trainer.step import Job, run_jobs

@@ -33,7 +33,9 @@ import torch
 
 from lathe.kernels import ops
 from lathe.models.decoder import LOGIT_CHUNK, Decoder, Packed
-from lathe.models.lora import LoraBatch, LoraSpec, LoraWeights
+from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.lora_batch import LoraBatch, lora_batch
+from lathe.models.lora_sgmv import SgmvBatch
 from lathe.sampler.kv import SeqCache, StepKV
 from lathe.sampler.sampling import draw, generator
 
@@ -94,8 +96,9 @@ def adapter_order(items: list[Item]) -> list[int]:
     return [i for members in groups.values() for i in members]
 
 
-def segments(adapters: list[LoraWeights | None], counts: list[int], model: Decoder) -> LoraBatch | None:
-    """The LoraBatch of rows laid out as ``counts[i]`` rows of ``adapters[i]`` (already grouped)."""
+def segments(adapters: list[LoraWeights | None], counts: list[int], model: Decoder) -> LoraBatch | SgmvBatch | None:
+    """The LoRA batch (the pool's backend) of rows laid out as ``counts[i]`` rows of ``adapters[i]`` (already
+    grouped)."""
     if all(a is None for a in adapters):
         return None
     slots: dict[int, int] = {}
@@ -111,7 +114,7 @@ def segments(adapters: list[LoraWeights | None], counts: list[int], model: Decod
         else:
             ids.append(slots[id(w)])
             seg.append(seg[-1] + c)
-    return LoraBatch(seg, ids, table, invariant=model.invariant, triton=model.sgmv)
+    return lora_batch(seg, ids, table, invariant=model.invariant, sgmv=model.sgmv)
 
 
 def _cat(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:

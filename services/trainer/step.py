@@ -28,7 +28,8 @@ import torch
 
 from lathe.errors import Internal, InvalidArgument, LatheError
 from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import LoraBatch, LoraWeights
+from lathe.models.lora import LoraWeights
+from lathe.models.lora_batch import lora_batch
 from lathe.trainer.custom_loss import CustomLoss
 from lathe.trainer.losses import LOSSES
 from lathe.trainer.ops import Example
@@ -90,8 +91,8 @@ def _pass(model: Decoder, jobs: list[Job], *, backward: bool) -> list[JobResult]
     seg = [0]
     for j in jobs:
         seg.append(seg[-1] + sum(len(ex) for ex in j.examples))
-    lora = LoraBatch(seg, list(range(len(jobs))), [j.weights for j in jobs], invariant=model.invariant,
-                     triton=model.sgmv)
+    lora = lora_batch(seg, list(range(len(jobs))), [j.weights for j in jobs], invariant=model.invariant,
+                      sgmv=model.sgmv)
     h = model.hidden(batch, lora)
     targets = torch.cat([ex.targets for ex in examples])
     # Cross-entropy's gradient with respect to the logprobs, -weights, is known before they are: the LM head
