@@ -15,7 +15,10 @@ Where a request's data lives, and who owns it:
   engine.SamplerEngine     admission queue, waiting line (``fair.FairQueue``: one FIFO per tenant, served
                            in turn), running sequences and their token reservations, the scheduler thread;
                            base models (one ``lathe.models.decoder.Decoder`` each, CPU, pool dtype)
-  validate.check_sample    SampleRequest -> Plan (checked prompt, params, stop rule, seed)
+  intake                   the only place protobuf is read or built: SampleRequest -> ``Ask`` (who, which
+                           policy) at ``sample``; results -> SampleResult (``answer``, ``failure``)
+  validate.check_sample    SampleRequest -> Plan (checked prompt, params, stop rule, seed), on the loader
+                           thread once the base model's limits are known
   adapters.AdapterCache    (tenant, path, version) -> LoraWeights, LRU; bytes from an AdapterSource
   kv.KVPool / SeqCache     per base model, K/V blocks of 64 tokens per layer (model dtype) handed out by
   blocks.BlockManager      reference counts, LRU-cached full blocks reused by prompt prefix (chain digest);

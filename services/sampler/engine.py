@@ -43,7 +43,6 @@ trainer, storage (bytes come through an ``AdapterSource``) or the network.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -70,15 +69,15 @@ from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
 from lathe.sampler.graphs import BUCKETS, DecodeRunner, GraphConfig
+from lathe.sampler.intake import Ask, PromptScores, Sampled, answer, failure
 from lathe.sampler.kv import KVPool, SeqCache
 from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sampling import choose, generator
 from lathe.sampler.slots import BGMV, SlotPool
 from lathe.sampler.step import Item, ItemOut, run_step
 from lathe.sampler.validate import ModelLimits, Plan, check_sample
-from lathe.types import Receipt, TensorData
+from lathe.types import Receipt
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import error_to_proto, receipt_to_proto, tensor_to_proto
 
 
 class CatalogEntry(Protocol):
@@ -170,7 +169,8 @@ class _Base:
 
 @dataclass(slots=True, eq=False)
 class _Request:
-    req: pb.SampleRequest
+    ask: Ask
+    request: pb.SampleRequest | None  # until the loader checks it into ``plan`` (intake), then None
     future: Future[pb.SampleResult]
     arrived: float
     base: _Base | None = None
@@ -182,7 +182,7 @@ class _Request:
     step: int = 0
     seqs: list[_Seq] = field(default_factory=list)
     unfinished: int = 0
-    output: pb.SampleOutput = field(default_factory=pb.SampleOutput)
+    prompt: PromptScores | None = None  # what its prefill computed about the prompt, when asked
 
 
 @dataclass(slots=True, eq=False)
@@ -190,15 +190,12 @@ class _Seq:
     request: _Request
     gen: torch.Generator
     cache: SeqCache | None = None  # None once finished
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk: list[pb.TopkLogprobs] = field(default_factory=list)  # topk_sample_logprobs: one per token
-    stop_reason: str = ""
+    out: Sampled = field(default_factory=Sampled)
 
 
 def _slot_key(r: _Request) -> tuple[str, str, str]:
     """What names an adapter's weights in a slot pool: tenant, path and the version pinned."""
-    return r.req.tenant, r.req.model_path, repr(r.req.model_version)
+    return r.ask.tenant, r.ask.model_path, repr(r.ask.model_version)
 
 
 class SamplerEngine:
@@ -215,7 +212,7 @@ class SamplerEngine:
         self._cond = threading.Condition()
         self._live: set[_Request] = set()
         self._queued = 0  # accepted and not yet admitted (being checked or waiting)
-        self._waiting: FairQueue[_Request] = FairQueue(lambda r: r.req.tenant)
+        self._waiting: FairQueue[_Request] = FairQueue(lambda r: r.ask.tenant)
         self._reserved = 0  # tokens reserved by admitted requests not finished yet
         self._running: list[_Seq] = []  # the scheduler thread's alone
         self._loader = ThreadPoolExecutor(cfg.loaders, thread_name_prefix="sampler-load")
@@ -296,7 +293,7 @@ class SamplerEngine:
                 raise ResourceExhausted(f"sampler queue is full ({self._queued} requests waiting); retry later",
                                         retry_after_s=1.0)
             self._queued += 1
-            r = _Request(req, Future(), time.monotonic())
+            r = _Request(Ask.of(req), req, Future(), time.monotonic())
             self._live.add(r)
         self._loader.submit(self._prepare, r)
         return r.future
@@ -304,18 +301,18 @@ class SamplerEngine:
     def _prepare(self, r: _Request) -> None:
         """Loader thread: resolve the model, check the request, fetch its adapter, then queue it."""
         try:
-            if not r.req.base_model:
+            if not r.ask.base_model:
                 raise InvalidArgument("base_model is empty: the gateway must name the model to sample")
-            r.base = self.base(r.req.base_model)
-            r.plan = check_sample(r.req, r.base.limits, self.cfg.max_running_tokens)
+            r.base = self.base(r.ask.base_model)
+            r.plan, r.request = check_sample(r.request, r.base.limits, self.cfg.max_running_tokens), None
             need, usable = self._blocks_needed(r), r.base.kv.blocks.usable
             if need > usable:
                 raise InvalidArgument(f"num_samples ({r.plan.num_samples}) x (prompt ({len(r.plan.prompt)} tokens) + "
                                       f"max_tokens ({r.plan.max_tokens})) needs {need} KV blocks of {BLOCK} tokens; "
                                       f"this sampler pool has {usable} (--kv-blocks); ask for fewer samples or tokens")
-            if r.req.model_path:
-                r.adapter = self.adapters.get(r.req.tenant, r.req.model_path, r.req.model_version,
-                                              r.base.model.cfg, self._adapter_dtype, r.req.base_model,
+            if r.ask.model_path:
+                r.adapter = self.adapters.get(r.ask.tenant, r.ask.model_path, r.ask.model_version,
+                                              r.base.model.cfg, self._adapter_dtype, r.ask.base_model,
                                               self.cfg.device)
         except Exception as e:  # noqa: BLE001 - any failure is this request's answer, never a hang
             err = e if isinstance(e, LatheError) else Internal(f"loading failed: {type(e).__name__}: {e}")
@@ -417,7 +414,7 @@ class SamplerEngine:
         advanced: list[_Seq] = []
         for base, prefills, decodes in work.values():
             advanced += self._forward(base, prefills, decodes)
-        self._running = [s for s in advanced if not s.stop_reason]
+        self._running = [s for s in advanced if not s.out.stop_reason]
         self.metrics.record_step(seconds=time.monotonic() - now, sequences=len(advanced), running=len(self._running),
                                  prompt_tokens=sum(len(r.plan.prompt) for r in admitted), reserved=self._reserved,
                                  budget=self.cfg.max_running_tokens, queued=self._queued)
@@ -429,8 +426,8 @@ class SamplerEngine:
         for r in prefills:
             cache = self._prompt_cache(base, r)
             items.append(Item(list(r.plan.prompt[cache.length:]), cache, r.adapter, r.plan.ask))
-        items += [Item([s.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
-        name = (prefills[0] if prefills else decodes[0].request).req.base_model
+        items += [Item([s.out.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
+        name = (prefills[0] if prefills else decodes[0].request).ask.base_model
         self.exactness.check_ranks(name, base.model, {i.adapter.spec.rank for i in items if i.adapter is not None})
         try:
             outs = self._run(base, items, decodes if not prefills else None)
@@ -487,7 +484,7 @@ class SamplerEngine:
         reuse = len(prompt) - 1 if self.cfg.prefix_cache else 0
         if r.plan.ask is not None:
             reuse = min(reuse, r.plan.ask.first_row())
-        seed = root_digest(r.req.tenant, r.req.base_model, r.req.model_path, repr(r.req.model_version))
+        seed = root_digest(r.ask.tenant, r.ask.base_model, r.ask.model_path, repr(r.ask.model_version))
         return base.kv.sequence(seed, prompt, reuse)
 
     def _release_caches(self, r: _Request) -> None:
@@ -500,24 +497,13 @@ class SamplerEngine:
     def _start_samples(self, r: _Request, cache: SeqCache, out: ItemOut) -> list[_Seq]:
         """After a prefill: record the prompt options, draw each sample's first token, fork the cache."""
         plan = r.plan
-        if out.prompt_logprobs is not None:
-            r.output.prompt_logprobs.extend([math.nan, *out.prompt_logprobs.tolist()])
-        if out.topk_ids is not None:
-            unscored = len(plan.prompt) - len(out.topk_ids)  # the first token, and those before the last n
-            r.output.topk_prompt_logprobs.extend(pb.TopkLogprobs() for _ in range(unscored))
-            for ids, lps in zip(out.topk_ids.tolist(), out.topk_logprobs.tolist(), strict=True):
-                r.output.topk_prompt_logprobs.append(pb.TopkLogprobs(token_ids=ids, logprobs=lps))
-        if out.target_logprobs is not None:
-            r.output.target_prompt_logprobs.CopyFrom(tensor_to_proto(TensorData.from_torch(out.target_logprobs)))
-        if out.alt_tokens is not None:
-            r.output.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
-                tokens=tensor_to_proto(TensorData.from_torch(out.alt_tokens)),
-                logprobs=tensor_to_proto(TensorData.from_torch(out.alt_logprobs))))
+        if plan.ask is not None:
+            r.prompt = PromptScores.of(out)
         r.seqs = [_Seq(r, generator(plan.seed, i)) for i in range(plan.num_samples)]
         r.unfinished = len(r.seqs)
         for s in r.seqs:
             self._advance(s, out)
-        alive = [s for s in r.seqs if not s.stop_reason]
+        alive = [s for s in r.seqs if not s.out.stop_reason]
         for k, s in enumerate(alive):  # the last one takes the prefilled cache itself, the others forks
             s.cache = cache if k == len(alive) - 1 else cache.fork()
         if not alive:
@@ -526,17 +512,17 @@ class SamplerEngine:
 
     def _advance(self, s: _Seq, out: ItemOut) -> None:
         """Draw the next token of ``s`` from its row; record its logprob; finish it if it stops."""
-        r = s.request
+        r, seq = s.request, s.out
         token = choose(out.logits, r.plan.rule, s.gen)
-        s.tokens.append(token)
-        s.logprobs.append(float(out.logprobs[token]))
+        seq.tokens.append(token)
+        seq.logprobs.append(float(out.logprobs[token]))
         if r.plan.topk_sample:
             top = torch.topk(out.logprobs, r.plan.topk_sample)
-            s.topk.append(pb.TopkLogprobs(token_ids=top.indices.tolist(), logprobs=top.values.tolist()))
-        if r.plan.stop.hit(s.tokens):
-            s.stop_reason = "stop"
-        elif len(s.tokens) >= r.plan.max_tokens:
-            s.stop_reason = "length"
+            seq.topk.append((top.indices.tolist(), top.values.tolist()))
+        if r.plan.stop.hit(seq.tokens):
+            seq.stop_reason = "stop"
+        elif len(seq.tokens) >= r.plan.max_tokens:
+            seq.stop_reason = "length"
         else:
             return
         if s.cache is not None:
@@ -560,22 +546,16 @@ class SamplerEngine:
         self._release_caches(r)
         now = time.monotonic()
         started = r.admitted or now
-        fingerprint, exact = self.exactness.stamp(r.req.base_model)
-        receipt = receipt_to_proto(Receipt(
-            request_id=r.req.request_id, model_id="", seq_id=r.req.seq_id, cycle=r.step,
-            tokens=(len(r.plan.prompt) + sum(len(s.tokens) for s in r.seqs)) if error is None else 0,
+        fingerprint, exact = self.exactness.stamp(r.ask.base_model)
+        receipt = Receipt(
+            request_id=r.ask.request_id, model_id="", seq_id=r.ask.seq_id, cycle=r.step,
+            tokens=(len(r.plan.prompt) + sum(len(s.out.tokens) for s in r.seqs)) if error is None else 0,
             adapter_step=0, queued_s=started - r.arrived, run_s=now - started, dtype=self.cfg.dtype, op="sample",
-            fingerprint=fingerprint, exact=exact))
+            fingerprint=fingerprint, exact=exact)
         self.metrics.record_request(queued_s=receipt.queued_s, total_s=now - r.arrived, failed=error is not None)
         if error is not None:
-            result = pb.SampleResult(receipt=receipt, error=error_to_proto(error))
+            result = failure(receipt, error)
         else:
-            policy = r.req.model_path or r.req.base_model
-            r.output.sequences.extend(
-                pb.SampledSequence(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason,
-                                   policy_version=policy, topk_logprobs=s.topk)
-                for s in r.seqs
-            )
-            result = pb.SampleResult(receipt=receipt, sample=r.output)
+            result = answer(receipt, r.ask, len(r.plan.prompt), r.prompt, [s.out for s in r.seqs])
         with contextlib.suppress(InvalidStateError):  # the caller may have cancelled it meanwhile
             r.future.set_result(result)
