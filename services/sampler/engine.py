@@ -69,7 +69,7 @@ from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
 from lathe.sampler.graphs import BUCKETS, DecodeRunner, GraphConfig
-from lathe.sampler.intake import Ask, PromptScores, Sampled, answer, failure
+from lathe.sampler.intake import Ask, PromptScores, Sampled, answer, capabilities, failure
 from lathe.sampler.kv import KVPool, SeqCache
 from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sampling import choose, generator
@@ -255,11 +255,8 @@ class SamplerEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def capabilities(self) -> pb.ServerCapabilities:
-        return pb.ServerCapabilities(supported_models=[
-            pb.SupportedModel(model_name=e.name, max_context_length=e.max_context_length,
-                              sampler_exactness=pb.Exactness(**self.exactness.fields(e.name)))
-            for e in self.catalog.entries()
-        ], limits=pb.RequestLimits(max_sample_tokens=self.cfg.max_running_tokens))
+        return capabilities([(e.name, e.max_context_length, self.exactness.fields(e.name))
+                             for e in self.catalog.entries()], self.cfg.max_running_tokens)
 
     def stats(self) -> dict[str, int]:
         """Gauges for monitoring: requests queued (being checked or waiting), of which waiting, running

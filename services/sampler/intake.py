@@ -5,6 +5,7 @@
                                           once the base model's limits are known
     answer(receipt, prompt, samples)      a finished request -> SampleResult (its output)
     failure(receipt, error)               a failed one -> SampleResult (its error)
+    capabilities(models, max_tokens)      what the pool serves -> ServerCapabilities
 
 Owns the plain forms in between: ``Ask``, the ``PromptScores`` a prefill computed and the ``Sampled`` record of
 each sequence.
@@ -108,3 +109,11 @@ def _prompt_scores(out: pb.SampleOutput, prompt_len: int, scores: PromptScores) 
         out.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
             tokens=tensor_to_proto(TensorData.from_torch(scores.alt_tokens)),
             logprobs=tensor_to_proto(TensorData.from_torch(scores.alt_logprobs))))
+
+
+def capabilities(models: list[tuple[str, int, dict[str, object]]], max_sample_tokens: int) -> pb.ServerCapabilities:
+    """``models``: ``(name, max_context_length, Exactness fields)`` of each model the pool serves."""
+    return pb.ServerCapabilities(supported_models=[
+        pb.SupportedModel(model_name=name, max_context_length=context, sampler_exactness=pb.Exactness(**exactness))
+        for name, context, exactness in models
+    ], limits=pb.RequestLimits(max_sample_tokens=max_sample_tokens))
