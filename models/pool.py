@@ -70,18 +70,10 @@ def check_device(device: str) -> None:
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device here")
 
 
-def add_pool_arguments(ap: argparse.ArgumentParser, *, models: str, cache_root: Path) -> None:
+def add_pool_arguments(ap: argparse.ArgumentParser) -> None:
+    """A pool process's own flags (its config's come from ``lathe.runtime.options``)."""
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--models", default=models, help="served base models, comma-separated")
-    ap.add_argument("--cache-root", type=Path, default=cache_root)
-    ap.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
-                    help="the frozen base weights' dtype (default auto: bfloat16 where the device multiplies it "
-                         "natively, float32 elsewhere)")
-    ap.add_argument("--device", default=default_device(), choices=DEVICES,
-                    help="where weights, adapters, optimizer state and KV caches live (default: cuda if present)")
-    ap.add_argument("--sgmv", action="store_true", help="LoRA through the Triton SGMV kernels (GPU)")
-    ap.add_argument("--no-invariant", action="store_true", help="use plain (not batch-invariant) ops")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--checkpoints", default="", help="address of the checkpoints service")
 

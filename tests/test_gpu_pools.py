@@ -24,7 +24,8 @@ from lathe.models.catalog import ModelCatalog
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
-from lathe.models.pool import DTYPES, add_pool_arguments, default_device, resolve_dtype
+from lathe.models.pool import DTYPES, default_device, resolve_dtype
+from lathe.runtime.options import add_options
 from lathe.sampler.adapters import adapter_dtype, load_adapter
 from lathe.sampler.blocks import blocks_for
 from lathe.sampler.kv import KVPool
@@ -116,12 +117,13 @@ def test_pool_configs_and_flag_take_a_device() -> None:
         if not torch.cuda.is_available():
             with pytest.raises(ValueError, match="torch sees no CUDA device"):
                 config(device="cuda")
-    ap = argparse.ArgumentParser()
-    add_pool_arguments(ap, models=BASE, cache_root=Path("."))
-    assert ap.parse_args([]).device == default_device()
-    assert ap.parse_args(["--device", "cpu"]).device == "cpu"
-    with pytest.raises(SystemExit):
-        ap.parse_args(["--device", "tpu"])
+    for config in (SamplerConfig, TrainerConfig):
+        ap = argparse.ArgumentParser()
+        add_options(ap, config)
+        assert ap.parse_args([]).device == default_device()
+        assert ap.parse_args(["--device", "cpu"]).device == "cpu"
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--device", "tpu"])
 
 
 def test_auto_dtype_is_bf16_only_where_the_device_multiplies_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,9 +142,10 @@ def test_auto_dtype_is_bf16_only_where_the_device_multiplies_it_natively(monkeyp
             assert config(dtype="bfloat16", device="cpu").dtype == "bfloat16"
             with pytest.raises(ValueError, match="dtype 'float16' is not one of"):
                 config(dtype="float16", device="cpu")
-    ap = argparse.ArgumentParser()
-    add_pool_arguments(ap, models=BASE, cache_root=Path("."))
-    assert ap.parse_args([]).dtype == "auto"
+    for config in (SamplerConfig, TrainerConfig):
+        ap = argparse.ArgumentParser()
+        add_options(ap, config)
+        assert ap.parse_args([]).dtype == "auto"
 
 
 def test_from_weights_on_explicit_cpu_equals_from_dir(tiny_dir: Path) -> None:

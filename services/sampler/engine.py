@@ -48,7 +48,7 @@ import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from tokenizers import Tokenizer
@@ -58,6 +58,8 @@ from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
 from lathe.models.pool import (
+    AUTO,
+    DEVICES,
     DTYPES,
     OncePerName,
     check_device,
@@ -98,29 +100,50 @@ class Catalog(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SamplerConfig:
-    models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
+    """The sampler pool's configuration; ``python -m lathe.sampler`` has a flag for each field (``--max-running``
+    for ``max_running``; ``--no-prefix-cache`` for a field that defaults to True), its help the field's docstring."""
+
+    models: str = "lathe/tiny-llama"
+    """served base models: comma-separated catalog names or model directories"""
     cache_root: Path = Path(".cache/lathe")
-    dtype: str = "float32"  # of the frozen base weights ("auto": bf16 where the device has it natively)
-    device: str = field(default_factory=default_device)  # "cuda" or "cpu": weights, adapters and KV caches
-    invariant: bool = True  # batch-invariant ops: logprobs bitwise equal to the trainer's
-    sgmv: bool = False  # LoRA through the Triton SGMV kernels (set alike on the trainer pool)
-    max_running: int = 64  # sequences decoding at once (each sample of a request is one)
-    max_queue: int = 1024  # requests accepted but not yet running
-    adapter_cache: int = 16  # adapters kept loaded
-    max_prefill_tokens: int = 4096  # prompt tokens admitted per step (a lone request always fits)
-    # tokens the running requests may reserve, num_samples x (prompt + max_tokens) each: 128 samples of 8k
-    # context; a request asking for more is refused
+    """where models are cached"""
+    dtype: str = field(default="float32", metadata={"default": AUTO, "choices": (AUTO, *DTYPES)})
+    """the frozen base weights' dtype (flag default auto: bfloat16 where the device multiplies it natively,
+    float32 elsewhere)"""
+    device: str = field(default_factory=default_device, metadata={"choices": DEVICES})
+    """where weights, adapters and KV caches live (default: cuda if present)"""
+    invariant: bool = True
+    """batch-invariant ops: logprobs bitwise equal to the trainer's (off: the plain ops)"""
+    sgmv: bool = False
+    """LoRA through the Triton SGMV kernels (GPU; set alike on the trainer pool)"""
+    max_running: int = 64
+    """sequences decoding at once (each sample of a request is one)"""
+    max_queue: int = 1024
+    """requests accepted but not yet running"""
+    adapter_cache: int = 16
+    """adapters kept loaded"""
+    max_prefill_tokens: int = 4096
+    """prompt tokens admitted per step (a lone request always fits)"""
     max_running_tokens: int = 128 * 8192
-    loaders: int = 2  # threads that load models and adapters and check requests
-    kv_blocks: int = 0  # KV blocks of BLOCK tokens per base model; 0: enough for max_running_tokens
-    prefix_cache: bool = True  # reuse cached KV blocks of a shared prompt prefix
-    # decode-step LoRA through the adapter slot pool by BGMV: "off", "torch" (the reference), "triton"; "auto":
-    # triton with sgmv on cuda when not invariant (the throughput path: no bitwise equality with the trainer)
-    bgmv: str = "auto"
-    adapter_slots: int = 16  # adapters resident in the slot pool per base model (BGMV path)
-    slot_rank: int = 32  # largest LoRA rank a slot holds; a step with a larger one runs the per-segment path
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (cuda only)
-    graph_buckets: tuple[int, ...] = BUCKETS  # batch sizes decode steps are padded to and captured at
+    """running budget: tokens (num_samples x (prompt + max_tokens)) the running requests reserve together (128
+    samples of 8k context); one request asking for more is refused"""
+    loaders: int = 2
+    """threads that load models and adapters and check requests"""
+    kv_blocks: int = 0
+    """KV cache blocks of 64 tokens per base model (0: enough for max_running_tokens)"""
+    prefix_cache: bool = True
+    """reuse cached KV blocks of a shared prompt prefix"""
+    bgmv: Literal["auto", "off", "torch", "triton"] = "auto"
+    """decode-step LoRA through the adapter slot pool by BGMV: off, torch (the reference), triton; auto: triton
+    with sgmv on cuda when not invariant (the throughput path: no bitwise equality with the trainer)"""
+    adapter_slots: int = 16
+    """adapters resident in the slot pool per base model (BGMV path)"""
+    slot_rank: int = 32
+    """largest LoRA rank a slot holds; a step with a larger one runs the per-segment path"""
+    cuda_graphs: bool = True
+    """replay decode steps from CUDA graphs (cuda only)"""
+    graph_buckets: tuple[int, ...] = field(default=BUCKETS, metadata={"cli": False})
+    """batch sizes decode steps are padded to and captured at"""
 
     def __post_init__(self) -> None:
         check_device(self.device)

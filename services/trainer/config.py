@@ -6,37 +6,62 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lathe.models.pool import check_device, default_device, resolve_dtype
+from lathe.models.pool import AUTO, DEVICES, DTYPES, check_device, default_device, resolve_dtype
 from lathe.trainer.custom_loss import LossBudget
 from lathe.trainer.recovery import SnapshotPolicy
 
 
 @dataclass(frozen=True, slots=True)
 class TrainerConfig:
-    models: str = "lathe/tiny-llama"  # catalog spec: comma-separated served names or model dirs
+    """The trainer pool's configuration; ``python -m lathe.trainer`` has a flag for each field (``--cycle-tokens``
+    for ``cycle_tokens``), its help the field's docstring (``lathe.runtime.options``)."""
+
+    models: str = "lathe/tiny-llama"
+    """served base models: comma-separated catalog names or model directories"""
     cache_root: Path = Path(".cache/lathe")
-    # of the frozen base weights ("auto": bf16 where the device has it natively); LoRA weights, gradients and AdamW
-    # moments stay fp32
-    dtype: str = "float32"
-    device: str = field(default_factory=default_device)  # "cuda" or "cpu": base models and the adapter bank
+    """where models are cached"""
+    dtype: str = field(default="float32", metadata={"default": AUTO, "choices": (AUTO, *DTYPES)})
+    """the frozen base weights' dtype (flag default auto: bfloat16 where the device multiplies it natively,
+    float32 elsewhere); LoRA weights, gradients and AdamW moments stay fp32"""
+    device: str = field(default_factory=default_device, metadata={"choices": DEVICES})
+    """where base models and the adapter bank live (default: cuda if present)"""
     invariant: bool = True
-    sgmv: bool = False  # LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)
-    activation_checkpointing: bool = False  # recompute each layer in backward: ~half the memory, ~20% slower
+    """batch-invariant ops: a row's bits do not depend on its batch (off: the plain ops)"""
+    sgmv: bool = False
+    """LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)"""
+    activation_checkpointing: bool = False
+    """recompute each layer in backward (about half the peak memory, about 20% slower)"""
     max_request_tokens: int = 65536
-    cycle_tokens: int = 2048  # token capacity of one clock cycle (CPU default; GPU pools set far more)
-    max_queue: int = 4096  # operations waiting, all tenants together
-    max_queue_per_tenant: int = 1024  # operations waiting, one tenant's runs together
+    """tokens of one forward_backward or forward request at most"""
+    cycle_tokens: int = 2048
+    """token capacity of one clock cycle (CPU default; GPU pools set far more)"""
+    max_queue: int = 4096
+    """operations waiting, all tenants together"""
+    max_queue_per_tenant: int = 1024
+    """operations waiting, one tenant's runs together"""
     max_resident_adapters: int = 256
-    cycle_gather_s: float = 0.01  # how long a cycle may wait for an optim_step following a forward_backward
-    # (or the rejoin window below, when longer: a burst of clients spreads its requests over the gateway)
-    rejoin_fraction: float = 0.05  # a cycle waits this share of the last one for that one's runs to rejoin,
-    rejoin_max_s: float = 0.1  # never longer than this (0: no wait), renewed as each of them comes back
-    rejoin_write_max_s: float = 2.0  # and while one's answer waits for its snapshot write, up to this long
-    max_runs_per_cycle: int = 0  # 0: every ready run shares the cycle; 1: one tenant at a time (baseline)
-    page_store: str = ""  # where paged-out adapters go ("": <cache_root>/paged)
-    order_wait_s: float = 300.0  # operations waiting this long for a seq_id that has not arrived fail
-    snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)  # recovery snapshots (lathe.trainer.recovery)
-    loss_budget: LossBudget = field(default_factory=LossBudget)  # custom losses (lathe.trainer.custom_loss)
+    """adapters held in memory; more are paged out to page_store"""
+    cycle_gather_s: float = 0.01
+    """how long a cycle may wait for the optim_step following a forward_backward (or the rejoin window, when
+    longer: a burst of clients spreads its requests over the gateway)"""
+    rejoin_fraction: float = 0.05
+    """a cycle waits this share of the last one for that one's runs, renewed as each comes back"""
+    rejoin_max_s: float = 0.1
+    """and never a window longer than this (0: no wait)"""
+    rejoin_write_max_s: float = 2.0
+    """but for a run whose answer waits on its snapshot write, up to this long after the cycle"""
+    max_runs_per_cycle: int = 0
+    """0: every ready run shares the cycle; 1: one run at a time (the baseline)"""
+    page_store: str = ""
+    """directory for paged-out adapters ("": <cache_root>/paged)"""
+    order_wait_s: float = 300.0
+    """operations that wait this long for a seq_id that never arrives fail, naming it"""
+    snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy, metadata={
+        "flags": {"every_steps": "--snapshot-every", "stagger": "--snapshot-stagger"}})
+    """recovery snapshots (``lathe.trainer.recovery``)"""
+    loss_budget: LossBudget = field(default_factory=LossBudget, metadata={
+        "flags": {"elements": "--max-loss-elements", "calls": "--max-loss-calls"}})
+    """custom losses' budgets (``lathe.trainer.custom_loss``)"""
 
     def __post_init__(self) -> None:
         check_device(self.device)

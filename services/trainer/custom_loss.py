@@ -67,8 +67,10 @@ def _resolve(value: Any, env: dict[str, torch.Tensor]) -> Any:
 class LossBudget:
     """A pool's budgets for custom losses (the trainer's ``--max-loss-elements`` and ``--max-loss-calls``)."""
 
-    elements: int = MAX_LOSS_ELEMENTS  # elements of all nodes over one pass's datums, and over a cycle's jobs
-    calls: int = MAX_LOSS_CALLS  # node evaluations over one pass's datums (datums x calls)
+    elements: int = MAX_LOSS_ELEMENTS
+    """elements of a custom loss's nodes over one pass's datums, and over one cycle's jobs"""
+    calls: int = MAX_LOSS_CALLS
+    """custom-loss node evaluations over one pass's datums (datums x nodes)"""
 
     def __post_init__(self) -> None:
         if type(self.elements) is not int or type(self.calls) is not int or self.elements < 1 or self.calls < 1:

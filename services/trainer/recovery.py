@@ -95,14 +95,16 @@ def _answer(msg: pb.TrainerResult) -> Result:
 
 @dataclass(frozen=True, slots=True)
 class SnapshotPolicy:
-    every_steps: int = 10  # a snapshot after every this many optimizer steps (0: only at saves and every_ops)
-    # and after this many seq_ids since the last one due, whatever they were (0: never): a run that never
-    # steps (forward only) or steps rarely lets go of its logged operations too, and its rebuild replays few
+    every_steps: int = 10
+    """write a run's recovery snapshot every this many optimizer steps (0: only at saves and every_ops)"""
     every_ops: int = 64
+    """and after this many seq_ids since the last one due, whatever they were (0: never): a run that never steps
+    (forward only) or steps rarely lets go of its logged operations too, and its rebuild replays few"""
     ttl_s: int = 30 * 24 * 3600
-    # each run's steps offset by a number of its model id (0 .. every_steps - 1), so that runs stepping together
-    # (a pool's tenants in one cycle) do not all write theirs after the same cycle; False: at multiples of every_steps
+    """how long a snapshot is kept after its last write"""
     stagger: bool = True
+    """offset each run's snapshot steps by its model id (0 .. every_steps - 1), so runs stepping together (a
+    pool's tenants in one cycle) do not all write after the same cycle; off: at multiples of every_steps"""
 
     def __post_init__(self) -> None:
         if self.every_steps < 0 or self.every_ops < 0:
