@@ -1,8 +1,8 @@
-"""Command-line flags and device choice shared by the two services that run the decoder (trainer and
-sampler pools).
+"""The options and device choice shared by the two services that run the decoder (trainer and sampler pools).
 
 Both serve the same base models with the same dtype and the same op mode, and they must agree on
-all three for the sampler's logprobs to equal the trainer's; one definition keeps their flags alike.
+all three for the sampler's logprobs to equal the trainer's; one definition (``PoolOptions``, the first fields of
+both pools' configs, and so of their flags) keeps them alike.
 ``--device`` places everything a pool computes with (base weights, RoPE tables, adapters, gradients,
 optimizer moments, KV caches, per-step tensors) on one device; the logprobs both pools report are
 equal bit for bit only between pools on the same kind of device.
@@ -14,6 +14,7 @@ import argparse
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -68,6 +69,33 @@ def check_device(device: str) -> None:
         raise ValueError(f"device {device!r} is not one of {list(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device here")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOptions:
+    """What a trainer pool and a sampler pool must agree on: the first fields of both configs (each a flag,
+    ``lathe.runtime.options``). Made, it has checked the device and resolved ``dtype`` ("auto" becomes what the
+    device chose)."""
+
+    models: str = "lathe/tiny-llama"
+    """served base models: comma-separated catalog names or model directories"""
+    cache_root: Path = Path(".cache/lathe")
+    """where models are cached"""
+    dtype: str = field(default="float32", metadata={"default": AUTO, "choices": (AUTO, *DTYPES)})
+    """the frozen base weights' dtype (flag default auto: bfloat16 where the device multiplies it natively,
+    float32 elsewhere); LoRA weights, their gradients and optimizer moments stay fp32"""
+    device: str = field(default_factory=default_device, metadata={"choices": DEVICES})
+    """where everything the pool computes with lives: base weights, adapters, optimizer state, KV caches
+    (default: cuda if present)"""
+    invariant: bool = True
+    """batch-invariant ops: a row's bits do not depend on its batch, so the sampler's logprobs equal the
+    trainer's (off: the plain ops)"""
+    sgmv: bool = False
+    """LoRA through the Triton SGMV kernels (GPU; set alike on both pools)"""
+
+    def __post_init__(self) -> None:
+        check_device(self.device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
 
 
 def add_pool_arguments(ap: argparse.ArgumentParser) -> None:

@@ -57,16 +57,7 @@ from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, Resour
 from lathe.models.decoder import Decoder
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
-from lathe.models.pool import (
-    AUTO,
-    DEVICES,
-    DTYPES,
-    OncePerName,
-    check_device,
-    default_device,
-    load_decoder,
-    resolve_dtype,
-)
+from lathe.models.pool import DTYPES, OncePerName, PoolOptions, load_decoder
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
 from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
 from lathe.sampler.fair import FairQueue
@@ -99,23 +90,10 @@ class Catalog(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class SamplerConfig:
+class SamplerConfig(PoolOptions):
     """The sampler pool's configuration; ``python -m lathe.sampler`` has a flag for each field (``--max-running``
     for ``max_running``; ``--no-prefix-cache`` for a field that defaults to True), its help the field's docstring."""
 
-    models: str = "lathe/tiny-llama"
-    """served base models: comma-separated catalog names or model directories"""
-    cache_root: Path = Path(".cache/lathe")
-    """where models are cached"""
-    dtype: str = field(default="float32", metadata={"default": AUTO, "choices": (AUTO, *DTYPES)})
-    """the frozen base weights' dtype (flag default auto: bfloat16 where the device multiplies it natively,
-    float32 elsewhere)"""
-    device: str = field(default_factory=default_device, metadata={"choices": DEVICES})
-    """where weights, adapters and KV caches live (default: cuda if present)"""
-    invariant: bool = True
-    """batch-invariant ops: logprobs bitwise equal to the trainer's (off: the plain ops)"""
-    sgmv: bool = False
-    """LoRA through the Triton SGMV kernels (GPU; set alike on the trainer pool)"""
     max_running: int = 64
     """sequences decoding at once (each sample of a request is one)"""
     max_queue: int = 1024
@@ -146,8 +124,7 @@ class SamplerConfig:
     """batch sizes decode steps are padded to and captured at"""
 
     def __post_init__(self) -> None:
-        check_device(self.device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))  # "auto" becomes what it chose
+        PoolOptions.__post_init__(self)  # (a slots dataclass has no zero-argument super())
         for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "max_running_tokens",
                      "loaders"):
             if getattr(self, name) < 1:

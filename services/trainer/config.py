@@ -4,31 +4,17 @@ dtype the pool's device chose)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from lathe.models.pool import AUTO, DEVICES, DTYPES, check_device, default_device, resolve_dtype
+from lathe.models.pool import PoolOptions
 from lathe.trainer.custom_loss import LossBudget
 from lathe.trainer.recovery import SnapshotPolicy
 
 
 @dataclass(frozen=True, slots=True)
-class TrainerConfig:
+class TrainerConfig(PoolOptions):
     """The trainer pool's configuration; ``python -m lathe.trainer`` has a flag for each field (``--cycle-tokens``
     for ``cycle_tokens``), its help the field's docstring (``lathe.runtime.options``)."""
 
-    models: str = "lathe/tiny-llama"
-    """served base models: comma-separated catalog names or model directories"""
-    cache_root: Path = Path(".cache/lathe")
-    """where models are cached"""
-    dtype: str = field(default="float32", metadata={"default": AUTO, "choices": (AUTO, *DTYPES)})
-    """the frozen base weights' dtype (flag default auto: bfloat16 where the device multiplies it natively,
-    float32 elsewhere); LoRA weights, gradients and AdamW moments stay fp32"""
-    device: str = field(default_factory=default_device, metadata={"choices": DEVICES})
-    """where base models and the adapter bank live (default: cuda if present)"""
-    invariant: bool = True
-    """batch-invariant ops: a row's bits do not depend on its batch (off: the plain ops)"""
-    sgmv: bool = False
-    """LoRA through the Triton SGMV kernels (GPU pools; set alike on the sampler pool)"""
     activation_checkpointing: bool = False
     """recompute each layer in backward (about half the peak memory, about 20% slower)"""
     max_request_tokens: int = 65536
@@ -64,8 +50,7 @@ class TrainerConfig:
     """custom losses' budgets (``lathe.trainer.custom_loss``)"""
 
     def __post_init__(self) -> None:
-        check_device(self.device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))  # "auto" becomes what it chose
+        PoolOptions.__post_init__(self)  # (a slots dataclass has no zero-argument super())
         if not self.order_wait_s > 0:
             raise ValueError(f"order_wait_s must be > 0 seconds, got {self.order_wait_s}")
         if not self.cycle_gather_s >= 0:
