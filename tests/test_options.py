@@ -1,5 +1,5 @@
 """Flags generated from config dataclasses (``lathe.runtime.options``): each field's flag, type, default and help come
-from the field; the pools' real configs give every field a flag with help, or none on purpose."""
+from the field; the services' real configs give every field a flag with help, or none on purpose."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Literal
 
 import pytest
 
+from lathe.gateway.limits import DoorLimits, HttpLimits
 from lathe.runtime.options import add_options, field_docs, options
 from lathe.sampler.engine import SamplerConfig
 from lathe.trainer.config import TrainerConfig
@@ -83,8 +84,8 @@ def test_a_field_of_an_unflaggable_type_must_say_so() -> None:
         add_options(argparse.ArgumentParser(), Bad)
 
 
-@pytest.mark.parametrize("config", [TrainerConfig, SamplerConfig])
-def test_the_pools_configs_document_every_field_and_flag_all_but_the_chosen(config: type) -> None:
+@pytest.mark.parametrize("config", [TrainerConfig, SamplerConfig, DoorLimits, HttpLimits])
+def test_the_services_configs_document_every_field_and_flag_all_but_the_chosen(config: type) -> None:
     docs, ap = field_docs(config), argparse.ArgumentParser()
     add_options(ap, config)
     dests = {a.dest for a in ap._actions}
@@ -92,5 +93,5 @@ def test_the_pools_configs_document_every_field_and_flag_all_but_the_chosen(conf
         assert docs.get(f.name), f"{config.__name__}.{f.name} has no docstring"
         if f.metadata.get("cli", True) and "flags" not in f.metadata:
             assert f.name in dests, f.name
-    assert options(ap.parse_args(["--device", "cpu", "--dtype", "float32"]), config) == \
-        config(device="cpu", dtype="float32")
+    pool = {"device": "cpu", "dtype": "float32"} if "device" in dests else {}
+    assert options(ap.parse_args([f"--{k}={v}" for k, v in pool.items()]), config) == config(**pool)

@@ -25,9 +25,9 @@ import argparse
 import asyncio
 import logging
 import os
-from dataclasses import fields
 from urllib.parse import urlparse
 
+from lathe.runtime.options import add_options, options
 from lathe.runtime.probes import Probes, add_metrics_port, serve_metrics
 from lathe.runtime.serving import READY_MARK, serve_until_stopped, setup_logging
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
@@ -66,8 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
         log.warning("OPEN MODE, no API keys configured: every key is its own tenant (loopback only; give "
                     "--api-keys-file or %s to name tenants)", KEYS_FILE_ENV)
     tls = TlsFiles.from_args(args.tls_cert, args.tls_key)
-    limits = DoorLimits(**{f.name: getattr(args, f.name) for f in fields(DoorLimits)})
-    http_limits = HttpLimits(**{f.name: getattr(args, f.name) for f in fields(HttpLimits)})
+    limits, http_limits = options(args, DoorLimits), options(args, HttpLimits)
     quotas = Quotas(QuotaConfig.from_file(args.quotas))
     store = ControlStore(StoreConfig(args.db, retention_s=args.ledger_retention_s, keep_done=args.ledger_keep))
     metrics = GatewayMetrics(tenant_labels=args.metrics_tenant_labels)
@@ -163,9 +162,8 @@ def main() -> None:
                     help="name this many tenants in the usage metrics' tenant label (default 0: every tenant is "
                          "'other')")
     ap.add_argument("--quotas", default="", help="per-tenant quotas, a JSON or .toml file (quotas.QuotaConfig)")
-    for f in (*fields(DoorLimits), *fields(HttpLimits)):
-        ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
-                        help=f"request limit (default {f.default})")
+    add_options(ap, DoorLimits)
+    add_options(ap, HttpLimits)
     args = ap.parse_args()
     if not args.session_idle_s > 0:
         ap.error(f"--session-idle-s must be > 0, got {args.session_idle_s}")

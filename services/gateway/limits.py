@@ -37,12 +37,21 @@ def _check_positive(limits: DoorLimits | HttpLimits) -> None:
 
 @dataclass(frozen=True, slots=True)
 class DoorLimits:
+    """What one request may ask for on either door (each field the gateway's flag of the same name)."""
+
     max_message_bytes: int = 64 << 20
+    """bytes of one gRPC message or HTTP body"""
     max_samples: int = 128
+    """num_samples of one sample request"""
     max_topk_prompt_logprobs: int = 20
+    """width of every per-position top-k: of prompt and sampled tokens, prompt_alt_tokens_k, the distinct ids of
+    target_prompt_logprobs"""
     max_stop_sequences: int = 16
+    """stop strings or stop token ids of one request"""
     max_stop_chars: int = 256
-    max_tensor_elements: int = 16 << 20  # as many values as a full message holds float32s
+    """characters of one stop string"""
+    max_tensor_elements: int = 16 << 20
+    """values of one tensor (as many as a full message holds float32s)"""
 
     def __post_init__(self) -> None:
         _check_positive(self)
@@ -88,17 +97,17 @@ class DoorLimits:
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    """``max_inflated_bytes``: what a ``Content-Encoding: zstd`` body may decompress to (its sender pays only for
-    the compressed bytes, so this is far below ``max_message_bytes``; the SDK's forward_backward chunks are at
-    most 5 MB before compression). ``max_request_tokens``: the values a body may carry before they become Python
-    lists: a forward_backward body's token ids, counted from their byte lengths, and a JSON body's list items and
-    object members, at most one more than its commas (an asample prompt's tokens are most of them).
-    ``max_concurrent_decodes``: compressed bodies and bodies over ``SMALL_BODY_BYTES`` being read and decoded at
-    once (``DecodeGate``)."""
+    """What decoding one HTTP body may cost (each field the gateway's flag of the same name)."""
 
     max_inflated_bytes: int = 16 << 20
+    """bytes a Content-Encoding: zstd body may decompress to (its sender pays only for the compressed bytes, so
+    this is far below max_message_bytes; the SDK's forward_backward chunks are at most 5 MB before compression)"""
     max_request_tokens: int = 1 << 20
+    """values an HTTP body may carry before they become Python lists: a forward_backward body's token ids,
+    counted from their byte lengths, and a JSON body's list items and object members, at most one more than its
+    commas"""
     max_concurrent_decodes: int = 4
+    """compressed bodies and bodies over 1 MiB being read and decoded at once (the DecodeGate)"""
 
     def __post_init__(self) -> None:
         _check_positive(self)
