@@ -106,15 +106,6 @@ def add_pool_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--checkpoints", default="", help="address of the checkpoints service")
 
 
-def config_or_usage_error(ap: argparse.ArgumentParser, build: Callable[[], T]) -> T:
-    """``build()``, a pool service's config from its flags; a value the config refuses (its ``ValueError``, which
-    names it) ends the program as a usage error (exit 2), not a traceback."""
-    try:
-        return build()
-    except ValueError as e:
-        ap.error(str(e))
-
-
 def apply_threads(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import pytest
 
+from lathe.gateway.config import DB_ENV, GatewayConfig
 from lathe.gateway.limits import DoorLimits, HttpLimits
+from lathe.gateway.store import StoreConfig
 from lathe.runtime.options import add_options, field_docs, options
 from lathe.sampler.engine import SamplerConfig
 from lathe.trainer.config import TrainerConfig
@@ -65,8 +68,8 @@ def test_each_field_is_one_flag_with_its_type_default_and_docstring() -> None:
                          inner=Inner(every=4))
     assert isinstance(got.root, Path) and isinstance(got.ratio, float)
     helps = {a.option_strings[0]: a.help for a in ap._actions if a.option_strings}
-    assert helps["--name"] == "the name, 100%% of it" and helps["--ratio"] is None
-    assert helps["--no-exact"] == "turns off: exact ops" and helps["--inner-every"] == "how often"
+    assert helps["--name"] == "the name, 100%% of it (default x)" and helps["--ratio"] == "(default 0.5)"
+    assert helps["--no-exact"] == "turns off: exact ops" and helps["--inner-every"] == "how often (default 10)"
     assert "--hidden" not in helps and "--inner-keep" not in helps
     for bad in (["--mode", "c"], ["--dtype", "float16"], ["--ratio", "fast"], ["--exact"]):
         with pytest.raises(SystemExit):
@@ -84,14 +87,33 @@ def test_a_field_of_an_unflaggable_type_must_say_so() -> None:
         add_options(argparse.ArgumentParser(), Bad)
 
 
-@pytest.mark.parametrize("config", [TrainerConfig, SamplerConfig, DoorLimits, HttpLimits])
+@pytest.mark.parametrize("config", [TrainerConfig, SamplerConfig, DoorLimits, HttpLimits, GatewayConfig])
 def test_the_services_configs_document_every_field_and_flag_all_but_the_chosen(config: type) -> None:
     docs, ap = field_docs(config), argparse.ArgumentParser()
     add_options(ap, config)
     dests = {a.dest for a in ap._actions}
     for f in dataclasses.fields(config):
         assert docs.get(f.name), f"{config.__name__}.{f.name} has no docstring"
-        if f.metadata.get("cli", True) and "flags" not in f.metadata:
-            assert f.name in dests, f.name
-    pool = {"device": "cpu", "dtype": "float32"} if "device" in dests else {}
-    assert options(ap.parse_args([f"--{k}={v}" for k, v in pool.items()]), config) == config(**pool)
+        if f.metadata.get("cli", True):
+            assert f.name in dests or any(d.startswith(f"{f.name}.") for d in dests), f.name
+    given = {"device": "cpu", "dtype": "float32"} if "device" in dests else {}
+    given |= {"checkpoints": "127.0.0.1:1"} if "checkpoints" in dests else {}
+    assert options(ap.parse_args([f"--{k}={v}" for k, v in given.items()]), config) == config(**given)
+
+
+def test_the_gateway_takes_its_database_from_the_environment_and_never_prints_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--db`` defaults to $LATHE_DB_URL (a password stays out of argv), and its help names the variable, not the
+    value; a value the gateway's config refuses is a usage error naming it."""
+    monkeypatch.setenv(DB_ENV, "postgresql+psycopg://lathe:s3cret@db/lathe")
+    ap = argparse.ArgumentParser()
+    add_options(ap, GatewayConfig)
+    cfg = options(ap.parse_args(["--checkpoints", "c:1", "--ledger-keep", "5", "--max-samples", "3"]), GatewayConfig)
+    assert cfg.store == StoreConfig("postgresql+psycopg://lathe:s3cret@db/lathe", keep_done=5)
+    assert cfg.limits.max_samples == 3
+    assert "s3cret" not in ap.format_help() and "$LATHE_DB_URL" in ap.format_help()
+    for bad, message in ((["--session-idle-s", "0"], "session_idle_s must be > 0, got 0.0"),
+                         (["--http-public-url", "ftp://x"], "is not http(s)://host"),
+                         (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            options(ap.parse_args(["--checkpoints", "c:1", *bad]), GatewayConfig)

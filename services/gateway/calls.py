@@ -29,11 +29,16 @@ RECONNECT_OPTIONS = reconnect_options(0.1, 1.0)  # the gateway's channels to the
 
 @dataclass(frozen=True, slots=True)
 class CallPolicy:
-    quick_s: float = 60.0  # deadline of a query (capabilities, checkpoint stat/list/delete)
-    work_s: float = 3600.0  # deadline of a model operation, adapter creation or sample (it may wait in a queue)
-    retry_first_s: float = 0.1  # first backoff after UNAVAILABLE, doubling...
-    retry_max_s: float = 2.0  # ...up to this
-    retry_budget_s: float = 120.0  # how long an idempotent call waits for its service to come back
+    quick_s: float = 60.0
+    """deadline of a query (capabilities, checkpoint stat/list/delete)"""
+    work_s: float = 3600.0
+    """deadline of a model operation, adapter creation or sample (it may wait in a queue)"""
+    retry_first_s: float = 0.1
+    """first backoff after UNAVAILABLE, doubling up to retry_max_s"""
+    retry_max_s: float = 2.0
+    """the longest backoff"""
+    retry_budget_s: float = 120.0
+    """how long an idempotent internal call waits for its service to come back"""
 
     def __post_init__(self) -> None:
         if not (0 < self.retry_first_s <= self.retry_max_s and self.retry_budget_s >= 0

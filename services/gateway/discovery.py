@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 Listener = Callable[[], None]
 
@@ -107,14 +107,23 @@ class StaticDirectory:
 class DiscoveryConfig:
     """How the gateway finds its pools (``--discovery`` and the flags after it)."""
 
-    kind: str = "static"  # a key of DIRECTORIES
-    trainer: str = ""  # static: the trainer's address
-    sampler: str = ""  # static: the sampler's address
-    namespace: str = ""  # kubernetes: where the EndpointSlices are ("": this pod's own namespace)
-    selector: str = "app.kubernetes.io/name=lathe"  # kubernetes: label selector of the pools' EndpointSlices
-    watch_timeout_s: int = 60  # kubernetes: one watch lasts at most this long, then the slices are listed anew
-    request_timeout_s: float = 10.0  # kubernetes: connect and list deadline
-    retry_s: float = 1.0  # kubernetes: pause after a failed list or watch
+    kind: Literal["static", "kubernetes"] = "static"
+    """how the trainer and sampler pools are found (a key of DIRECTORIES): static, the one pool at --trainer and
+    --sampler; kubernetes, by their EndpointSlices"""
+    trainer: str = ""
+    """static discovery: address of the trainer pool"""
+    sampler: str = ""
+    """static discovery: address of the sampler pool"""
+    namespace: str = ""
+    """kubernetes discovery: the namespace of the pools' EndpointSlices ("": this pod's own)"""
+    selector: str = "app.kubernetes.io/name=lathe"
+    """kubernetes discovery: label selector of the pools' EndpointSlices"""
+    watch_timeout_s: int = 60
+    """kubernetes: one watch lasts at most this long, then the slices are listed anew"""
+    request_timeout_s: float = 10.0
+    """kubernetes: connect and list deadline"""
+    retry_s: float = 1.0
+    """kubernetes: pause after a failed list or watch"""
 
     def __post_init__(self) -> None:
         if self.kind not in DIRECTORIES:

@@ -128,10 +128,15 @@ _GET_OP = sa.select(operations).where(operations.c.request_id == sa.bindparam("r
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    url: str = MEMORY_URL  # sqlite:///FILE, postgresql+psycopg://..., or sqlite:// (in memory, not durable)
-    retention_s: float = 7 * 86400.0  # a finished operation's result is kept this long...
-    keep_done: int = 100_000  # ...and at most this many of them (the oldest go first)
-    busy_timeout_ms: int = 10_000  # SQLite: how long a writer waits for another process's write
+    url: str = MEMORY_URL
+    """the control plane's database: sqlite:///FILE, postgresql+psycopg://... or sqlite:// (in memory: forgotten
+    at exit)"""
+    retention_s: float = 7 * 86400.0
+    """how long finished operations' results are kept"""
+    keep_done: int = 100_000
+    """at most this many finished operations' results are kept (the oldest go first)"""
+    busy_timeout_ms: int = 10_000
+    """SQLite: how long a writer waits for another process's write"""
 
     def __post_init__(self) -> None:
         if self.retention_s <= 0 or self.keep_done < 1:

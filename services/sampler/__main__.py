@@ -7,7 +7,7 @@ import argparse
 from lathe.checkpoints.client import CheckpointsClient
 from lathe.errors import Unavailable
 from lathe.models.catalog import ModelCatalog
-from lathe.models.pool import add_pool_arguments, apply_threads, config_or_usage_error
+from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.runtime.options import add_options, options
 from lathe.runtime.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.runtime.serving import run, setup_logging
@@ -44,7 +44,7 @@ def main() -> None:
     add_metrics_port(ap)
     args = ap.parse_args()
     apply_threads(args)
-    cfg = config_or_usage_error(ap, lambda: options(args, SamplerConfig))
+    cfg = options(args, SamplerConfig, ap)
     source = CheckpointsSource(CheckpointsClient(args.checkpoints)) if args.checkpoints else None
     catalog = ModelCatalog.from_spec(cfg.models, cfg.cache_root)
     engine = SamplerEngine(cfg, catalog, source)

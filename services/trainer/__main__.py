@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from lathe.models.catalog import ModelCatalog
-from lathe.models.pool import add_pool_arguments, apply_threads, config_or_usage_error
+from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.runtime.options import add_options, options
 from lathe.runtime.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.runtime.serving import run, setup_logging
@@ -38,7 +38,7 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     apply_threads(args)
-    cfg = config_or_usage_error(ap, lambda: options(args, TrainerConfig))
+    cfg = options(args, TrainerConfig, ap)
     store = None
     if args.checkpoints:
         from lathe.checkpoints.client import CheckpointsClient
