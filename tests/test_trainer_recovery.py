@@ -196,7 +196,7 @@ def test_the_next_cycle_waits_for_a_run_whose_answer_waits_on_its_snapshot_write
                         snapshots=SnapshotPolicy(every_steps=1, stagger=False))
     eng = TrainerEngine(cfg, ModelCatalog.from_spec(BASE, model_cache), store)
     held_back = threading.Event()  # set when the cycle thread decides to wait for a run's snapshot write
-    awaiting_write = eng._awaiting_write
+    awaiting_write = eng.window.awaiting_write
 
     def spy() -> bool:
         waits = awaiting_write()
@@ -204,7 +204,7 @@ def test_the_next_cycle_waits_for_a_run_whose_answer_waits_on_its_snapshot_write
             held_back.set()
         return waits
 
-    eng._awaiting_write = spy
+    eng.window.awaiting_write = spy
     eng.start()
     try:
         for run_id in ("slow", "fast"):

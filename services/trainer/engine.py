@@ -74,12 +74,13 @@ from lathe.trainer.cycle import Partial, Work, plan_cycle
 from lathe.trainer.dist import Group, RankLost
 from lathe.trainer.lifecycle import BaseModels, CheckpointStore, RunMaker
 from lathe.trainer.metrics import CycleMetrics
-from lathe.trainer.ops import ForwardBackward, Limits, Op, Result, Skip
+from lathe.trainer.ops import Limits, Op, Result, Skip
 from lathe.trainer.order import Pending, Sequencer
 from lathe.trainer.pages import DirPages
 from lathe.trainer.plan import Create, Files, Plan, Step
 from lathe.trainer.recovery import Record
 from lathe.trainer.runner import CycleRunner
+from lathe.trainer.window import GatherWindow
 from lathe.types import (
     Receipt,
     recovery_path,
@@ -150,7 +151,8 @@ class TrainerEngine:
                                 cfg.device)
         self.runner = CycleRunner(cfg, self.bank, self.bases, self.maker, self.metrics, group, self._finish)
         self._lock = threading.Condition()
-        self.answers = Answers(self._write_done)  # operations' answers, held behind their runs' snapshot writes
+        self.answers = Answers(lambda run: self.window.write_done(run))  # answers, held behind snapshot writes
+        self.window = GatherWindow(cfg, self._lock, self.answers.holds)  # when the next cycle starts
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop_died = False  # the cycle thread ended without being stopped
@@ -158,11 +160,6 @@ class TrainerEngine:
         self._creates: list[Create] = []  # runs created since the last plan went out (a pool's leader only)
         self._lost: RankLost | None = None  # why the pool broke, once it did
         self._last_beat = time.monotonic()  # when the leader last broadcast a plan
-        self._rejoin: set[str] = set()  # runs of the last cycle, which the next one waits for (``_gather``)
-        self._rejoin_window = 0.0  # how long after the last cycle, or after one of its runs came back
-        self._rejoin_until = 0.0  # until when
-        self._rejoin_seen = 0  # how many of them the cycle thread has seen come back
-        self._rejoin_write_end = 0.0  # the latest the window stays open for a run whose snapshot is being written
 
     # ---- runs and their adapters (made by ``lifecycle.RunMaker``) ----
 
@@ -356,7 +353,7 @@ class TrainerEngine:
                     while not self._stopping and not self._ready() and not self._beat_due():
                         self._lock.wait(timeout=_sooner(wait_s, self._beat_left()))
                         wait_s = self._expire(time.monotonic())
-                    self._gather(time.monotonic() + max(self.cfg.cycle_gather_s, self._rejoin_window))
+                    self.window.wait(self._models, lambda: self._stopping, time.monotonic() + self.window.gather_s)
                     if self._stopping:
                         return
                 try:
@@ -430,67 +427,6 @@ class TrainerEngine:
                 _fail(item, FailedPrecondition(reason))
         return soonest
 
-    def _gather(self, step_deadline: float) -> None:
-        """Something is ready; wait (caller holds the lock) while a forward_backward at a queue's head waits for
-        its optim_step (until ``step_deadline``) or a run of the last cycle has not sent its next operation yet.
-
-        Clients answered by one cycle resubmit together, but through the gateway a burst of them spreads out (8
-        SDK clients on 2 cores: 0.1-0.2 s), and a cycle that starts with the first few leaves the rest to a
-        second cycle that shares nothing with it. So the wait for the last cycle's runs lasts a window
-        (``_rejoin_window``: a few percent of that cycle) after the cycle and is renewed each time one of them
-        comes back: the burst joins one cycle however many it holds, and a run that does not come back (it left
-        to sample, or finished) costs the window once. In all, at most one window more than the last cycle had
-        runs."""
-        while not self._stopping:
-            now = time.monotonic()
-            if (n := self._rejoined()) > self._rejoin_seen:
-                self._rejoin_seen, self._rejoin_until = n, max(self._rejoin_until, now + self._rejoin_window)
-            if self._awaiting_write():
-                self._rejoin_until = max(self._rejoin_until, min(now + self._rejoin_window, self._rejoin_write_end))
-            left = max(step_deadline - now if self._awaiting_step() else 0.0,
-                       self._rejoin_until - now if self._awaiting_rejoin() else 0.0)
-            if left <= 0:
-                return
-            self._lock.wait(timeout=left)
-
-    def _awaiting_write(self) -> bool:
-        """Is a run of the last cycle idle because its answer waits for its snapshot write (``Answers``)? The
-        write was the trainer's doing, so the window stays open for it, up to ``rejoin_write_max_s`` after the
-        cycle: in a pool stepping in lock step a cycle that left it behind would cost a second pass a round."""
-        return any(self.answers.holds(r) for r in self._rejoin)
-
-    def _write_done(self, run: str) -> None:
-        """``Answers`` gave ``run``'s held answers: the rejoin window restarts for it (its client resubmits now)."""
-        with self._lock:
-            if run in self._rejoin:
-                self._rejoin_until = max(self._rejoin_until, time.monotonic() + self._rejoin_window)
-                self._lock.notify_all()
-
-    def _rejoined(self) -> int:
-        """How many runs of the last cycle have an operation waiting again."""
-        return sum((m := self._models.get(r)) is not None and m.ready for r in self._rejoin)
-
-    def _awaiting_rejoin(self) -> bool:
-        """Is a run of the last cycle idle while the next cycle still has room for it?"""
-        if not any((m := self._models.get(r)) is not None and not m.ready for r in self._rejoin):
-            return False
-        limit = self.cfg.max_runs_per_cycle
-        ready = sum(m.ready for m in self._models.values())
-        return not limit or ready < limit
-
-    def _awaiting_step(self) -> bool:
-        """Is a forward_backward at the head of a queue whose next operation has not arrived yet?
-
-        A client sends a forward_backward and its optim_step back to back; waiting a few milliseconds
-        for the step lets both land in the same cycle instead of two.
-        """
-        for m in self._models.values():
-            head = m.seq.peek()
-            if (head is not None and isinstance(head.op.body, ForwardBackward) and head.op.body.backward
-                    and m.seq.next_seq + 1 not in m.seq.waiting):
-                return True
-        return False
-
     def _ready(self) -> bool:
         return any(m.ready for m in self._models.values())
 
@@ -546,10 +482,7 @@ class TrainerEngine:
         self.metrics.record_cycle(seconds=end - start, tokens=tokens, capacity=self.cfg.cycle_tokens,
                                   runs=len(works), tenants=len({w.run.tenant for w in works}), queued=queued)
         with self._lock:
-            self._rejoin = {w.run.model_id for w in works}
-            self._rejoin_window = min(self.cfg.rejoin_max_s, self.cfg.rejoin_fraction * (end - start))
-            self._rejoin_until, self._rejoin_seen = end + self._rejoin_window, 0
-            self._rejoin_write_end = end + self.cfg.rejoin_write_max_s
+            self.window.after_cycle({w.run.model_id for w in works}, start, end)
         return len(works)
 
     def _execute(self, works: list[Work], cycle: int, start: float) -> int:
