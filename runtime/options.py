@@ -80,12 +80,11 @@ def _flags(cls: type) -> list[_Flag]:
     """Every flag of ``cls``: its scalar fields', then those of each nested config field that its ``flags``
     metadata names ("all", the default: every one, spelled as in the nested config; or a mapping of field name
     to spelling), with the defaults of its instance in ``cls`` (or its ``defaults`` metadata)."""
-    hints, out = get_type_hints(cls), []
+    hints, own, out = get_type_hints(cls), {g.dest: g for g in _own_flags(cls)}, []
     for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
-            continue
-        if not dataclasses.is_dataclass(hints[f.name]):
-            out += [g for g in _own_flags(cls) if g.dest == f.name]
+        if f.name in own:
+            out.append(own[f.name])
+        if f.name in own or not f.metadata.get("cli", True):
             continue
         chosen, instance, defaults = f.metadata.get("flags", "all"), _default(f), f.metadata.get("defaults", {})
         for sub in _own_flags(hints[f.name]):

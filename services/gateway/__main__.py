@@ -45,6 +45,7 @@ from .tls import TlsFiles
 
 log = logging.getLogger("lathe.gateway")
 
+
 def _store_answers(store: ControlStore) -> bool:
     """The gateway's readiness: its control-plane database answers a read (liveness: its event loop answers)."""
     store.get_session("")
