@@ -42,7 +42,6 @@ def _lone_tile(ladder: ops.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) 
     return ops.lone_height(ladder, rows, x.device)
 
 
-
 @dataclass(slots=True)
 class LoraBatch:
     """The adapter layout of a packed batch.
