@@ -17,18 +17,12 @@ import concurrent.futures as cf
 import os
 import statistics
 import time
-from pathlib import Path
 
 from bench_multitenant import CACHE, MODELS, RANK, batch
-from machine import cpu_line
+from machine import cpu_line, cpu_seconds
 
 import lathe
 from lathe.stack import Stack, StackConfig
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -68,11 +62,11 @@ def main() -> None:
             round_of(work)  # warm: adapters made, first pass paid
         for _ in range(args.rounds):
             for name, work in cases.items():  # alternating, so a drifting machine slows both alike
-                before, t0 = {k: cpu_s(p) for k, p in pids.items()}, time.perf_counter()
+                before, t0 = {k: cpu_seconds(p) for k, p in pids.items()}, time.perf_counter()
                 round_of(work)
                 rounds[name].append(time.perf_counter() - t0)
                 for k, p in pids.items():
-                    cpu[name][k] += (cpu_s(p) - before[k]) / args.rounds
+                    cpu[name][k] += (cpu_seconds(p) - before[k]) / args.rounds
         sc.close()
     print(f"{'case':<10}{'round s':>9}" + "".join(f"{k + ' CPU-s':>18}" for k in pids))
     for name in cases:

@@ -16,20 +16,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import os
 import time
 from pathlib import Path
 
 from bench_multitenant import CACHE, MODELS, batch
-from machine import cpu_line
+from machine import cpu_line, cpu_seconds
 
 import lathe
 from lathe.stack import Stack, StackConfig
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(stack: Stack, args: argparse.Namespace) -> tuple[float, dict[str, float]]:

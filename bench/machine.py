@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 FLAG_PREFIXES = ("avx", "amx", "sha", "f16c", "fma")
 
@@ -17,6 +18,12 @@ def cpu_line() -> str:
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     flags = [f for f in fields.get("Flags", "").split() if f.startswith(FLAG_PREFIXES)]
     return f"{fields.get('Model name', '?').strip()} ({os.cpu_count()} cores; flags {' '.join(flags)})"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 300,

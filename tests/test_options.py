@@ -36,7 +36,7 @@ class Inner:
 class Config:
     name: str = "x"
     """the name, 100% of it"""
-    root: Path = Path("/tmp/r")
+    root: Path = Path("store/r")
     """where"""
     ratio: float = 0.5
     fast: bool = False
@@ -62,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
 def test_each_field_is_one_flag_with_its_type_default_and_docstring() -> None:
     ap = _parser()
     assert options(ap.parse_args([]), Config) == Config(dtype="auto")  # the flag's own default
-    got = options(ap.parse_args(["--name", "y", "--root", "/r", "--ratio", "2", "--fast", "--no-exact", "--mode",
+    got = options(ap.parse_args(["--name", "y", "--root", "data/r", "--ratio", "2", "--fast", "--no-exact", "--mode",
                                  "b", "--dtype", "float32", "--other-name", "7", "--inner-every", "4"]), Config)
-    assert got == Config(name="y", root=Path("/r"), ratio=2.0, fast=True, exact=False, mode="b", renamed=7,
+    assert got == Config(name="y", root=Path("data/r"), ratio=2.0, fast=True, exact=False, mode="b", renamed=7,
                          inner=Inner(every=4))
     assert isinstance(got.root, Path) and isinstance(got.ratio, float)
     helps = {a.option_strings[0]: a.help for a in ap._actions if a.option_strings}

@@ -14,6 +14,7 @@ from .futures import KEEP_DONE_BYTES
 from .limits import DoorLimits, HttpLimits
 from .sessions import SESSION_IDLE_S
 from .store import StoreConfig
+from .tls import TlsFiles
 
 DEFAULT_DB = "sqlite:///.cache/lathe/control.db"
 DB_ENV = "LATHE_DB_URL"  # the database URL from the environment: a password stays out of argv
@@ -79,5 +80,4 @@ class GatewayConfig:
         if self.http_public_url and (url.scheme not in ("http", "https") or not url.netloc or url.query
                                      or url.fragment):
             raise ValueError(f"http_public_url {self.http_public_url!r} is not http(s)://host[:port][/path]")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together: give both, or neither for plaintext doors")
+        TlsFiles.from_args(self.tls_cert, self.tls_key)  # both or neither (its ValueError names them)
