@@ -25,6 +25,7 @@ BUILTIN: dict[str, Callable[[Path], Path]] = {
     "lathe/tiny-llama": partial(ensure_tiny_model, arch="llama"),
     "lathe/tiny-qwen2": partial(ensure_tiny_model, arch="qwen2"),
     "lathe/tiny-qwen3": partial(ensure_tiny_model, arch="qwen3"),
+    "lathe/tiny-qwen3-moe": partial(ensure_tiny_model, arch="qwen3_moe"),
     SMOLLM2: import_smollm2,
 }
 

@@ -1,9 +1,9 @@
 """The Llama-family decoder shared by the trainer and the native sampler.
 
 Owns the frozen base weights (``dtype`` of the pool: fp32 or bf16, on the pool's ``device``) and the
-forward math: RMSNorm,
-RoPE from one precomputed table, grouped-query attention, SwiGLU, tied or untied embeddings,
-Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm. It never owns adapters or optimizer state: a
+forward math: RMSNorm, RoPE from one precomputed table, grouped-query attention, SwiGLU, tied or untied
+embeddings, Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm, and Qwen3-MoE's routed experts
+(``lathe.models.moe``). It never owns adapters or optimizer state: a
 batch's adapters (``LoraDeltas``: a ``LoraBatch``, an ``SgmvBatch``, or the sampler's BGMV slots) are passed in
 per call, and so is the sampler's KV cache; both live on ``device``.
 Callers build a batch's index tensors on the CPU; ``hidden`` and ``target_logprobs`` move them.
@@ -26,8 +26,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lathe.kernels import activations, ops
 from lathe.kernels import attention as attn
+from lathe.models import moe
 from lathe.models.config import ModelConfig
-from lathe.models.lora import UNEMBED, LoraDeltas, TrainableDeltas
+from lathe.models.lora import UNEMBED, LoraDeltas, TrainableDeltas, layer_targets, shape_keys, weight_name
 
 LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logprobs
 
@@ -65,6 +66,30 @@ class Packed:
         if self.tokens.device == device:
             return self
         return Packed(self.tokens.to(device), self.positions.to(device), self.cu_seqlens)
+
+
+def router_name(layer: int) -> str:
+    """The Hugging Face name of a sparse layer's router weight ``[num_experts, hidden]``."""
+    return f"model.layers.{layer}.mlp.gate.weight"
+
+
+def layer_weight_names(cfg: ModelConfig) -> list[str]:
+    """Every layer linear's weight, by name, in the decoder's order (each sparse layer's router before its
+    experts): what decode streams, and what the pool may prepack."""
+    names = []
+    for i in range(cfg.num_layers):
+        targets = layer_targets(cfg, i)
+        names += [weight_name((i, t)) + ".weight" for t in targets[:4]]
+        names += [router_name(i)] if cfg.sparse(i) else []
+        names += [weight_name((i, t)) + ".weight" for t in targets[4:]]
+    return names
+
+
+def shape_weight_names(cfg: ModelConfig) -> list[str]:
+    """One layer linear weight of each kind (``lora.shape_keys``; a sparse layer's router too): the shapes a pool's
+    tiles are chosen and checked on."""
+    names = [weight_name(k) + ".weight" for k in shape_keys(cfg) if k[0] >= 0]
+    return names + [router_name(i) for i in range(cfg.num_layers) if cfg.sparse(i)][:1]
 
 
 def _rope_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +131,7 @@ class Decoder(torch.nn.Module):
         self.lora_ladders: dict[int, ops.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
         self.attn_tiles = (attn.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
         self.packed: dict[str, torch.Tensor] = {}  # layer weights prepacked for lone decode rows, once admitted
+        self.expert_load: list[tuple[int, list[int]]] | None = None  # a list: each routed layer's tokens per expert
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -205,13 +231,32 @@ class Decoder(torch.nn.Module):
                 outs[s] = o[j]
         return torch.cat(outs, dim=0)
 
-    def _mlp(self, i: int, x: torch.Tensor, lora: LoraDeltas | None) -> torch.Tensor:
-        p = f"model.layers.{i}.mlp."
-        gate = self._linear(x, p + "gate_proj", (i, "gate_proj"), lora)
-        up = self._linear(x, p + "up_proj", (i, "up_proj"), lora)
+    def _mlp(self, i: int, x: torch.Tensor, lora: LoraDeltas | None, expert: str = "") -> torch.Tensor:
+        """The SwiGLU MLP of layer ``i``, or of its expert ``expert`` (``"experts.3."``) over that expert's rows."""
+        p = f"model.layers.{i}.mlp.{expert}"
+        gate = self._linear(x, p + "gate_proj", (i, expert + "gate_proj"), lora)
+        up = self._linear(x, p + "up_proj", (i, expert + "up_proj"), lora)
         h = activations.swiglu(gate, up)
         with activations.recomputed(h, lambda: activations.swiglu(gate, up)):  # backward rebuilds h from gate, up
-            return self._linear(h, p + "down_proj", (i, "down_proj"), lora)
+            return self._linear(h, p + "down_proj", (i, expert + "down_proj"), lora)
+
+    def _moe(self, i: int, x: torch.Tensor, lora: LoraDeltas | None) -> torch.Tensor:
+        """A sparse layer's mixture of experts (``lathe.models.moe``): the router's logits on the pool's tiles, each
+        expert's MLP over the rows routed to it (its LoRA over the same rows), the outputs summed per token."""
+        cfg = self.cfg
+        name = router_name(i)
+        logits = ops.linear(x, self.w[name], invariant=self.invariant, ladder=self.ladder,
+                            grad_ladder=self.grad_ladder, packed=self.packed.get(name))
+        routing = moe.route(logits, cfg.experts_per_token, normalize=cfg.norm_topk_prob, dtype=x.dtype)
+        if self.expert_load is not None:
+            self.expert_load.append((i, routing.load(cfg.num_experts)))
+        index = torch.tensor([r for _, rows in routing.groups for r in rows], dtype=torch.long, device=x.device)
+        outputs, start = [], 0
+        for e, rows in routing.groups:
+            xs = x[index[start:start + len(rows)]]
+            outputs.append(self._mlp(i, xs, lora.take(rows) if lora is not None else None, f"experts.{e}."))
+            start += len(rows)
+        return moe.combine(outputs, routing)
 
     # ---- public ----
 
@@ -230,7 +275,8 @@ class Decoder(torch.nn.Module):
     def _layer(self, i: int, x: torch.Tensor, batch: Packed, lora: LoraDeltas | None, kv: KVCache | None
                ) -> torch.Tensor:
         x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, lora, kv)
-        return x + self._mlp(i, self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight"), lora)
+        h = self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight")
+        return x + (self._moe(i, h, lora) if self.cfg.sparse(i) and h.shape[0] else self._mlp(i, h, lora))
 
     def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""

@@ -12,7 +12,8 @@ The check runs, with those ladders, at every thread count the pool may use:
 
 1. ops at the model's shapes, rows alone vs in batches of 1, 3, 13, 17, 64 and 300 rows, and the
    300-row batch shifted by one row (which moves every row to the next position of its tile): each
-   base ``linear`` (and the LM head), the LoRA shrink/expand products, ``rms_norm``, ``log_softmax``;
+   base ``linear`` (and the LM head), a sparse layer's routing (its experts and weights per row), the LoRA
+   shrink/expand products, ``rms_norm``, ``log_softmax``;
    attention prefill vs each token decoded alone, chunked prefill, and batched decode of sequences of
    awkward lengths;
 2. the decoder end to end with two LoRA adapters: sequences of 1, 3, 13, 17 and 64 tokens packed in
@@ -42,16 +43,9 @@ import torch
 
 from lathe.kernels import attention as attn
 from lathe.kernels import ops
-from lathe.models.decoder import Decoder, Packed
-from lathe.models.lora import (
-    ATTN_TARGETS,
-    MLP_TARGETS,
-    REFERENCE_TILES,
-    UNEMBED,
-    LoraSpec,
-    LoraWeights,
-    module_shape,
-)
+from lathe.models import moe
+from lathe.models.decoder import Decoder, Packed, router_name, shape_weight_names
+from lathe.models.lora import REFERENCE_TILES, LoraSpec, LoraWeights, module_shape, shape_keys
 from lathe.models.lora_batch import LoraBatch
 from lathe.models.pool import on_passing_thread
 from lathe.models.tiles import (
@@ -214,6 +208,14 @@ def _rows(name: str, op: Callable[[torch.Tensor], torch.Tensor], pool: torch.Ten
     return Check(name, True)
 
 
+def _routed(model: Decoder, router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each row's experts and weights, as the decoder routes ``x`` (its router's logits on the pool's ladder), side
+    by side in one ``[T, 2k]`` tensor."""
+    logits = ops.linear(x, router, invariant=True, ladder=model.ladder)
+    routing = moe.route(logits, model.cfg.experts_per_token, normalize=model.cfg.norm_topk_prob, dtype=x.dtype)
+    return torch.cat([routing.weights.float(), routing.experts.float()], dim=1)
+
+
 def _lora_checks(model: Decoder, gen: torch.Generator, rank: int) -> list[Check]:
     """The LoRA shrink and expand products at ``rank`` for every width of the model's targets, in the dtype
     the LoRA path computes in (fp32 under a bf16 base): their shapes follow the adapter's rank, not the base."""
@@ -223,7 +225,7 @@ def _lora_checks(model: Decoder, gen: torch.Generator, rank: int) -> list[Check]
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=dev, dtype=wide)
 
-    targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
+    targets = [t for _, t in shape_keys(cfg)]
     checks = []
     ladder = model.lora_ladders.get(rank, ops.REFERENCE)
     for width in sorted({module_shape(cfg, t)[0] for t in targets}):
@@ -244,8 +246,7 @@ def _grouped_check(model: Decoder, rank: int, rand: Callable[..., torch.Tensor])
     """The grouped LoRA path (what both engines run) against the per-segment reference, for every target
     shape at ``rank``: segments of ``GROUPED_LENGTHS`` rows over three adapters, packed and each alone."""
     name = f"lora grouped vs per-segment rank {rank}"
-    keys = [(0, t) for t in ATTN_TARGETS + MLP_TARGETS] + [(-1, UNEMBED)]
-    shapes = {key: module_shape(model.cfg, key[1]) for key in keys}
+    shapes = {key: module_shape(model.cfg, key[1]) for key in shape_keys(model.cfg)}
     adapters = [LoraWeights(LoraSpec(rank=rank), {k: rand(rank, i) for k, (i, _) in shapes.items()},
                             {k: rand(o, rank) * 0.02 for k, (_, o) in shapes.items()}) for _ in range(3)]
     seg = [0]
@@ -278,13 +279,12 @@ def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Che
 
     checks: list[Check] = []
     seen: set[tuple[int, int]] = set()
-    for target in ATTN_TARGETS + MLP_TARGETS:
-        block = "self_attn" if target in ATTN_TARGETS else "mlp"
-        name = f"model.layers.0.{block}.{target}"
-        weight, bias = w[name + ".weight"], w.get(name + ".bias")
+    for name in shape_weight_names(cfg):
+        weight, bias = w[name], w.get(name.removesuffix(".weight") + ".bias")
         if (weight.shape[0], weight.shape[1], bias is not None) in seen:
             continue
         seen.add((weight.shape[0], weight.shape[1], bias is not None))
+        target = name.removesuffix(".weight").rpartition(".")[2]
         checks.append(_rows(f"linear {target} {weight.shape[1]}->{weight.shape[0]}",
                             lambda x, weight=weight, bias=bias: ops.linear(x, weight, bias, invariant=True,
                                                                            ladder=model.ladder),
@@ -292,6 +292,11 @@ def _op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Che
     head = model.lm_head
     checks.append(_rows(f"linear lm_head {head.shape[1]}->{head.shape[0]}",
                         lambda x: ops.linear(x, head, invariant=True, ladder=model.ladder), pool(head.shape[1])))
+    sparse = [i for i in range(cfg.num_layers) if cfg.sparse(i)]
+    if sparse:
+        router = w[router_name(sparse[0])]
+        checks.append(_rows(f"moe routing {cfg.num_experts} experts top {cfg.experts_per_token}",
+                            lambda x: _routed(model, router, x), pool(cfg.hidden_size)))
     checks += _lora_checks(model, gen, lora_rank)
     norm = w["model.norm.weight"]
     checks.append(_rows(f"rms_norm {cfg.hidden_size}",

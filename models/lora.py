@@ -12,10 +12,15 @@ For target module ``m`` with base weight ``W [O, I]`` the layer computes, per se
     y[seg[i]:seg[i+1]] = x @ W.T + ((x @ A[m].T) * (alpha / rank)) @ B[m].T      A: [r, I], B: [O, r]
 
 ``B`` starts at zero, so a fresh adapter equals the base model exactly.
+
+In a mixture-of-experts layer the MLP targets are each expert's: ``experts.{e}.gate_proj`` and so on, an A/B pair
+per expert (``layer_targets``), named as PEFT names the per-expert modules of a Hugging Face MoE checkpoint. The
+router is never a target (Tinker trains the experts, not the routing).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from collections.abc import Mapping
@@ -35,7 +40,47 @@ MAX_RANK = 256
 REFERENCE_TILES: Mapping[int, ops.Ladder] = MappingProxyType({})
 """No ladder for any rank: every LoRA product in the reference tile (``LoraBatch.delta``'s ``ladders``)."""
 
-Key = tuple[int, str]  # (layer index, target); the unembedding is (-1, "lm_head")
+Key = tuple[int, str]  # (layer index, target); the unembedding is (-1, "lm_head"); an expert's: "experts.3.up_proj"
+
+
+def expert_target(expert: int, target: str) -> str:
+    """The target name of ``target`` (one of ``MLP_TARGETS``) in expert ``expert`` of a sparse layer."""
+    return f"experts.{expert}.{target}"
+
+
+def base_target(target: str) -> str:
+    """The module kind of a target: ``"experts.3.up_proj"`` -> ``"up_proj"``; others are their own."""
+    return target.rpartition(".")[2]
+
+
+def mlp_targets(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The MLP targets of ``layer``: ``MLP_TARGETS``, or each of them in every expert of a sparse layer."""
+    if not cfg.sparse(layer):
+        return MLP_TARGETS
+    return tuple(expert_target(e, t) for e in range(cfg.num_experts) for t in MLP_TARGETS)
+
+
+def layer_targets(cfg: ModelConfig, layer: int, *, attn: bool = True, mlp: bool = True) -> tuple[str, ...]:
+    """The targets of ``layer`` in the decoder's order: attention's, then the MLP's (or its experts')."""
+    return (ATTN_TARGETS if attn else ()) + (mlp_targets(cfg, layer) if mlp else ())
+
+
+def shape_keys(cfg: ModelConfig) -> list[Key]:
+    """One key of every kind of target module (the shapes a pool's self-check and tile choice cover): attention's
+    and the MLP's of the first layer of each kind (dense, sparse: its expert 0), then the unembedding."""
+    firsts = {cfg.sparse(i): i for i in reversed(range(cfg.num_layers))}
+    keys: list[Key] = [(0, t) for t in ATTN_TARGETS]
+    keys += [(i, t) for i in sorted(firsts.values()) for t in mlp_targets(cfg, i)[:len(MLP_TARGETS)]]
+    return [*keys, (-1, UNEMBED)]
+
+
+def weight_name(key: Key) -> str:
+    """The Hugging Face name of a target's base weight, without ``.weight``."""
+    layer, target = key
+    if target == UNEMBED:
+        return UNEMBED
+    block = "self_attn" if target in ATTN_TARGETS else "mlp"
+    return f"model.layers.{layer}.{block}.{target}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,35 +107,35 @@ class LoraSpec:
         return self.alpha / self.rank
 
     def keys(self, cfg: ModelConfig) -> list[Key]:
-        targets = (ATTN_TARGETS if self.train_attn else ()) + (MLP_TARGETS if self.train_mlp else ())
-        keys: list[Key] = [(i, t) for i in range(cfg.num_layers) for t in targets]
+        keys: list[Key] = [(i, t) for i in range(cfg.num_layers)
+                           for t in layer_targets(cfg, i, attn=self.train_attn, mlp=self.train_mlp)]
         if self.train_unembed:
             keys.append((-1, UNEMBED))
         return keys
 
 
 def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
-    """(in_features, out_features) of a target module."""
-    h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    """(in_features, out_features) of a target module (an expert's MLP is ``moe_intermediate_size`` wide)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    f = cfg.moe_intermediate_size if target.startswith("experts.") else cfg.intermediate_size
     return {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h), UNEMBED: (h, cfg.vocab_size),
-    }[target]
+    }[base_target(target)]
 
 
 def values_per_rank(cfg: ModelConfig, targets: tuple[str, ...]) -> int:
-    """Values of A [r, in] and B [out, r] per unit of rank over ``targets``, in every layer (the unembedding once):
-    what one more rank of LoRA on them holds, per tensor of the adapter (weights, gradients, each optimizer moment)."""
-    return sum(sum(module_shape(cfg, t)) * (1 if t == UNEMBED else cfg.num_layers) for t in targets)
+    """Values of A [r, in] and B [out, r] per unit of rank over the modules of kinds ``targets`` (``MLP_TARGETS``
+    counts every expert's), in every layer (the unembedding once): what one more rank of LoRA on them holds, per
+    tensor of the adapter (weights, gradients, each optimizer moment)."""
+    keys = [(-1, UNEMBED)] if UNEMBED in targets else []
+    keys += [(i, t) for i in range(cfg.num_layers) for t in layer_targets(cfg, i) if base_target(t) in targets]
+    return sum(sum(module_shape(cfg, t)) for _, t in keys)
 
 
 def peft_name(key: Key, which: str) -> str:
     """PEFT's state-dict name for ``which`` in {"lora_A", "lora_B"} of a target."""
-    layer, target = key
-    if target == UNEMBED:
-        return f"base_model.model.lm_head.{which}.weight"
-    block = "self_attn" if target in ATTN_TARGETS else "mlp"
-    return f"base_model.model.model.layers.{layer}.{block}.{target}.{which}.weight"
+    return f"base_model.model.{weight_name(key)}.{which}.weight"
 
 
 def default_seed(model_id: str) -> int:
@@ -170,6 +215,11 @@ class LoraDeltas(Protocol):
         """The same layout restricted to rows [r0, r1) (chunked LM-head work)."""
         ...
 
+    def take(self, rows: list[int]) -> LoraDeltas:
+        """The same layout over rows ``rows`` of the batch (ascending), renumbered from 0: the tokens a
+        mixture-of-experts layer routes to one expert."""
+        ...
+
 
 class TrainableDeltas(LoraDeltas, Protocol):
     """A backend a trainer differentiates through: it also names the parameters a target's rows read."""
@@ -179,6 +229,9 @@ class TrainableDeltas(LoraDeltas, Protocol):
         ...
 
     def rows(self, r0: int, r1: int) -> TrainableDeltas:
+        ...
+
+    def take(self, rows: list[int]) -> TrainableDeltas:
         ...
 
 
@@ -197,6 +250,12 @@ def row_segments(seg: list[int], ids: list[int], adapters: list[LoraWeights]) ->
     if len(seg) != len(ids) + 1:
         raise ValueError("seg must have one more entry than ids")
     return [(seg[i], seg[i + 1], adapters[w]) for i, w in enumerate(ids) if seg[i + 1] > seg[i]]
+
+
+def take_rows(seg: list[int], rows: list[int]) -> list[int]:
+    """Segment bounds ``seg`` over the rows ``rows`` (ascending) of the batch, renumbered from 0: a segment's
+    rows stay contiguous in any ascending subset."""
+    return [bisect.bisect_left(rows, s) for s in seg]
 
 
 def clip_rows(seg: list[int], r0: int, r1: int) -> list[int]:

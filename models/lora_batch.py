@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lathe.kernels import ops
 from lathe.kernels.lora_grouped import TileLayout, lora_grouped, stacks
-from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments
+from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments, take_rows
 from lathe.models.lora_sgmv import SgmvBatch
 
 
@@ -65,6 +65,10 @@ class LoraBatch:
     def rows(self, r0: int, r1: int) -> LoraBatch:
         """The same layout restricted to rows [r0, r1) (for chunked LM-head work)."""
         return LoraBatch(clip_rows(self.seg, r0, r1), list(self.ids), self.adapters, self.invariant)
+
+    def take(self, rows: list[int]) -> LoraBatch:
+        """The same layout over rows ``rows`` (ascending), renumbered from 0 (an expert's tokens)."""
+        return LoraBatch(take_rows(self.seg, rows), list(self.ids), self.adapters, self.invariant)
 
     def parameters_of(self, key: Key) -> list[torch.Tensor]:
         return parameters_of(self._segments, key)

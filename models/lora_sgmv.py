@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lathe.kernels import ops
-from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments
+from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments, take_rows
 
 
 @dataclass(slots=True)
@@ -32,6 +32,9 @@ class SgmvBatch:
 
     def rows(self, r0: int, r1: int) -> SgmvBatch:
         return SgmvBatch(clip_rows(self.seg, r0, r1), list(self.ids), self.adapters)
+
+    def take(self, rows: list[int]) -> SgmvBatch:
+        return SgmvBatch(take_rows(self.seg, rows), list(self.ids), self.adapters)
 
     def parameters_of(self, key: Key) -> list[torch.Tensor]:
         return parameters_of(self._segments, key)

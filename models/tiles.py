@@ -25,8 +25,8 @@ import torch
 
 from lathe.kernels import attention as attn
 from lathe.kernels import ops
-from lathe.models.decoder import Decoder
-from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, module_shape
+from lathe.models.decoder import Decoder, layer_weight_names, shape_weight_names
+from lathe.models.lora import module_shape, shape_keys
 
 BATCH_ROWS = (1, 3, 13, 17, 64, 300)
 """Row counts of the batches each op's rows are compared in: a lone row, counts that leave a tile part full, and
@@ -54,12 +54,11 @@ def head_block(head: torch.Tensor) -> torch.Tensor:
 
 
 def model_weights(model: Decoder) -> list[torch.Tensor]:
-    """One ``[N, K]`` base weight per distinct shape of layer 0, and the LM head's ``head_block`` (the self-check
-    then runs the whole head with the chosen ladder)."""
+    """One ``[N, K]`` base weight per distinct layer shape (``shape_weight_names``), and the LM head's
+    ``head_block`` (the self-check then runs the whole head with the chosen ladder)."""
     shapes: dict[tuple[int, int], torch.Tensor] = {}
-    for target in ATTN_TARGETS + MLP_TARGETS:
-        block = "self_attn" if target in ATTN_TARGETS else "mlp"
-        weight = model.w[f"model.layers.0.{block}.{target}.weight"]
+    for name in shape_weight_names(model.cfg):
+        weight = model.w[name]
         shapes.setdefault(tuple(weight.shape), weight)
     return [*shapes.values(), head_block(model.lm_head)]
 
@@ -170,7 +169,7 @@ def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Lad
     the weights' values do not choose; so one process chooses once per set of shapes); the rank's self-check
     (``_lora_checks``) then runs the ladder."""
     cfg = model.cfg
-    targets = ATTN_TARGETS + MLP_TARGETS + (UNEMBED,)
+    targets = [t for _, t in shape_keys(cfg)]
     ins = tuple(sorted({module_shape(cfg, t)[0] for t in targets}))
     outs = tuple(sorted({module_shape(cfg, t)[1] for t in targets}))
     return _lora_ladder(ins, outs, rank, torch.promote_types(model.dtype, torch.float32), model.device.type,
@@ -208,7 +207,7 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Lad
 def _lone_row_seconds(model: Decoder, ladder: ops.Ladder, packed: dict[str, torch.Tensor], repeats: int) -> float:
     """Best of ``repeats`` passes of one row through every layer weight and the LM head (more than a cache holds,
     streamed as in decode) over ``ladder``, through the prepacked copies in ``packed`` where it has one."""
-    names = _layer_weight_names(model)
+    names = layer_weight_names(model.cfg)
     weights = [(model.w[n], packed.get(n)) for n in names] + [(model.lm_head, None)]
     gen = torch.Generator().manual_seed(0)
     rows = {k: torch.randn(1, k, generator=gen).to(model.w[names[0]]) for k in sorted({w.shape[1] for w, _ in weights})}
@@ -222,11 +221,6 @@ def _lone_row_seconds(model: Decoder, ladder: ops.Ladder, packed: dict[str, torc
     return best
 
 
-def _layer_weight_names(model: Decoder) -> list[str]:
-    return [f"model.layers.{i}.{'self_attn' if t in ATTN_TARGETS else 'mlp'}.{t}.weight"
-            for i in range(model.cfg.num_layers) for t in ATTN_TARGETS + MLP_TARGETS]
-
-
 def packed_agrees(model: Decoder, threads: list[int]) -> bool:
     """Whether rows fewer than ``model.ladder``'s smallest direct height (a lone decode row, or what a batch leaves
     over), zero-padded to it, come out of ``ops.prepacked_tile`` bitwise as out of ``ops.direct_tile``, for each
@@ -234,7 +228,7 @@ def packed_agrees(model: Decoder, threads: list[int]) -> bool:
     height = min(model.ladder.direct)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name in {tuple(model.w[n].shape): n for n in _layer_weight_names(model)}.values():
+        for name in {tuple(model.w[n].shape): n for n in layer_weight_names(model.cfg)}.values():
             weight = model.w[name]
             packed = ops.prepack(weight, height)
             if packed is None:
@@ -263,7 +257,7 @@ def choose_packed(model: Decoder, threads: list[int], repeats: int = 3) -> dict[
         return {}
     height = min(ladder.direct)
     with torch.no_grad():
-        copies = {n: ops.prepack(model.w[n], height) for n in _layer_weight_names(model)}
+        copies = {n: ops.prepack(model.w[n], height) for n in layer_weight_names(model.cfg)}
     faster = _lone_row_seconds(model, ladder, copies, repeats) < _lone_row_seconds(model, ladder, {}, repeats)
     return copies if faster else {}
 

@@ -26,7 +26,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-Arch = Literal["llama", "qwen2", "qwen3"]
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID, UNK_ID = 1, 2, 2, 0
@@ -46,9 +46,15 @@ QWEN2_SPLIT_PATTERN = (
 _TINY_VERSION = "2"  # bump when the generated files change, so cached copies are rebuilt
 _VERSION_FILE = ".lathe-version"
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_ROPE_THETA = {"llama": 100000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
-_RMS_NORM_EPS = {"llama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
+_ROPE_THETA = {"llama": 100000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen3_moe": 1000000.0}
+_RMS_NORM_EPS = {"llama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
+# The tiny Qwen3-MoE: 8 experts of width 32, top 2, renormalized, its middle layer a dense MLP (mlp_only_layers)
+# so that both kinds of layer and the mapping between them are exercised; 3 layers.
+TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [1], "router_aux_loss_coef": 0.001,
+            "output_router_logits": False}
 
 # The tokenizer's training text: plain English and Python, written for this file.
 _CORPUS = '''\
@@ -164,7 +170,8 @@ def write_json(path: Path, obj: dict) -> None:
 def hf_config(arch: Arch, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
               num_attention_heads: int, num_key_value_heads: int, head_dim: int, max_position_embeddings: int,
               rope_theta: float, rms_norm_eps: float, tie_word_embeddings: bool) -> dict:
-    """A transformers ``config.json`` for a Llama, Qwen2 (q/k/v bias) or Qwen3 (q/k RMSNorm) decoder."""
+    """A transformers ``config.json`` for a Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) or Qwen3-MoE (Qwen3 with
+    ``TINY_MOE``'s experts) decoder."""
     config = {
         "architectures": [_HF_CLASSES[arch]],
         "model_type": arch,
@@ -190,8 +197,10 @@ def hf_config(arch: Arch, *, vocab_size: int, hidden_size: int, intermediate_siz
     }
     if arch == "llama":
         config |= {"attention_bias": False, "mlp_bias": False}
-    elif arch == "qwen3":
+    elif arch in ("qwen3", "qwen3_moe"):
         config |= {"attention_bias": False}
+    if arch == "qwen3_moe":
+        config |= TINY_MOE
     if arch != "llama":
         config |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_hidden_layers}
     return config
@@ -291,7 +300,7 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of ``model.safetensors`` by its Hugging Face name, in a fixed order."""
     h, heads, kv, d = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
-    arch, inter = config["model_type"], config["intermediate_size"]
+    arch = config["model_type"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -302,17 +311,32 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv * d, h),
             p + "self_attn.o_proj.weight": (h, heads * d),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         }
+        shapes |= _mlp_shapes(config, i)
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{n}_proj.bias": (m * d,) for n, m in (("q", heads), ("k", kv), ("v", kv))}
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     shapes["model.norm.weight"] = (h,)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], h)
+    return shapes
+
+
+def _mlp_shapes(config: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer ``layer``'s MLP tensors: one SwiGLU MLP, or a sparse layer's router and experts (Hugging Face's
+    per-expert names, as MoE checkpoints are published)."""
+    p, h = f"model.layers.{layer}.mlp.", config["hidden_size"]
+    experts = config.get("num_experts", 0)
+    sparse = experts and layer not in config["mlp_only_layers"] and (layer + 1) % config["decoder_sparse_step"] == 0
+    if not sparse:
+        f = config["intermediate_size"]
+        return {p + "gate_proj.weight": (f, h), p + "up_proj.weight": (f, h), p + "down_proj.weight": (h, f)}
+    f = config["moe_intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (experts, h)}
+    for e in range(experts):
+        q = f"{p}experts.{e}."
+        shapes |= {q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h), q + "down_proj.weight": (h, f)}
     return shapes
 
 
@@ -327,19 +351,21 @@ def _random_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) 
 
 
 def write_tiny_model(out_dir: Path, arch: Arch = "llama", *, seed: int = 0, hidden_size: int = 64,
-                     intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
+                     intermediate_size: int = 128, num_hidden_layers: int | None = None, num_attention_heads: int = 4,
                      num_key_value_heads: int = 2, head_dim: int | None = None, max_position_embeddings: int = 512,
                      tie_word_embeddings: bool = True, vocab_size: int | None = None) -> Path:
     """Write a random tiny ``arch`` checkpoint with its tokenizer into ``out_dir`` and return it.
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``, except for Qwen3, where it is twice
     that, so that, as in real Qwen3 models, ``num_attention_heads * head_dim != hidden_size``.
-    ``vocab_size`` (default 512) is both the tokenizer's size and the config's."""
+    ``vocab_size`` (default 512) is both the tokenizer's size and the config's. ``num_hidden_layers`` defaults to
+    2, and to 3 for Qwen3-MoE (sparse, dense, sparse)."""
     if arch not in _HF_CLASSES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(_HF_CLASSES)}")
     tokenizer = train_tokenizer(vocab_size or DEFAULT_VOCAB_SIZE)
+    num_hidden_layers = num_hidden_layers or (3 if arch == "qwen3_moe" else 2)
     if head_dim is None:
-        head_dim = hidden_size // num_attention_heads * (2 if arch == "qwen3" else 1)
+        head_dim = hidden_size // num_attention_heads * (2 if arch in ("qwen3", "qwen3_moe") else 1)
     config = hf_config(
         arch, vocab_size=tokenizer.get_vocab_size(), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,

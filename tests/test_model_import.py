@@ -137,7 +137,8 @@ def test_ensure_tiny_model_builds_once_and_rebuilds_a_stale_version(tmp_path: Pa
 
 def test_catalog_resolves_built_in_names_lazily(tmp_path: Path) -> None:
     catalog = ModelCatalog.default(tmp_path)
-    assert catalog.names() == ["lathe/tiny-llama", "lathe/tiny-qwen2", "lathe/tiny-qwen3", SMOLLM2]
+    assert catalog.names() == ["lathe/tiny-llama", "lathe/tiny-qwen2", "lathe/tiny-qwen3", "lathe/tiny-qwen3-moe",
+                               SMOLLM2]
     assert list(tmp_path.iterdir()) == []  # nothing is built before it is asked for
     entry = catalog.resolve("lathe/tiny-qwen3")
     assert entry == CatalogEntry("lathe/tiny-qwen3", (tmp_path / "tiny-qwen3").resolve(), 512)

@@ -145,6 +145,10 @@ class SlotBatch:
         """The same layout restricted to rows [r0, r1)."""
         return SlotBatch(self.pool, self.idx[r0:r1])
 
+    def take(self, rows: list[int]) -> SlotBatch:
+        """The same layout over rows ``rows`` (an expert's tokens)."""
+        return SlotBatch(self.pool, self.idx[torch.tensor(rows, dtype=torch.long, device=self.idx.device)])
+
     def delta(self, key: Key, x: torch.Tensor,
               ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The correction of target ``key`` for ``x [T, in]`` -> ``[T, out]`` in x's dtype (None: no slot has
