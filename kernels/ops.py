@@ -268,13 +268,17 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
 
 def prepack(weight: torch.Tensor, height: int) -> torch.Tensor | None:
     """``weight`` [N, K] packed once by oneDNN for products of ``height`` rows (``prepacked_tile``), or None where
-    this torch build has no such packing or ``weight`` is wider than one column block (``direct_tile`` cuts those,
-    and the packed product would not). CPU only."""
+    this torch build has no such packing, or not for this dtype on this CPU (oneDNN packs bf16 only where the CPU has
+    AVX-512 or AVX-NE-CONVERT: an AVX2 machine refuses), or ``weight`` is wider than one column block
+    (``direct_tile`` cuts those, and the packed product would not). CPU only."""
     n, k = weight.shape
     if weight.device.type != "cpu" or n > col_cap(k, weight.element_size()) \
             or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, height)
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, height)
+    except RuntimeError:
+        return None
 
 
 def prepacked_tile(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -50,10 +50,10 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3"
                "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ROPE_THETA = {"llama": 100000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen3_moe": 1000000.0}
 _RMS_NORM_EPS = {"llama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
-# The tiny Qwen3-MoE: 8 experts of width 32, top 2, renormalized, its middle layer a dense MLP (mlp_only_layers)
-# so that both kinds of layer and the mapping between them are exercised; 3 layers.
+# The tiny Qwen3-MoE: 8 experts of width 32, top 2, renormalized, every layer sparse (as in the published Qwen3-MoE
+# models; ``write_tiny_model``'s ``overrides`` makes some dense, e.g. ``{"mlp_only_layers": [1]}``).
 TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": [1], "router_aux_loss_coef": 0.001,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
             "output_router_logits": False}
 
 # The tokenizer's training text: plain English and Python, written for this file.
@@ -351,19 +351,19 @@ def _random_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) 
 
 
 def write_tiny_model(out_dir: Path, arch: Arch = "llama", *, seed: int = 0, hidden_size: int = 64,
-                     intermediate_size: int = 128, num_hidden_layers: int | None = None, num_attention_heads: int = 4,
+                     intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
                      num_key_value_heads: int = 2, head_dim: int | None = None, max_position_embeddings: int = 512,
-                     tie_word_embeddings: bool = True, vocab_size: int | None = None) -> Path:
+                     tie_word_embeddings: bool = True, vocab_size: int | None = None,
+                     overrides: dict | None = None) -> Path:
     """Write a random tiny ``arch`` checkpoint with its tokenizer into ``out_dir`` and return it.
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``, except for Qwen3, where it is twice
     that, so that, as in real Qwen3 models, ``num_attention_heads * head_dim != hidden_size``.
-    ``vocab_size`` (default 512) is both the tokenizer's size and the config's. ``num_hidden_layers`` defaults to
-    2, and to 3 for Qwen3-MoE (sparse, dense, sparse)."""
+    ``vocab_size`` (default 512) is both the tokenizer's size and the config's. ``overrides``: config.json
+    entries to change (a Qwen3-MoE's ``mlp_only_layers``, say), applied before the tensors are drawn."""
     if arch not in _HF_CLASSES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(_HF_CLASSES)}")
     tokenizer = train_tokenizer(vocab_size or DEFAULT_VOCAB_SIZE)
-    num_hidden_layers = num_hidden_layers or (3 if arch == "qwen3_moe" else 2)
     if head_dim is None:
         head_dim = hidden_size // num_attention_heads * (2 if arch in ("qwen3", "qwen3_moe") else 1)
     config = hf_config(
@@ -371,7 +371,7 @@ def write_tiny_model(out_dir: Path, arch: Arch = "llama", *, seed: int = 0, hidd
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, head_dim=head_dim, max_position_embeddings=max_position_embeddings,
         rope_theta=_ROPE_THETA[arch], rms_norm_eps=_RMS_NORM_EPS[arch], tie_word_embeddings=tie_word_embeddings,
-    )
+    ) | (overrides or {})
     rng = np.random.default_rng(seed)
     weights = {name: _random_tensor(name, shape, rng) for name, shape in tensor_shapes(config).items()}
     out_dir = Path(out_dir)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lathe.kernels import attention as attn
 from lathe.kernels import ops
 from lathe.models import exactness, tiles
-from lathe.models.decoder import Decoder
+from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.lora import LoraSpec, LoraWeights, module_shape
 from lathe.models.lora_batch import LoraBatch
 from lathe.models.tiny import ensure_tiny_model
@@ -39,6 +39,17 @@ def test_self_check_passes_on_this_machine_at_one_and_two_threads(tiny_dir: Path
     assert {"linear", "lora", "rms_norm", "log_softmax", "attention", "decoder"} <= names
     assert len(report.checks) >= 2 * 12  # every op shape, the decoder, at both thread counts
     assert report.dtype == str(dtype).removeprefix("torch.") and report.device == "cpu"
+
+
+def test_self_check_covers_a_mixture_of_experts_routing_and_its_experts(model_cache: Path) -> None:
+    """On the tiny Qwen3-MoE the pool checks its router's product and routing (each row's experts and weights alone
+    and in batches), its experts' shapes (base and LoRA), and the decoder end to end, and all pass here."""
+    model = Decoder.from_dir(ensure_tiny_model(model_cache, "qwen3_moe"))
+    report = exactness.self_check(model, threads=[2])
+    names = [c.name for c in report.checks]
+    assert report.exact, report.first_failure
+    assert "moe routing 8 experts top 2 @2 threads" in names and "linear gate 64->8 @2 threads" in names
+    assert "linear down_proj 32->64 @2 threads" in names and "lora expand 8->32 @2 threads" in names
 
 
 def test_self_check_covers_qk_norm_and_bias_models(qwen3_dir: Path) -> None:
@@ -128,6 +139,8 @@ def test_prepacked_lone_rows_are_used_only_where_they_keep_the_padded_tiles_bits
     row's logprobs through the copies equal those without, bit for bit; where they do not (or lone rows run in
     tiles), the pool gets none; a training pool never does."""
     model = Decoder.from_dir(tiny_dir, dtype=dtype)
+    name = layer_weight_names(model.cfg)[0]  # oneDNN refuses to pack bf16 on an AVX2 CPU: None, not an error
+    assert ops.prepack(model.w[name], 4) is None or ops.prepack(model.w[name], 4).dtype == dtype
     tiles.choose_tiles(model, 8, backward=True)
     assert model.packed == {}
     tiles.choose_tiles(model, 8, backward=False)
@@ -135,8 +148,8 @@ def test_prepacked_lone_rows_are_used_only_where_they_keep_the_padded_tiles_bits
     if not usable:
         assert model.packed == {}
         return
-    assert set(model.packed) <= set(tiles._layer_weight_names(model))
-    copies = {n: ops.prepack(model.w[n], min(model.ladder.direct)) for n in tiles._layer_weight_names(model)}
+    assert set(model.packed) <= set(layer_weight_names(model.cfg))
+    copies = {n: ops.prepack(model.w[n], min(model.ladder.direct)) for n in layer_weight_names(model.cfg)}
     adapters = exactness._adapters(model, 8, torch.Generator().manual_seed(4))
     out = []
     for packed in ({}, copies):  # one token alone: every linear runs a lone row

@@ -15,9 +15,13 @@ torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("invariant", [True, False])
-@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", False)])
-def test_logits_equal_transformers(tmp_path: Path, arch: str, tied: bool, invariant: bool) -> None:
-    d = write_tiny_model(tmp_path / arch, arch, seed=3, tie_word_embeddings=tied)
+@pytest.mark.parametrize("arch,tied,overrides", [
+    ("llama", True, None), ("llama", False, None), ("qwen2", True, None), ("qwen3", False, None),
+    ("qwen3_moe", True, None), ("qwen3_moe", False, {"mlp_only_layers": [1], "num_hidden_layers": 3}),
+], ids=["llama-tied", "llama", "qwen2-tied", "qwen3", "qwen3_moe-tied", "qwen3_moe-dense-middle-layer"])
+def test_logits_equal_transformers(tmp_path: Path, arch: str, tied: bool, overrides: dict | None,
+                                   invariant: bool) -> None:
+    d = write_tiny_model(tmp_path / arch, arch, seed=3, tie_word_embeddings=tied, overrides=overrides)
     ref = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
     ours = Decoder.from_dir(d, invariant=invariant)
     gen = torch.Generator().manual_seed(0)
@@ -31,6 +35,8 @@ def test_logits_equal_transformers(tmp_path: Path, arch: str, tied: bool, invari
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert ours.cfg.arch == arch and ours.cfg.tie_word_embeddings == tied
     assert ("lm_head.weight" in ours.w) == (not tied)
+    if overrides:
+        assert [ours.cfg.sparse(i) for i in range(3)] == [True, False, True]
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:

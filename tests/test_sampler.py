@@ -36,6 +36,7 @@ from lathe.models.decoder import Decoder, Packed
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch
 from lathe.models.pool import DTYPES
+from lathe.models.tiny import ensure_tiny_model
 from lathe.runtime.serving import READY_MARK
 from lathe.sampler.adapters import AdapterCache
 from lathe.sampler.engine import SamplerConfig, SamplerEngine
@@ -50,6 +51,7 @@ from tests.helpers import CrossDtype
 
 torch.set_num_threads(1)
 BASE = "lathe/tiny-llama"
+MOE = "lathe/tiny-qwen3-moe"
 TENANT = "t"
 
 
@@ -63,8 +65,8 @@ class MemorySource:
         self.items: dict[tuple[str, str], tuple[dict[str, bytes], float]] = {}
         self.fetches = 0
 
-    def put(self, path: str, weights: LoraWeights, version: float) -> None:
-        state = Adapter(path, TENANT, BASE, weights, AdamState.zeros(weights.named_parameters()))
+    def put(self, path: str, weights: LoraWeights, version: float, base: str = BASE) -> None:
+        state = Adapter(path, TENANT, base, weights, AdamState.zeros(weights.named_parameters()))
         self.items[(TENANT, path)] = (state.sampler_files(), version)
 
     def get(self, tenant: str, path: str) -> tuple[dict[str, bytes], float]:
@@ -100,10 +102,10 @@ def adapters(model_dir: Path) -> dict[str, LoraWeights]:
     }
 
 
-def source_for(model_dir: Path) -> MemorySource:
+def source_for(model_dir: Path, base: str = BASE) -> MemorySource:
     src = MemorySource()
     for path, w in adapters(model_dir).items():
-        src.put(path, w, version=100.0)
+        src.put(path, w, version=100.0, base=base)
     return src
 
 
@@ -115,20 +117,21 @@ def trainer_logprobs(model: Decoder, weights: LoraWeights | None, tokens: list[i
 
 
 def request(prompt: list[int], *, path: str = "", n: int = 1, max_tokens: int = 8, seed: int | None = 1,
-            temperature: float = 1.0, prompt_logprobs: bool = False, top_p: float = 1.0,
+            temperature: float = 1.0, prompt_logprobs: bool = False, top_p: float = 1.0, base: str = BASE,
             **params: object) -> pb.SampleRequest:
     sp = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, **params)
     if seed is not None:
         sp.seed = seed
     return pb.SampleRequest(prompt=prompt, num_samples=n, params=sp, prompt_logprobs=prompt_logprobs,
-                            tenant=TENANT, base_model=BASE, model_path=path,
+                            tenant=TENANT, base_model=base, model_path=path,
                             model_version=100.0 if path else 0.0, request_id=f"req-{random.random()}")
 
 
-def make_engine(model_cache: Path, source: MemorySource | None = None, **cfg: object) -> SamplerEngine:
+def make_engine(model_cache: Path, source: MemorySource | None = None, base: str = BASE,
+                **cfg: object) -> SamplerEngine:
     cfg.setdefault("max_running", 64)
-    return SamplerEngine(SamplerConfig(models=BASE, cache_root=model_cache, **cfg),
-                         ModelCatalog.from_spec(BASE, model_cache), source)
+    return SamplerEngine(SamplerConfig(models=base, cache_root=model_cache, **cfg),
+                         ModelCatalog.from_spec(base, model_cache), source)
 
 
 @pytest.fixture()
@@ -181,7 +184,7 @@ def tokenizer(tiny_dir: Path) -> Tokenizer:
 # ---------------------------------------------------------------- exactness against the trainer
 
 
-def _workload(vocab: int) -> list[pb.SampleRequest]:
+def _workload(vocab: int, base: str) -> list[pb.SampleRequest]:
     """Requests over three adapters and the base model, with different prompt lengths and sizes."""
     rng = random.Random(5)
     paths = ["", "tinker://run-a/sampler_weights/s1", "tinker://run-b/sampler_weights/s1",
@@ -190,17 +193,18 @@ def _workload(vocab: int) -> list[pb.SampleRequest]:
     for i in range(8):
         prompt = [rng.randrange(vocab) for _ in range(rng.choice([1, 3, 7, 18, 40, 70]))]
         reqs.append(request(prompt, path=paths[i % 4], n=1 + i % 3, max_tokens=6 + i % 5, seed=100 + i,
-                            top_k=[0, 40][i % 2], top_p=[1.0, 0.95][i % 3 == 0], prompt_logprobs=i % 2 == 0))
+                            top_k=[0, 40][i % 2], top_p=[1.0, 0.95][i % 3 == 0], prompt_logprobs=i % 2 == 0,
+                            base=base))
     return reqs
 
 
 @functools.cache
-def _runs(model_cache: Path, model_dir: Path, dtype: str, invariant: bool
+def _runs(model_cache: Path, model_dir: Path, dtype: str, invariant: bool, base: str = BASE
           ) -> tuple[list[pb.SampleRequest], list[pb.SampleOutput], list[pb.SampleOutput]]:
     """The workload run one request at a time, and run busy: four requests, three steps later the
     other four arrive (their prefills share steps with the first four's decodes)."""
-    eng = make_engine(model_cache, source_for(model_dir), dtype=dtype, invariant=invariant)
-    reqs = _workload(trainer_model(model_dir, dtype, invariant).cfg.vocab_size)
+    eng = make_engine(model_cache, source_for(model_dir, base), base, dtype=dtype, invariant=invariant)
+    reqs = _workload(trainer_model(model_dir, dtype, invariant).cfg.vocab_size, base)
     alone = [ok(sample_one(eng, r)) for r in reqs]
     first = [eng.sample(r) for r in reqs[:4]]
     wait_waiting(eng, 4)
@@ -213,15 +217,16 @@ def _runs(model_cache: Path, model_dir: Path, dtype: str, invariant: bool
     assert [r.receipt.cycle for r in busy] == [start] * 4 + [start + 3] * 4  # in the middle of their decoding
     assert min(q.params.max_tokens for q in reqs[:4]) > 3
     if invariant:  # the adapters' ranks (2, 4 and the self-check's 8) were each checked before their first step
-        report = eng.exactness.reports[BASE]
+        report = eng.exactness.reports[base]
         assert report.ranks == [2, 4, 8] and report.exact, report.first_failure
     eng.stop()
     return reqs, alone, [ok(r) for r in busy]
 
 
-def _mismatches(model_cache: Path, model_dir: Path, dtype: str, invariant: bool) -> tuple[int, int]:
+def _mismatches(model_cache: Path, model_dir: Path, dtype: str, invariant: bool, base: str = BASE
+                ) -> tuple[int, int]:
     """(tokens whose sampled logprob differs from the trainer's, tokens compared)."""
-    reqs, alone, busy = _runs(model_cache, model_dir, dtype, invariant)
+    reqs, alone, busy = _runs(model_cache, model_dir, dtype, invariant, base)
     model = trainer_model(model_dir, dtype, invariant)
     ads = adapters(model_dir)
     bad = total = 0
@@ -235,9 +240,14 @@ def _mismatches(model_cache: Path, model_dir: Path, dtype: str, invariant: bool)
     return bad, total
 
 
+@pytest.mark.parametrize("base", [BASE, MOE])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sampled_logprobs_equal_trainer_forward_bitwise(model_cache: Path, tiny_dir: Path, dtype: str) -> None:
-    bad, total = _mismatches(model_cache, tiny_dir, dtype, invariant=True)
+def test_sampled_logprobs_equal_trainer_forward_bitwise(model_cache: Path, tiny_dir: Path, dtype: str,
+                                                        base: str) -> None:
+    """Every sampled token's logprob is the trainer's, alone and busy, on the tiny dense model and on the tiny
+    Qwen3-MoE (whose routing then is the trainer's for every token too)."""
+    model_dir = tiny_dir if base == BASE else ensure_tiny_model(model_cache, "qwen3_moe")
+    bad, total = _mismatches(model_cache, model_dir, dtype, invariant=True, base=base)
     assert total > 100
     assert bad == 0, f"{bad}/{total} sampled logprobs differ from the trainer's"
 
