@@ -31,6 +31,7 @@ from lathe.models.config import ModelConfig
 from lathe.models.lora import UNEMBED, LoraDeltas, TrainableDeltas, layer_targets, shape_keys, weight_name
 
 LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logprobs
+ExpertLoad = list[tuple[int, list[int]]]  # (sparse layer, tokens routed to each of its experts), per pass
 
 
 class KVCache(Protocol):
@@ -131,7 +132,6 @@ class Decoder(torch.nn.Module):
         self.lora_ladders: dict[int, ops.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
         self.attn_tiles = (attn.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
         self.packed: dict[str, torch.Tensor] = {}  # layer weights prepacked for lone decode rows, once admitted
-        self.expert_load: list[tuple[int, list[int]]] | None = None  # a list: each routed layer's tokens per expert
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -240,7 +240,7 @@ class Decoder(torch.nn.Module):
         with activations.recomputed(h, lambda: activations.swiglu(gate, up)):  # backward rebuilds h from gate, up
             return self._linear(h, p + "down_proj", (i, expert + "down_proj"), lora)
 
-    def _moe(self, i: int, x: torch.Tensor, lora: LoraDeltas | None) -> torch.Tensor:
+    def _moe(self, i: int, x: torch.Tensor, lora: LoraDeltas | None, load: ExpertLoad | None) -> torch.Tensor:
         """A sparse layer's mixture of experts (``lathe.models.moe``): the router's logits on the pool's tiles, each
         expert's MLP over the rows routed to it (its LoRA over the same rows), the outputs summed per token."""
         cfg = self.cfg
@@ -248,8 +248,8 @@ class Decoder(torch.nn.Module):
         logits = ops.linear(x, self.w[name], invariant=self.invariant, ladder=self.ladder,
                             grad_ladder=self.grad_ladder, packed=self.packed.get(name))
         routing = moe.route(logits, cfg.experts_per_token, normalize=cfg.norm_topk_prob, dtype=x.dtype)
-        if self.expert_load is not None:
-            self.expert_load.append((i, routing.load(cfg.num_experts)))
+        if load is not None:
+            load.append((i, routing.load(cfg.num_experts)))
         index = torch.tensor([r for _, rows in routing.groups for r in rows], dtype=torch.long, device=x.device)
         outputs, start = [], 0
         for e, rows in routing.groups:
@@ -260,23 +260,26 @@ class Decoder(torch.nn.Module):
 
     # ---- public ----
 
-    def hidden(self, batch: Packed, lora: LoraDeltas | None = None, kv: KVCache | None = None) -> torch.Tensor:
-        """Final-normed hidden states ``[T, hidden]`` of a packed batch."""
+    def hidden(self, batch: Packed, lora: LoraDeltas | None = None, kv: KVCache | None = None,
+               load: ExpertLoad | None = None) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of a packed batch. ``load``, where given, receives
+        ``(layer, tokens per expert)`` of each sparse layer as the pass routes it (and again should activation
+        checkpointing recompute a layer in backward: read it before backward)."""
         batch = batch.to(self.device)
         x = self.w["model.embed_tokens.weight"][batch.tokens]
         recompute = self.checkpoint_layers and kv is None and torch.is_grad_enabled()
         for i in range(self.cfg.num_layers):
             if recompute:
-                x = checkpoint(self._layer, i, x, batch, lora, kv, use_reentrant=False)
+                x = checkpoint(self._layer, i, x, batch, lora, kv, load, use_reentrant=False)
             else:
-                x = self._layer(i, x, batch, lora, kv)
+                x = self._layer(i, x, batch, lora, kv, load)
         return self._norm(x, "model.norm.weight")
 
-    def _layer(self, i: int, x: torch.Tensor, batch: Packed, lora: LoraDeltas | None, kv: KVCache | None
-               ) -> torch.Tensor:
+    def _layer(self, i: int, x: torch.Tensor, batch: Packed, lora: LoraDeltas | None, kv: KVCache | None,
+               load: ExpertLoad | None) -> torch.Tensor:
         x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, lora, kv)
         h = self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight")
-        return x + (self._moe(i, h, lora) if self.cfg.sparse(i) and h.shape[0] else self._mlp(i, h, lora))
+        return x + (self._moe(i, h, lora, load) if self.cfg.sparse(i) and h.shape[0] else self._mlp(i, h, lora))
 
     def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""

@@ -59,11 +59,12 @@ def tiny_dir(model_cache: Path) -> Path:
 
 
 @contextlib.contextmanager
-def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator:
-    """Every service as its own process on loopback, serving the tiny model, one thread per pool."""
+def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, models: str = "lathe/tiny-llama"
+               ) -> Iterator:
+    """Every service as its own process on loopback, serving the tiny model (or ``models``), one thread per pool."""
     from lathe.stack import Stack, StackConfig
 
-    cfg = StackConfig(models="lathe/tiny-llama", store_root=tmp_path_factory.mktemp("store"),
+    cfg = StackConfig(models=models, store_root=tmp_path_factory.mktemp("store"),
                       cache_root=model_cache, trainer_threads=1, sampler_threads=1)
     with Stack(cfg) as s:
         yield s
@@ -71,9 +72,10 @@ def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> I
 
 @pytest.fixture(scope="session")
 def shared_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator:
-    """One ``tiny_stack`` for the whole session. The modules that share it keep out of each other's way by their
-    tenants (each uses API keys of its own, and in open mode a key is its own tenant)."""
-    with tiny_stack(tmp_path_factory, model_cache) as s:
+    """One ``tiny_stack`` for the whole session, serving the tiny Llama and the tiny Qwen3-MoE. The modules that share
+    it keep out of each other's way by their tenants (each uses API keys of its own, and in open mode a key is its
+    own tenant)."""
+    with tiny_stack(tmp_path_factory, model_cache, "lathe/tiny-llama,lathe/tiny-qwen3-moe") as s:
         yield s
 
 

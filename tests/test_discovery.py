@@ -292,7 +292,7 @@ def test_the_gateway_serves_a_model_while_its_pool_is_present(api: StandInApi, s
                                                                     lora_config=LORA))
             api.apply("ADDED", trainer)
             api.apply("ADDED", sampler)
-            await until_models(core, [base])
+            await until_models(core, stack.cfg.models.split(","))  # every model the stack's pools serve
             created = await core.runs.create_model("t", pb.CreateModelRequest(session_id=session, base_model=base,
                                                                          lora_config=LORA))
             done = await core.ledger.retrieve("t", created.request_id, WAIT_S)

@@ -77,17 +77,21 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None])[..., 0]
 
 
-def test_exports_reproduce_lathes_own_logprobs(model_cache: Path, tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("base", ["lathe/tiny-llama", "lathe/tiny-qwen3-moe"])
+def test_exports_reproduce_lathes_own_logprobs(model_cache: Path, tmp_path: Path, base: str) -> None:
     """Train a few steps in Lathe's trainer, read its logprobs from a forward, save the adapter as the trainer does,
     export it: ``peft`` on the transformers base model and the merged model in ``transformers`` give Lathe's
-    logprobs within 1e-5 (and the training moved them)."""
+    logprobs within 1e-5 (and the training moved them). On the tiny Qwen3-MoE the adapter holds an A/B pair per
+    expert under PEFT's per-expert names, which peft folds into transformers' fused expert tensors on load."""
     from lathe.models.catalog import ModelCatalog
+    from lathe.models.tiny import ensure_tiny_model
     from lathe.trainer.engine import TrainerConfig, TrainerEngine
-    from tests.test_trainer_engine import BASE, create, datum, fb, opt, submit
+    from tests.test_trainer_engine import datum, fb, opt, submit
 
+    tiny_dir = ensure_tiny_model(model_cache, "llama" if base == "lathe/tiny-llama" else "qwen3_moe")
     store = _MemoryStore()
-    engine = TrainerEngine(TrainerConfig(models=BASE, cache_root=model_cache),
-                           ModelCatalog.from_spec(BASE, model_cache), store)
+    engine = TrainerEngine(TrainerConfig(models=base, cache_root=model_cache),
+                           ModelCatalog.from_spec(base, model_cache), store)
     tokens = [1, 17, 99, 250, 3, 42, 7, 300, 12, 5]
     probe = datum(tokens)
 
@@ -103,7 +107,8 @@ def test_exports_reproduce_lathes_own_logprobs(model_cache: Path, tiny_dir: Path
         out = run(op).forward_backward.loss_fn_outputs[0].tensors["logprobs"]
         return torch.frombuffer(bytearray(out.data), dtype=torch.float32).double()
 
-    create(engine, "m", rank=4)
+    engine.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=base, lora_config=pb.LoraConfig(
+        rank=4, seed=7, train_attn=True, train_mlp=True, train_unembed=True)))
     before = lathe_logprobs(1)
     seq = 2
     for k in range(3):

@@ -131,9 +131,9 @@ def test_creating_an_adapter_mid_cycle_never_pages_out_the_cycles_own(model_cach
     for e in (ref, eng):
         _create(e, "a")
 
-    def with_intruder(model, jobs):  # noqa: ANN001, ANN202 - run_jobs' signature
+    def with_intruder(model, jobs, load=None):  # noqa: ANN001, ANN202 - run_jobs' signature
         _create(eng, "intruder", tenant="other")
-        return real(model, jobs)
+        return real(model, jobs, load)
 
     monkeypatch.setattr(runner_mod, "run_jobs", with_intruder)
     futs = [submit(eng, _fb("a", 1, [_datum(TOKENS)])), submit(eng, _opt("a", 2))]

@@ -7,13 +7,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import lathe
 from examples import rl_clamp
+from lathe.models.tiny import ensure_tiny_model
 from lathe.stack import Stack
 
 
-def test_every_rl_step_reports_zero_kl_from_exact_pools(stack: Stack, tiny_dir: Path, tmp_path: Path) -> None:
-    cfg = rl_clamp.RlConfig(base_model="lathe/tiny-llama", model_dir=tiny_dir, out_dir=tmp_path / "rl", steps=2,
+@pytest.mark.parametrize("base", ["lathe/tiny-llama", "lathe/tiny-qwen3-moe"])
+def test_every_rl_step_reports_zero_kl_from_exact_pools(stack: Stack, model_cache: Path, tmp_path: Path,
+                                                        base: str) -> None:
+    """On the dense tiny model and on the tiny Qwen3-MoE (whose routing then is the same in both pools)."""
+    model_dir = ensure_tiny_model(model_cache, "llama" if base == "lathe/tiny-llama" else "qwen3_moe")
+    cfg = rl_clamp.RlConfig(base_model=base, model_dir=model_dir, out_dir=tmp_path / "rl", steps=2,
                             prompts_per_step=2, group_size=2, max_tokens=8, rank=4)
     with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-rl-example") as sc:
         manifest = rl_clamp.run(sc, cfg)

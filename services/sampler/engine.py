@@ -54,7 +54,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
-from lathe.models.decoder import Decoder
+from lathe.models.decoder import Decoder, ExpertLoad
 from lathe.models.exactness import PoolExactness
 from lathe.models.lora import LoraWeights
 from lathe.models.pool import DTYPES, OncePerName, PoolOptions, load_decoder
@@ -242,7 +242,9 @@ class SamplerEngine:
             tokenizer=Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None,
         )
         kv = KVPool.for_model(model, self.cfg.pool_blocks)
-        bgmv, graphs = self.cfg.decode_bgmv, self.cfg.cuda_graphs and model.device.type == "cuda"
+        # a sparse layer picks each expert's rows on the host: its steps cannot be captured in a CUDA graph
+        bgmv = self.cfg.decode_bgmv
+        graphs = self.cfg.cuda_graphs and model.device.type == "cuda" and not cfg.num_experts
         slots = None if bgmv == "off" else SlotPool(model.cfg, self.cfg.adapter_slots, self.cfg.slot_rank,
                                                     model.dtype, model.device, bgmv)
         runner = DecodeRunner(model, kv, slots, GraphConfig(self.cfg.graph_buckets, capture=graphs)) \
@@ -468,7 +470,10 @@ class SamplerEngine:
                                         for s in decodes])
             if base.slots is None or idx is not None:
                 return base.runner.run(items, idx)
-        return run_step(base.model, items)
+        load: ExpertLoad = []
+        out = run_step(base.model, items, load)
+        self.metrics.experts.observe(base.limits.name, load)
+        return out
 
     def _blocks_needed(self, r: _Request) -> int:
         return blocks_needed(len(r.plan.prompt), r.plan.max_tokens, r.plan.num_samples)

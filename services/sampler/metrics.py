@@ -2,7 +2,8 @@
 
 Owned by ``SamplerEngine`` (``engine.metrics``): its scheduler thread records each step (``record_step``: the
 batch, the tokens it prefilled and sampled, the running budget in use, the queue), and every finished request
-(``record_request``: its wait for admission and its time in the pool). The process's ``Probes`` serve the same
+(``record_request``: its wait for admission and its time in the pool), and on a mixture-of-experts model the tokens
+each expert was routed (``experts``: ``lathe.runtime.experts``). The process's ``Probes`` serve the same
 registry, beside the gRPC request metrics.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lathe.runtime.experts import ExpertTokens
 
 _TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -33,6 +36,7 @@ class SamplerMetrics:
     wait_seconds: Histogram = field(init=False)
     request_seconds: Histogram = field(init=False)
     requests: Counter = field(init=False)
+    experts: ExpertTokens = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -65,6 +69,7 @@ class SamplerMetrics:
                                          registry=r)
         self.requests = Counter("lathe_sampler_requests", "Requests answered, by outcome (ok or error)",
                                 ["outcome"], registry=r)
+        self.experts = ExpertTokens(r, "sampler")
 
     def record_step(self, *, seconds: float, sequences: int, prompt_tokens: int, running: int, reserved: int,
                     budget: int, queued: int) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from lathe.kernels import ops
-from lathe.models.decoder import LOGIT_CHUNK, Decoder, Packed
+from lathe.models.decoder import LOGIT_CHUNK, Decoder, ExpertLoad, Packed
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch, lora_batch
 from lathe.models.lora_sgmv import SgmvBatch
@@ -167,8 +167,9 @@ def _prompt_rows(model: Decoder, h: torch.Tensor, item: Item, out: ItemOut) -> N
 
 
 @torch.inference_mode()
-def run_step(model: Decoder, items: list[Item]) -> list[ItemOut]:
-    """Feed every item's tokens through ``model`` at once; outputs in the order of ``items``."""
+def run_step(model: Decoder, items: list[Item], load: ExpertLoad | None = None) -> list[ItemOut]:
+    """Feed every item's tokens through ``model`` at once; outputs in the order of ``items``. ``load``, where
+    given, receives the routing of the step's sparse layers (``Decoder.hidden``)."""
     if not items:
         return []
     order = adapter_order(items)
@@ -185,7 +186,7 @@ def run_step(model: Decoder, items: list[Item]) -> list[ItemOut]:
     )
     adapters = [it.adapter for it in packed_items]
     kv = StepKV([it.cache for it in packed_items], [it.tokens for it in packed_items])
-    h = model.hidden(batch, segments(adapters, lengths, model), kv)
+    h = model.hidden(batch, segments(adapters, lengths, model), kv, load)
     kv.commit()
     last = h[[c - 1 for c in cu[1:]]]
     logits = model.logits(last, segments(adapters, [1] * len(adapters), model))

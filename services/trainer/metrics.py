@@ -4,7 +4,8 @@ Owned by ``TrainerEngine`` (``engine.metrics``), written by its cycle thread; th
 same registry, beside the gRPC request metrics. These feed the cycle-time and capacity dashboards: how long a
 cycle takes, how full it is, how many runs and tenants share it, how many adapters are resident or paged out,
 how deep the queues are, how long each operation waited for its cycle, and how far the sampler's logprobs that
-RL requests carry are from the trainer's own (``sampler_kl``).
+RL requests carry are from the trainer's own (``sampler_kl``), and on a mixture-of-experts model, the tokens each
+expert was routed (``lathe.runtime.experts``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from lathe.runtime.experts import ExpertTokens
 from lathe.trainer.ops import Example
 
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -59,6 +61,7 @@ class CycleMetrics:
     planning_seconds: Histogram = field(init=False)
     exactness: Gauge = field(init=False)
     kl: Histogram = field(init=False)
+    experts: ExpertTokens = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -90,6 +93,7 @@ class CycleMetrics:
         self.kl = Histogram("lathe_trainer_sampler_kl",
                             "Mean KL(sampler || trainer) over the sampled tokens of one RL forward_backward",
                             buckets=_KL_BUCKETS, registry=r)
+        self.experts = ExpertTokens(r, "trainer")
 
     def record_cycle(self, *, seconds: float, tokens: int, capacity: int, runs: int, tenants: int,
                      queued: int) -> None:

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 
 from lathe.errors import Internal, LatheError
+from lathe.models.decoder import ExpertLoad
 from lathe.trainer import shard
 from lathe.trainer.bank import AdapterBank
 from lathe.trainer.config import TrainerConfig
@@ -73,8 +74,10 @@ class CycleRunner:
             self.bases.exactness.check_ranks(base, model, {j.weights.spec.rank for j in jobs})
 
             # run_jobs never raises: a job that fails, fails alone (its cycle-mates' results are their own)
-            results = run_jobs(model, jobs) if self.group is None else \
-                shard.run_sharded(self.group, jobs, functools.partial(run_jobs, model))
+            load: ExpertLoad = []  # this rank's share of the routing, on a pool of several
+            results = run_jobs(model, jobs, load) if self.group is None else \
+                shard.run_sharded(self.group, jobs, functools.partial(run_jobs, model, load=load))
+            self.metrics.experts.observe(base, load)
             for w, res in zip(part, results, strict=True):
                 self._absorb(w, res, cycle, start)
         return tokens

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lathe.errors import Internal, InvalidArgument, LatheError
-from lathe.models.decoder import Decoder, Packed
+from lathe.models.decoder import Decoder, ExpertLoad, Packed
 from lathe.models.lora import LoraWeights
 from lathe.models.lora_batch import lora_batch
 from lathe.trainer.custom_loss import CustomLoss
@@ -57,34 +57,35 @@ class JobResult:
         return sum(len(x) for x in self.logprobs)
 
 
-def run_jobs(model: Decoder, jobs: list[Job]) -> list[JobResult]:
-    """Results in the order of ``jobs``. Never raises: whatever goes wrong fails the job(s) it belongs to."""
+def run_jobs(model: Decoder, jobs: list[Job], load: ExpertLoad | None = None) -> list[JobResult]:
+    """Results in the order of ``jobs``. Never raises: whatever goes wrong fails the job(s) it belongs to. ``load``,
+    where given, receives the routing of each pass's sparse layers (``Decoder.hidden``)."""
     results = [JobResult() for _ in jobs]
     for backward in (True, False):
         idx = [i for i, j in enumerate(jobs) if j.backward == backward]
         if idx:
-            for i, res in zip(idx, _isolated(model, [jobs[i] for i in idx], backward), strict=True):
+            for i, res in zip(idx, _isolated(model, [jobs[i] for i in idx], backward, load), strict=True):
                 results[i] = res
     return results
 
 
-def _isolated(model: Decoder, jobs: list[Job], backward: bool) -> list[JobResult]:
+def _isolated(model: Decoder, jobs: list[Job], backward: bool, load: ExpertLoad | None) -> list[JobResult]:
     """``_pass`` over ``jobs``; should it raise (an exception no job's own loss caught, e.g. in the backward of a
     custom loss, or out of memory), it has added no gradient, so each half is run again on its own, down to
     the job that fails alone. The others get the results of a pass without it: the same bits, as every op is
     batch-invariant. (The halves run after the failed pass's frames, and the tensors they hold, are let go.)"""
     try:
         with torch.enable_grad() if backward else torch.no_grad():
-            return _pass(model, jobs, backward=backward)
+            return _pass(model, jobs, backward=backward, load=load)
     except Exception as e:  # noqa: BLE001 - narrowed down to the job that raises it
         failure = f"{type(e).__name__}: {e}"
     if len(jobs) == 1:
         return [JobResult(error=Internal(f"{_named(jobs[0])}: the pass failed: {failure}"))]
     half = len(jobs) // 2
-    return _isolated(model, jobs[:half], backward) + _isolated(model, jobs[half:], backward)
+    return _isolated(model, jobs[:half], backward, load) + _isolated(model, jobs[half:], backward, load)
 
 
-def _pass(model: Decoder, jobs: list[Job], *, backward: bool) -> list[JobResult]:
+def _pass(model: Decoder, jobs: list[Job], *, backward: bool, load: ExpertLoad | None = None) -> list[JobResult]:
     results = [JobResult() for _ in jobs]
     examples = [ex for j in jobs for ex in j.examples]
     batch = Packed.from_sequences([ex.tokens for ex in examples])
@@ -93,7 +94,10 @@ def _pass(model: Decoder, jobs: list[Job], *, backward: bool) -> list[JobResult]
         seg.append(seg[-1] + sum(len(ex) for ex in j.examples))
     lora = lora_batch(seg, list(range(len(jobs))), [j.weights for j in jobs], invariant=model.invariant,
                       sgmv=model.sgmv)
-    h = model.hidden(batch, lora)
+    routed: ExpertLoad = []
+    h = model.hidden(batch, lora, load=routed)
+    if load is not None:
+        load += routed  # taken before backward, where recomputed layers route again
     targets = torch.cat([ex.targets for ex in examples])
     # Cross-entropy's gradient with respect to the logprobs, -weights, is known before they are: the LM head
     # then runs forward and backward chunk by chunk in one pass (no recompute). Other losses need the logprobs
