@@ -5,6 +5,10 @@
 3. Supervised fine-tuning on the clamp task through the SDK (loss curve + manifest under runs/).
 4. RL on the clamp task from a fresh adapter: sample, grade in a sandbox, importance_sampling
    (reward and sampler-trainer KL curves + manifest under runs/).
+
+``--model`` runs the same job on another served model, e.g. the tiny Qwen3-MoE:
+``python -m examples.demo --model lathe/tiny-qwen3-moe --sft-steps 0 --rl-steps 4`` (a random model: its
+rewards mean nothing, its sampler-trainer KL does).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m examples.demo")
+    ap.add_argument("--model", default=SMOLLM2, help="a built-in model name or a local Hugging Face directory")
     ap.add_argument("--cache", type=Path, default=Path(".cache/lathe"))
     ap.add_argument("--runs", type=Path, default=Path("runs"))
     ap.add_argument("--sft-steps", type=int, default=20)
@@ -32,11 +37,12 @@ def main() -> None:
                     help="the pools' base weights (auto: bfloat16 where the CPU has avx512_bf16 or AMX)")
     args = ap.parse_args()
 
-    from lathe.models.smollm2 import import_smollm2
+    from lathe.models.catalog import ModelCatalog
 
-    model_dir = import_smollm2(args.cache)
+    model = args.model
+    model_dir = ModelCatalog.from_spec(model, args.cache).resolve(model).path
     run_dir = args.runs / time.strftime("%Y%m%d-%H%M%S")
-    cfg = StackConfig(models=SMOLLM2, store_root=args.cache / "store", cache_root=args.cache,
+    cfg = StackConfig(models=model, store_root=args.cache / "store", cache_root=args.cache,
                       trainer_dtype=args.dtype, log_dir=run_dir / "logs")
     print("starting the embedded stack (checkpoints, trainer, gateway) ...", flush=True)
     with Stack(cfg) as stack:
@@ -44,10 +50,10 @@ def main() -> None:
         with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-demo") as sc:
             if args.sft_steps:
                 sft_clamp.run(sc, sft_clamp.SftConfig(
-                    base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "sft", steps=args.sft_steps,
+                    base_model=model, model_dir=model_dir, out_dir=run_dir / "sft", steps=args.sft_steps,
                     batch_size=args.batch_size, rank=args.rank))
             if args.rl_steps:
-                rl_clamp.run(sc, rl_clamp.RlConfig(base_model=SMOLLM2, model_dir=model_dir, out_dir=run_dir / "rl",
+                rl_clamp.run(sc, rl_clamp.RlConfig(base_model=model, model_dir=model_dir, out_dir=run_dir / "rl",
                                                    steps=args.rl_steps, rank=args.rank))
     print(f"demo finished; outputs in {run_dir}")
 
