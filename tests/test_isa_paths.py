@@ -3,8 +3,8 @@
 Kernel libraries pick their code path by the CPU's instruction set: MKL and ATen run AVX-512 kernels
 where the CPU has them, and the bits of a matmul's rows switch at other shapes on each path. One machine
 checks several paths: these tests rerun the op invariance tests and the exactness self-check
-- with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2`` (on an AVX2-only CPU they are
-  the paths already taken, and the rerun repeats the check);
+- with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2``, where the CPU has more than AVX2 (on an
+  AVX2-only CPU they are the paths the whole suite already takes: no rerun there, 30 s saved on the slowest kind);
 - with ``ATEN_CPU_CAPABILITY=default``: ATen's portable kernels, which every x86 CPU runs and which give
   an fp32 matmul other bits than its AVX2 ones (measured), so the tile choice is proven on a path it was
   never tuned on.
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PATHS = {
@@ -25,9 +26,11 @@ PATHS = {
     "default": ({"ATEN_CPU_CAPABILITY": "default"}, {"DEFAULT"}),
 }
 """Each path: the environment that selects it, and the capabilities ATen may report under it."""
+OTHER_PATHS = sorted(p for p in PATHS if p.upper() != torch.backends.cpu.get_cpu_capability())
+"""The paths this CPU does not take on its own."""
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("path", OTHER_PATHS)
 def test_invariance_holds_on_other_code_paths(path: str) -> None:
     overrides, capabilities = PATHS[path]
     env = {**os.environ, **overrides}
