@@ -189,12 +189,14 @@ class ServiceClient:
     # ---- sampling clients ----
 
     async def _sampling_client(self, model_path: str | None = None, base_model: str | None = None,
-                               retry: RetryPolicy | None = None) -> SamplingClient:
-        if not (model_path or base_model):
+                               retry: RetryPolicy | None = None, follow: str = "") -> SamplingClient:
+        """A client of a new sampling session: pinned to ``model_path`` or ``base_model``, or (``follow``, a
+        training run's model id) an inflight client of that run."""
+        if not (model_path or base_model or follow):
             raise ValueError("create_sampling_client needs model_path (tinker://...) or base_model")
         session = await self._conn.call("CreateSamplingSession", pb.CreateSamplingSessionRequest(
-            session_id=await self._session_id(), model_path=model_path or "", base_model=base_model or ""),
-            retry=retry)
+            session_id=await self._session_id(), model_path=model_path or "", base_model=base_model or "",
+            follow_model_id=follow), retry=retry)
         return SamplingClient(self._conn, session, retry)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,

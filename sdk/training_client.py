@@ -90,9 +90,9 @@ def _custom_loss_weights(data: Sequence[Datum], out: ForwardBackwardOutput, loss
 
 
 def _check_kind(kind: str) -> None:
-    if kind != "snapshot":
-        raise InvalidArgument(f"kind = {kind!r}: Lathe serves 'snapshot' sampling clients only (pinned to the weights "
-                              "saved now); 'inflight' clients that follow the training weights are not served")
+    if kind not in ("snapshot", "inflight"):
+        raise InvalidArgument(f"kind = {kind!r}: a sampling client is 'snapshot' (pinned to the weights saved now) or "
+                              "'inflight' (following this run's later inflight saves)")
 
 
 def _sampler_name(name: str | None) -> tuple[str, int | None]:
@@ -259,18 +259,31 @@ class TrainingClient:
                                              record_stability_info: bool = False,
                                              kind: SamplingClientKind = "snapshot") -> SamplingClient:
         """Save the adapter for sampling (under ``name``, or an ephemeral name) and bind a client to it.
-        ``kind``: ``"snapshot"``, the only kind Lathe serves (a client pinned to the weights saved now)."""
-        _check_kind(kind)
-        path = self.save_weights_for_sampler(*_sampler_name(name)).result().path
-        return self.create_sampling_client(path, retry_config)
+        ``kind``: ``"snapshot"``, a client pinned to the weights saved now; ``"inflight"`` (unnamed), the weights
+        published as this run's inflight weights and a client that follows them: each of its samples runs on the
+        run's latest inflight weights when it starts (these or newer), and says which
+        (``SampledSequence.policy_version``). Tinker's contract (``SamplingClientKind``), with the version named."""
+        return self._conn.spawn(self._save_and_bind(name, retry_config, kind)).result()
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None,
                                                          retry_config: RetryPolicy | None = None,
                                                          record_stability_info: bool = False,
                                                          kind: SamplingClientKind = "snapshot") -> SamplingClient:
+        return await asyncio.wrap_future(self._conn.spawn(self._save_and_bind(name, retry_config, kind)))
+
+    async def _save_and_bind(self, name: str | None, retry: RetryPolicy | None, kind: str) -> SamplingClient:
         _check_kind(kind)
-        path = (await self.save_weights_for_sampler(*_sampler_name(name))).path
-        return await self.create_sampling_client_async(path, retry_config)
+        if kind == "snapshot":
+            path = (await self.save_weights_for_sampler(*_sampler_name(name))).path
+            return await self._sampling_client(path, retry=retry)
+        if name is not None:
+            raise InvalidArgument(f"kind = 'inflight' publishes unnamed weights: drop name {name!r}, or save a "
+                                  "named snapshot")
+        name, ttl = _sampler_name(None)
+        request = self._save_request(name, "sampler_weights", ttl, False, None)
+        request.inflight = True
+        await self._submit("Save", request, SaveWeightsForSamplerResponse)
+        return await self._sampling_client(follow=self.model_id, retry=retry)
 
     def create_sampling_client(self, model_path: str, retry_config: RetryPolicy | None = None,
                                record_stability_info: bool = False) -> SamplingClient:

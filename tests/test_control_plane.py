@@ -62,11 +62,33 @@ def test_the_migrated_schema_is_the_stores_and_migrations_run_once(db_url: str) 
     second = ControlStore(StoreConfig(db_url))  # a restart (or a second gateway): nothing runs again, nothing lost
     with second.engine.connect() as c:
         assert compare_metadata(MigrationContext.configure(c), metadata) == []
-        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0001"]  # the only one
+        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0002"]  # the head
     upgrade(second.engine)
     assert [s.session_id for s in second.load().sessions] == ["s1"]
     first.close()
     second.close()
+
+
+def test_a_database_of_the_first_revision_upgrades_in_place_and_publishes_inflight_weights(tmp_path: Path) -> None:
+    """A control database made before inflight sampling (revision 0001) keeps its sampling sessions (each a snapshot
+    session: it follows no run) and gains the inflight targets, which only move forward and stay per tenant."""
+    url = f"sqlite:///{tmp_path}/old.db"
+    engine = sa.create_engine(url)
+    upgrade(engine, "0001")
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO sampling_sessions (sampling_session_id, tenant, base_model, model_path, version,"
+                          " clients) VALUES ('s:sample:0', 't', 'b', 'tinker://p', 1.5, 0)"))
+    engine.dispose()
+    store = ControlStore(StoreConfig(url))
+    assert store.get_sampling("s:sample:0") == SamplingSession("s:sample:0", "t", "b", "tinker://p", 1.5, "")
+    assert store.inflight("t", "m") is None
+    store.set_inflight("t", "m", "tinker://m/sampler_weights/a", 2.0)
+    store.set_inflight("t", "m", "tinker://m/sampler_weights/old", 1.0)  # a replayed older save: no step back
+    assert store.inflight("t", "m") == ("tinker://m/sampler_weights/a", 2.0)
+    store.set_inflight("t", "m", "tinker://m/sampler_weights/b", 3.0)
+    assert store.inflight("t", "m") == ("tinker://m/sampler_weights/b", 3.0)
+    assert store.inflight("intruder", "m") is None  # another tenant's run is not found
+    store.close()
 
 
 def test_custom_losses_keep_the_first_of_an_id_and_each_tenants_newest(db_url: str) -> None:
@@ -99,6 +121,7 @@ def test_records_round_trip(db_url: str) -> None:
     assert store.number("s1", "next_sampler", 1) == 1  # the client's own number moves the counter past it
     store.put_sampling(SamplingSession("s1:sample:1", "alice", "base/x", "tinker://p", 7.5))
     store.put_sampling(SamplingSession("s1:sample:1", "alice", "other", "", 0.0))  # a repeat changes nothing
+    store.put_sampling(SamplingSession("s1:sample:2", "alice", "base/x", "tinker://q", 8.5, follows=run.model_id))
     store.finish_session(s)
     result = pb.FutureResult(request_id="req-c", done=True, create_model=pb.CreateModelOutput(model_id=run.model_id))
     store.finish_op("req-c", result, 103.0, release_key=True)
@@ -112,8 +135,8 @@ def test_records_round_trip(db_url: str) -> None:
             r.last_checkpoint, r.last_checkpoint_time) == (
         run.model_id, "alice", "base/x", pb.LoraConfig(rank=8, alpha=16.0, seed=3), {"k": "v"}, "req-c", 100.5,
         "tinker://s1:train:0/weights/a", 102.0)
-    assert [(x.sampling_session_id, x.base_model, x.model_path, x.version) for x in loaded.sampling] == [
-        ("s1:sample:1", "base/x", "tinker://p", 7.5)]
+    assert [(x.sampling_session_id, x.base_model, x.model_path, x.version, x.follows) for x in loaded.sampling] == [
+        ("s1:sample:1", "base/x", "tinker://p", 7.5, ""), ("s1:sample:2", "base/x", "tinker://q", 8.5, run.model_id)]
     assert [(p.request_id, p.seq_id, p.state) for p in loaded.pending] == [("req-1", 1, "pending")]
     done = store.get_op("req-c")
     assert done is not None and done.state == "done" and pb.FutureResult.FromString(done.result) == result

@@ -133,8 +133,8 @@ def test_storage_weights_info_and_sampler_match_the_official_sdks_answers(stack:
         rc.list_training_runs(project_id="p")
     with pytest.raises(InvalidArgument, match="project_id"):
         lathe.ServiceClient(stack.gateway, KEY, project_id="p")
-    with pytest.raises(InvalidArgument, match="inflight"):
-        tc.save_weights_and_get_sampling_client(kind="inflight")
+    with pytest.raises(InvalidArgument, match="kind = 'live': a sampling client is 'snapshot'"):
+        tc.save_weights_and_get_sampling_client(kind="live")  # inflight clients: tests/test_inflight.py
 
 
 def test_copy_ttl_and_publish_through_grpc_show_in_the_official_listing(stack: Stack, trained: tuple) -> None:

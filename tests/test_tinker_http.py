@@ -277,6 +277,12 @@ def test_bad_input_gets_the_status_and_body_the_sdk_expects_and_changes_nothing(
     _refused(alice.post("/optim_step", {"model_id": model, "seq_id": "two"}), 400, "seq_id must be an integer")
     _refused(alice.http.post("/create_session", content=b"{oops"), 400, "not valid JSON")
     _refused(alice.post("/no_such_endpoint"), 404, "/api/v1/no_such_endpoint")
+    _refused(alice.post("/save_weights_for_sampler", {"model_id": model, "seq_id": 2, "kind": "live",
+                                                      "sampling_session_seq_id": 0}), 400,
+             "kind = 'live': a sampling client is 'snapshot' or 'inflight'")
+    _refused(alice.post("/save_weights_for_sampler", {"model_id": model, "seq_id": 2, "kind": "inflight",
+                                                      "path": "named"}), 400,
+             "kind = 'inflight' publishes unnamed weights: drop path 'named'")
     _refused(bob.post("/get_info", {"model_id": model}), 404, "model_id")
     _refused(bob.forward_backward(model, 2, TOKENS), 404, "model_id")
     _refused(bob.post("/weights_info", {"tinker_path": path}), 404, "not found")

@@ -66,13 +66,16 @@ class Run:
 
 @dataclass(slots=True)
 class SamplingSession:
-    """A policy version a sampling client is bound to: a saved sampler checkpoint or the base model."""
+    """A policy version a sampling client is bound to: a saved sampler checkpoint or the base model; or, for an
+    inflight client, the run whose inflight weights it follows (``follows``; ``model_path`` and ``version`` are then
+    those published when it was made, and each sample takes those published when it starts)."""
 
     sampling_session_id: str
     tenant: str
     base_model: str
     model_path: str
     version: float
+    follows: str = ""
 
     def proto(self) -> pb.SamplingSession:
         return pb.SamplingSession(sampling_session_id=self.sampling_session_id, base_model=self.base_model,

@@ -280,6 +280,9 @@ class Runs:
             elif EXPORT_NOTE_KEY not in op.save.user_metadata:  # an export's staging snapshot is not the run's
                 run.last_sampler_checkpoint, run.last_sampler_checkpoint_time = res.save.path, time.time()
             self.store.update_run(run)
+            if op.save.inflight:  # its inflight clients sample from these weights from now on
+                info = await self.lookups.checkpoint(run.tenant, res.save.path)
+                self.store.set_inflight(run.tenant, run.model_id, res.save.path, info.created_at)
         return out
 
     async def _apply(self, run: Run, op: pb.TrainerOp) -> pb.TrainerResult:
@@ -297,21 +300,25 @@ class Runs:
                 await rebuild(run, seen, trainer, self.caller, self.store, self.quotas)
         raise AssertionError("unreachable")
 
-    def save_for_sampling(self, tenant: str, model_id: str, seq_id: int, sampling_seq_id: int) -> pb.SubmitResponse:
+    def save_for_sampling(self, tenant: str, model_id: str, seq_id: int, sampling_seq_id: int,
+                          inflight: bool = False) -> pb.SubmitResponse:
         """Save the adapter as ephemeral sampler weights and bind sampling session
-        ``"{session}:sample:{sampling_seq_id}"`` to them once saved; the result names that session
-        (``SaveOutput.sampling_session_id``). A repeat gets the same request."""
+        ``"{session}:sample:{sampling_seq_id}"`` to them once saved (``inflight``: publish them as the run's
+        inflight weights and bind an inflight session, which follows the run's later inflight saves); the result
+        names that session (``SaveOutput.sampling_session_id``). A repeat gets the same request."""
         if self.ledger.holder((model_id, seq_id)) is None:  # refused before the save, not after it
             self.book.admit_sampling(tenant, self.get(tenant, model_id).session_id, sampling_seq_id)
         save = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=f"ephemeral-s{seq_id}", kind="sampler_weights",
-                              ttl_seconds=EPHEMERAL_TTL_S)
+                              ttl_seconds=EPHEMERAL_TTL_S, inflight=inflight)
         work = functools.partial(self._save_then_bind, sampling_seq_id=sampling_seq_id)
         return self.submit_op(tenant, model_id, seq_id, {"save": save}, work, sampling_seq_id)
 
     async def _save_then_bind(self, run: Run, op: pb.TrainerOp, sampling_seq_id: int) -> pb.FutureResult:
         out = await self._run_op(run, op)
         if out.HasField("save"):
-            bound = await self.sampling.create_session(run.tenant, pb.CreateSamplingSessionRequest(
-                session_id=run.session_id, model_path=out.save.path), seq_id=sampling_seq_id)
+            bind = pb.CreateSamplingSessionRequest(session_id=run.session_id, model_path=out.save.path)
+            if op.save.inflight:
+                bind = pb.CreateSamplingSessionRequest(session_id=run.session_id, follow_model_id=run.model_id)
+            bound = await self.sampling.create_session(run.tenant, bind, seq_id=sampling_seq_id)
             out.save.sampling_session_id = bound.sampling_session_id  # in the result: recorded with it
         return out

@@ -1,7 +1,8 @@
 """Sampling: binding sampling clients to a policy version, and samples submitted to the sampler pools.
 
-``Sampling`` owns no state of its own: sampling sessions are ``SessionBook``'s (id -> pinned policy version),
-requests and their idempotency the ledger's. It checks a sample at the door (``limits``), charges the tokens it
+``Sampling`` owns no state of its own: sampling sessions are ``SessionBook``'s (id -> pinned policy version, or the
+run an inflight session follows), each run's published inflight weights the store's (``set_inflight``), requests
+and their idempotency the ledger's. It checks a sample at the door (``limits``), charges the tokens it
 may sample (``quotas.admit_sample``) and gives back what it did not sample once it ends. Ids are Tinker's:
 ``"{session}:sample:{n}"``, ``n`` being the client's own counter when it sends one, else the session's next number.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from lathe.errors import InvalidArgument
+from lathe.errors import InvalidArgument, NotFound
 from lathe.v1 import lathe_pb2 as pb
 
 from .calls import Caller
@@ -33,8 +34,17 @@ class Sampling:
     async def create_session(self, tenant: str, req: pb.CreateSamplingSessionRequest, seq_id: int | None = None
                              ) -> pb.SamplingSession:
         """Bind a sampling client to one policy version: the checkpoint at ``model_path`` as it is now
-        (its creation time pins it), or the base model; a repeat of ``seq_id`` returns the session already made."""
+        (its creation time pins it), or the base model; or, with ``follow_model_id``, an inflight client of that run,
+        which samples each request on the run's inflight weights as published when the request starts (Tinker's
+        inflight contract: the weights published when the client was made, or newer). A repeat of ``seq_id``
+        returns the session already made."""
         self.book.open(tenant, req.session_id)
+        if req.follow_model_id:
+            path, version = self.inflight(tenant, req.follow_model_id)
+            info = await self.lookups.checkpoint(tenant, path)
+            base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
+            return self.book.bind_sampling(tenant, req.session_id, seq_id, base_model, path, version,
+                                           follows=req.follow_model_id).proto()
         if req.model_path:
             info = await self.lookups.checkpoint(tenant, req.model_path)
             base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
@@ -45,6 +55,14 @@ class Sampling:
         else:
             raise InvalidArgument("a sampling client needs model_path or base_model")
         return self.book.bind_sampling(tenant, req.session_id, seq_id, base_model, req.model_path, version).proto()
+
+    def inflight(self, tenant: str, model_id: str) -> tuple[str, float]:
+        """The tenant's run ``model_id``'s inflight weights: (sampler checkpoint path, version)."""
+        target = self.book.store.inflight(tenant, model_id)
+        if target is None:
+            raise NotFound(f"model {model_id!r} has published no inflight weights: save them with "
+                           "save_weights_and_get_sampling_client(kind='inflight') first")
+        return target
 
     def get(self, tenant: str, sampling_session_id: str) -> SamplingSession:
         return self.book.sampling_session(tenant, sampling_session_id)
@@ -65,8 +83,9 @@ class Sampling:
         entry = self.ledger.create(tenant)
         full = pb.SampleRequest()
         full.CopyFrom(req)
-        full.tenant, full.base_model, full.model_path = tenant, rec.base_model, rec.model_path
-        full.model_version, full.request_id = rec.version, entry.request_id
+        path, version = self.inflight(tenant, rec.follows) if rec.follows else (rec.model_path, rec.version)
+        full.tenant, full.base_model, full.model_path = tenant, rec.base_model, path
+        full.model_version, full.request_id = version, entry.request_id
         holder = self.ledger.record(entry, Operation(entry.request_id, tenant, rec.sampling_session_id,
                                                      req.seq_id or None, "sample", full.SerializeToString()))
         if holder == entry.request_id:

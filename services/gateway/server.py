@@ -219,6 +219,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     @authed
     async def Save(self, request: pb.SaveRequest, tenant: str) -> pb.SubmitResponse:
+        with self.core.runs.refusing(tenant, request.model_id, request.seq_id):
+            if request.inflight and request.kind != "sampler_weights":
+                raise InvalidArgument(f"inflight = true publishes sampler weights: kind is {request.kind!r}, "
+                                      "not 'sampler_weights'")
         return await self.core.runs.submit(tenant, request.model_id, request.seq_id, save=request)
 
     @authed

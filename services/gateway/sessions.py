@@ -127,10 +127,11 @@ class SessionBook:
             self.quotas.admit_sampling_session(tenant, self.store.open_sessions(tenant)[1])
 
     def bind_sampling(self, tenant: str, session_id: str, seq_id: int | None, base_model: str, model_path: str,
-                      version: float) -> SamplingSession:
+                      version: float, follows: str = "") -> SamplingSession:
         """Sampling session ``"{session_id}:sample:{n}"`` bound to ``model_path`` at ``version`` (or the base
         model): ``n`` is the client's ``seq_id`` (a repeat returns the one already made, here or by another
-        gateway) or else the session's next number. Synchronous, so that numbering cannot interleave."""
+        gateway) or else the session's next number; ``follows``: the run an inflight session follows. Synchronous,
+        so that numbering cannot interleave."""
         s = self.open(tenant, session_id)
         if seq_id is not None and seq_id < 0:
             raise InvalidArgument(f"sampling_session_seq_id must be >= 0, got {seq_id}")
@@ -139,7 +140,7 @@ class SessionBook:
         s.next_sampler = max(s.next_sampler, n + 1)
         sid = f"{session_id}:sample:{n}"
         if self.find_sampling(sid) is None:
-            self.store.put_sampling(SamplingSession(sid, tenant, base_model, model_path, version))
+            self.store.put_sampling(SamplingSession(sid, tenant, base_model, model_path, version, follows))
             self.find_sampling(sid)  # the database's record: another gateway's, should it have made it first
         return self.sampling[sid]
 

@@ -9,7 +9,9 @@ Tables (created and changed only by the alembic scripts in ``migrations/``, whic
   optimizer family, metadata, creation and last-request times, the last checkpoints, the request id of its
   creation;
 - ``sampling_sessions``: sampling session id -> tenant, base model, pinned checkpoint and version, how many
-  clients joined it (``join_sampling``);
+  clients joined it (``join_sampling``), and for an inflight session the run whose inflight weights it follows;
+- ``inflight_targets``: model id -> tenant, the sampler checkpoint its latest inflight save published and its
+  version (``set_inflight``: what its inflight sessions sample from);
 - ``custom_losses``: loss id -> tenant, the checked loss (``pb.CustomLoss`` bytes), when it was created (a
   tenant keeps its newest ``TenantQuotas.max_custom_losses``);
 - ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
@@ -89,6 +91,14 @@ sampling_sessions = sa.Table(
     sa.Column("model_path", sa.Text, nullable=False),
     sa.Column("version", sa.Float, nullable=False),
     sa.Column("clients", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("follows", sa.String(128), nullable=False, server_default=""),
+)
+inflight_targets = sa.Table(
+    "inflight_targets", metadata,
+    sa.Column("model_id", sa.String(128), primary_key=True),
+    sa.Column("tenant", sa.String(256), nullable=False),
+    sa.Column("model_path", sa.Text, nullable=False),
+    sa.Column("version", sa.Float, nullable=False),
 )
 custom_losses = sa.Table(
     "custom_losses", metadata,
@@ -180,15 +190,16 @@ def create_engine(cfg: StoreConfig) -> Engine:
     return engine
 
 
-def upgrade(engine: Engine) -> None:
-    """Run the migrations not yet applied, holding the database's write lock so two gateways migrate in turn."""
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Run the migrations not yet applied up to ``revision``, holding the database's write lock so two gateways
+    migrate in turn."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     with engine.connect().execution_options(sqlite_immediate=True) as conn, conn.begin():
         if engine.dialect.name == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_LOCK_ID})
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+        command.upgrade(cfg, revision)
 
 
 class ControlStore:
@@ -349,8 +360,28 @@ class ControlStore:
         with self.engine.begin() as c:
             insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(sampling_sessions)
             c.execute(insert.values(sampling_session_id=rec.sampling_session_id, tenant=rec.tenant,
-                                    base_model=rec.base_model, model_path=rec.model_path, version=rec.version
-                                    ).on_conflict_do_nothing())
+                                    base_model=rec.base_model, model_path=rec.model_path, version=rec.version,
+                                    follows=rec.follows).on_conflict_do_nothing())
+
+    def set_inflight(self, tenant: str, model_id: str, model_path: str, version: float) -> None:
+        """Publish ``model_path`` (saved at ``version``) as run ``model_id``'s inflight weights; an older version
+        than the one published (a save replayed after a newer one) changes nothing."""
+        with self.engine.begin() as c:
+            row = c.execute(sa.select(inflight_targets.c.version).where(
+                inflight_targets.c.model_id == model_id)).first()
+            if row is None:
+                c.execute(inflight_targets.insert().values(model_id=model_id, tenant=tenant, model_path=model_path,
+                                                           version=version))
+            elif version >= row.version:
+                c.execute(inflight_targets.update().where(inflight_targets.c.model_id == model_id).values(
+                    model_path=model_path, version=version))
+
+    def inflight(self, tenant: str, model_id: str) -> tuple[str, float] | None:
+        """The tenant's run ``model_id``'s inflight weights (checkpoint path, version), None if it published none."""
+        with self.engine.begin() as c:
+            r = c.execute(sa.select(inflight_targets).where(inflight_targets.c.model_id == model_id,
+                                                            inflight_targets.c.tenant == tenant)).first()
+        return None if r is None else (r.model_path, r.version)
 
     def put_loss(self, tenant: str, loss: pb.CustomLoss, created: float, keep: int) -> None:
         """Keep ``loss`` for ``tenant`` under its ``loss_id`` (a repeated id keeps the first), then drop the
@@ -449,7 +480,7 @@ def _run(r: sa.Row) -> Run:
 
 
 def _sampling(r: sa.Row) -> SamplingSession:
-    return SamplingSession(r.sampling_session_id, r.tenant, r.base_model, r.model_path, r.version)
+    return SamplingSession(r.sampling_session_id, r.tenant, r.base_model, r.model_path, r.version, r.follows)
 
 
 def _op_row(op: Operation) -> dict[str, object]:

@@ -374,6 +374,10 @@ class TinkerHttpDoor:
         model_id, seq_id = f.get("model_id", str), f.get("seq_id", int)
         with self._refusing(tenant, f):
             name = f.get("path", str, "")
+            inflight = tj.sampling_kind(f) == "inflight"
+            if name and inflight:
+                raise InvalidArgument(f"{f.path('kind')} = 'inflight' publishes unnamed weights: drop path "
+                                      f"{name!r}, or save a named snapshot")
             if name:
                 req = pb.SaveRequest(model_id=model_id, seq_id=seq_id, name=name, kind="sampler_weights",
                                      ttl_seconds=f.get("ttl_seconds", int, 0),
@@ -382,7 +386,7 @@ class TinkerHttpDoor:
                 sampling_seq_id = f.get("sampling_session_seq_id", int)
         if name:
             return self._future(await self.core.runs.submit(tenant, model_id, seq_id, save=req))
-        return self._future(self.core.runs.save_for_sampling(tenant, model_id, seq_id, sampling_seq_id))
+        return self._future(self.core.runs.save_for_sampling(tenant, model_id, seq_id, sampling_seq_id, inflight))
 
     async def load_weights(self, request: Request, tenant: str) -> dict[str, Any]:
         """With ``session_id``: a new training run loaded from ``path`` (create_training_client_from_state*).

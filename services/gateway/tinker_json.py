@@ -67,6 +67,17 @@ def optimizer_family(f: Fields, name: str) -> str:
     return family
 
 
+SAMPLING_KINDS = ("snapshot", "inflight")  # tinker's SamplingClientKind
+
+
+def sampling_kind(f: Fields) -> str:
+    """A sampler save's ``kind``: ``"snapshot"`` (absent: the default) or ``"inflight"``; any other is refused."""
+    kind = f.get("kind", str, "snapshot")
+    if kind not in SAMPLING_KINDS:
+        raise InvalidArgument(f"{f.path('kind')} = {kind!r}: a sampling client is 'snapshot' or 'inflight'")
+    return kind
+
+
 def optim_step(f: Fields) -> pb.OptimStepRequest:
     """An ``/optim_step`` body: ``adam_params``, or ``optimizer_params`` naming its family by ``type`` (tinker's
     ``DimuonParams``, whose learning_rate has no default)."""
