@@ -358,6 +358,7 @@ class Receipt:
     op: str
     fingerprint: str = ""  # exactness fingerprint of the pool that computed it (lathe.models.exactness)
     exact: bool = False  # that pool passed its exactness self-check
+    policy: str = ""  # a sample's: the sampler checkpoint (or base model) every token of it ran on
 
 
 LossFnOutput = dict[str, TensorData]

@@ -173,13 +173,13 @@ def error_from_proto(msg: pb.Error) -> errors.LatheError:
 def receipt_to_proto(r: Receipt) -> pb.Receipt:
     return pb.Receipt(request_id=r.request_id, model_id=r.model_id, seq_id=r.seq_id, cycle=r.cycle,
                       tokens=r.tokens, adapter_step=r.adapter_step, queued_s=r.queued_s, run_s=r.run_s,
-                      dtype=r.dtype, op=r.op, fingerprint=r.fingerprint, exact=r.exact)
+                      dtype=r.dtype, op=r.op, fingerprint=r.fingerprint, exact=r.exact, policy=r.policy)
 
 
 def receipt_from_proto(msg: pb.Receipt) -> Receipt:
     return Receipt(request_id=msg.request_id, model_id=msg.model_id, seq_id=msg.seq_id, cycle=msg.cycle,
                    tokens=msg.tokens, adapter_step=msg.adapter_step, queued_s=msg.queued_s, run_s=msg.run_s,
-                   dtype=msg.dtype, op=msg.op, fingerprint=msg.fingerprint, exact=msg.exact)
+                   dtype=msg.dtype, op=msg.op, fingerprint=msg.fingerprint, exact=msg.exact, policy=msg.policy)
 
 
 def forward_backward_output_to_proto(out: ForwardBackwardOutput) -> pb.ForwardBackwardOutput:

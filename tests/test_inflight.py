@@ -67,7 +67,7 @@ def test_each_sample_of_an_inflight_client_runs_on_one_version_and_says_which(st
         new_path = new.sequences[0].policy_version
         assert new_path != old_path and {s.policy_version for s in new.sequences} == {new_path}
         for res in (old, racing.result(), new):
-            version = {s.policy_version for s in res.sequences}
+            version = {s.policy_version for s in res.sequences} | {res.receipt.policy}
             assert len(version) == 1 and version <= {old_path, new_path}  # one version per request, named
             pinned = sc.create_sampling_client(version.pop())  # a snapshot of that version scores the same bits
             for seq in res.sequences:

@@ -553,7 +553,7 @@ class SamplerEngine:
             request_id=r.ask.request_id, model_id="", seq_id=r.ask.seq_id, cycle=r.step,
             tokens=(len(r.plan.prompt) + sum(len(s.out.tokens) for s in r.seqs)) if error is None else 0,
             adapter_step=0, queued_s=started - r.arrived, run_s=now - started, dtype=self.cfg.dtype, op="sample",
-            fingerprint=fingerprint, exact=exact)
+            fingerprint=fingerprint, exact=exact, policy=r.ask.policy)
         self.metrics.record_request(queued_s=receipt.queued_s, total_s=now - r.arrived, failed=error is not None)
         if error is not None:
             result = failure(receipt, error)
