@@ -18,7 +18,7 @@ from alembic.migration import MigrationContext
 from lathe.errors import NotFound, ResourceExhausted, Unavailable
 from lathe.gateway.calls import Caller, CallPolicy
 from lathe.gateway.core import GatewayCore
-from lathe.gateway.records import Operation, Run, SamplingSession, Session
+from lathe.gateway.records import Operation, Run, SamplingSession, SequenceRecord, Session
 from lathe.gateway.store import ControlStore, StoreConfig, metadata, upgrade
 from lathe.v1 import lathe_pb2 as pb
 
@@ -88,6 +88,27 @@ def test_a_database_of_the_first_revision_upgrades_in_place_and_publishes_inflig
     store.set_inflight("t", "m", "tinker://m/sampler_weights/b", 3.0)
     assert store.inflight("t", "m") == ("tinker://m/sampler_weights/b", 3.0)
     assert store.inflight("intruder", "m") is None  # another tenant's run is not found
+    store.close()
+
+
+def test_sequence_records_expire_unless_used_and_each_tenant_keeps_its_newest(db_url: str) -> None:
+    """A record lives a day after its last use (here: expires at 10, each read renews it to the read's time + 100);
+    a tenant over its quota loses its own oldest records, never another tenant's; no tenant reads another's."""
+    store = ControlStore(StoreConfig(db_url))
+
+    def rec(sid: str, created: float, expires: float = 10.0) -> SequenceRecord:
+        return SequenceRecord(sid, b"\1\0\0\0", b"\2\0\0\0", b"\0\0\0\0", "tinker://r/sampler_weights/a", created,
+                              expires)
+
+    store.put_records("alice", [rec("a:0", 1.0), rec("a:1", 2.0)], keep=2)
+    store.put_records("bob", [rec("b:0", 1.5)], keep=2)
+    assert set(store.records("alice", ["a:0", "a:1", "b:0"], now=5.0, expires=105.0)) == {"a:0", "a:1"}
+    assert store.records("alice", ["a:0"], now=50.0, expires=150.0)["a:0"].expires == 150.0  # renewed at 5: alive
+    assert store.records("bob", ["b:0"], now=50.0, expires=150.0) == {}  # never used: expired at 10
+    assert store.purge_records(now=50.0) == 1  # bob's
+    store.put_records("alice", [rec("a:2", 3.0, expires=100.0)], keep=2)  # over its quota: its own oldest goes
+    assert set(store.records("alice", ["a:0", "a:1", "a:2"], now=60.0, expires=160.0)) == {"a:1", "a:2"}
+    assert store.records("alice", ["a:1"], now=200.0, expires=300.0) == {}  # a day unused
     store.close()
 
 

@@ -181,8 +181,7 @@ def test_the_official_sdk_flow_matches_lathes_sdk(stack: Stack) -> None:
     ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, {"clip_high_threshold": 0.5}),
     ("dro", {"beta": 0.1}, {"beta": 2.0}),
     ("gspo", {"clip_low_threshold": 0.1, "clip_high_threshold": 10.0}, {}),
-    ("stable_reinforce", {"clip_high_threshold": 1e6}, {"clip_high_threshold": 0.5}),
-])
+])  # stable_reinforce trains on recorded samples only: test_stable_reinforce_trains_on_recorded_samples
 def test_every_trainer_loss_and_its_config_reach_the_trainer(stack: Stack, loss_fn: str, config: dict,
                                                              other: dict) -> None:
     sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-losses")
@@ -197,8 +196,10 @@ def test_every_trainer_loss_and_its_config_reach_the_trainer(stack: Stack, loss_
 
 
 def test_stable_reinforce_trains_on_recorded_samples(stack: Stack) -> None:
-    """Sampled with ``record_stability_info``, the cookbook's datums train the same through both SDKs; a datum
-    without provenance is refused, as Tinker refuses it."""
+    """Sampled with ``record_stability_info``, the cookbook's datums train the same through both SDKs, on the
+    recorded behaviour logprobs (whatever logprobs a datum carries), and its clip threshold reaches the trainer; a
+    datum without provenance, naming a sequence never recorded, or whose tokens are not the recorded ones is
+    refused by name."""
     sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-stable")
     lc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-stable")
     t = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
@@ -206,6 +207,24 @@ def test_stable_reinforce_trains_on_recorded_samples(stack: Stack) -> None:
     ts = t.save_weights_and_get_sampling_client(record_stability_info=True).result()
     sequences = ts.sample(tinker.ModelInput.from_ints(PROMPT), 2, tinker.SamplingParams(**SAMPLING)).result().sequences
     advantages = [1.0, -1.0]
+    data = sampled_data(tinker, sequences, advantages)
+    on_policy = t.forward(data, "stable_reinforce").result().metrics["loss:sum"]
+    assert t.forward(data, "stable_reinforce", {"clip_high_threshold": 0.5}).result().metrics["loss:sum"] == \
+        pytest.approx(0.5 * on_policy, rel=1e-6)  # on policy the ratio is 1: clipped at 0.5, the loss halves
+    zeroed = [dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs, "logprobs": tinker.TensorData.from_numpy(
+        np.zeros(len(d.loss_fn_inputs["target_tokens"].data), np.float32))}) for d in data]
+    assert t.forward(zeroed, "stable_reinforce").result().metrics["loss:sum"] == on_policy  # the record's, not these
+    for bad, message in (
+            (_with_target(data[0], -1, 7), r"data\[0\]\.loss_fn_inputs\['target_tokens'\]\[\d+\] = 7, but .* recorded "
+                                           r"\d+ at sampled_tokens\[\d+\] .*re-tokenized"),
+            (sampled_data(tinker, [dataclasses.replace(sequences[0], sequence_id="never:0")], [1.0])[0],
+             r"sequence_id 'never:0' has no record"),
+            (dataclasses.replace(data[0], loss_fn_inputs={**data[0].loss_fn_inputs, "advantages": tinker.TensorData(
+                data=[0.5] * len(data[0].loss_fn_inputs["advantages"].data), dtype="float32",
+                shape=[len(data[0].loss_fn_inputs["advantages"].data)])}),
+             r"advantages'\]\[0\] = 0\.5 is on a prompt token")):
+        with pytest.raises(tinker.BadRequestError, match=message):
+            t.forward([bad], "stable_reinforce").result()
     out = step(t, tinker, sampled_data(tinker, sequences, advantages), "stable_reinforce")
     same(out, step(lt, lathe, sampled_data(lathe, sequences, advantages), "stable_reinforce"))
     # on policy the recorded logprobs are the trainer's, bit for bit: every weight is 1, the loss REINFORCE's
@@ -219,6 +238,14 @@ def test_stable_reinforce_trains_on_recorded_samples(stack: Stack) -> None:
         t.forward_backward(bare, "stable_reinforce").result()
     sc.close("success").result()
     lc.close()
+
+
+def _with_target(datum: tinker.Datum, position: int, token: int) -> tinker.Datum:
+    targets = list(datum.loss_fn_inputs["target_tokens"].data)
+    targets[position] = token
+    return dataclasses.replace(datum, loss_fn_inputs={**datum.loss_fn_inputs, "target_tokens":
+                                                      tinker.TensorData(data=targets, dtype="int64",
+                                                                        shape=[len(targets)])})
 
 
 def test_lora_config_reaches_the_trainer(stack: Stack) -> None:

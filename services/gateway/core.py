@@ -50,6 +50,7 @@ from .routing import PoolRouter
 from .runs import Runs
 from .sampling import Sampling
 from .sessions import SESSION_IDLE_S, SessionBook
+from .stability import StabilityRecords
 from .store import ControlStore
 
 
@@ -77,8 +78,9 @@ class GatewayCore:
         self.ledger = Ledger(self.store, self.metrics, keep_result_bytes, self.queue_state)
         self.lookups = Lookups(self.router, self.limits, self.caller, self.checkpoints)
         self.book = SessionBook(self.store, self.quotas, session_idle_s, clock)
+        self.stability = StabilityRecords(self.store, lambda tenant: self.quotas.of(tenant).max_sequence_records)
         self.sampling = Sampling(self.ledger, self.lookups, self.book, self.caller, self.router, self.limits,
-                                 self.quotas)
+                                 self.quotas, self.stability)
         self.runs = Runs(self.ledger, self.lookups, self.book, self.sampling, self.caller, self.router, self.quotas,
                          self.backpressure)
         self.registry = Registry(self.store, self.book, self.runs, self.lookups, self.caller, self.checkpoints,

@@ -130,6 +130,7 @@ class Ledger:
             if now >= self._next_purge:
                 self._next_purge = now + PURGE_EVERY_S
                 self.store.purge(now)
+                self.store.purge_records(now)
         except Exception as e:  # noqa: BLE001 - the waiters still get the result; only its record is missing
             log.error("recording the result of %s failed: %s: %s", entry.request_id, type(e).__name__, e)
         self.futures.complete(entry, result)

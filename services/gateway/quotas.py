@@ -30,6 +30,8 @@ state behind. Each quota binds in one place:
     max_custom_losses        gateway, creating a custom loss (Tinker's HTTP door): the losses the tenant keeps
                              in the database; beyond it its own oldest go first (a loop that traces a loss per
                              step keeps working), never another tenant's
+    max_sequence_records     gateway, a sample with ``record_stability_info``: the sampled sequences the tenant keeps
+                             recorded (each for a day after its last use); beyond it its own oldest go first
     max_checkpoint_bytes     checkpoints service (sent with every ``TrainerOp`` and on with the save): bytes
                              of the tenant's live checkpoints; deleting or expiry frees them
 
@@ -89,6 +91,7 @@ class TenantQuotas:
     max_user_metadata_bytes: int = 16 << 10
     max_resident_adapters: int = 64  # of the trainer pool's capacity (256 by default) for all tenants
     max_custom_losses: int = 1024
+    max_sequence_records: int = 65536  # about 0.5 GB of database at 1k sampled tokens a record
     max_inflated_bytes: int = 16 << 20  # a zstd body decompressed, at most; the gateway's flag caps it
 
     def __post_init__(self) -> None:

@@ -82,6 +82,21 @@ class SamplingSession:
                                   model_path=self.model_path)
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceRecord:
+    """What a sample recorded of one sampled sequence for training on it later (``record_stability_info``): its
+    prompt and sampled tokens (int32 bytes), each sampled token's sampling-time logprob (float32 bytes), the policy
+    that sampled it (a sampler checkpoint path or the base model), when it was recorded and when it expires."""
+
+    sequence_id: str
+    prompt: bytes
+    tokens: bytes
+    logprobs: bytes
+    policy: str
+    created: float
+    expires: float
+
+
 @dataclass(slots=True)
 class Operation:
     """One row of the ledger: a request id, what it was asked (``request``: the serialized message sent on,

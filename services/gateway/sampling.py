@@ -23,13 +23,14 @@ from .quotas import Charge, Quotas
 from .records import Operation, SamplingSession
 from .routing import PoolRouter
 from .sessions import SessionBook
+from .stability import StabilityRecords
 
 
 class Sampling:
     def __init__(self, ledger: Ledger, lookups: Lookups, book: SessionBook, caller: Caller, router: PoolRouter,
-                 limits: DoorLimits, quotas: Quotas) -> None:
+                 limits: DoorLimits, quotas: Quotas, stability: StabilityRecords) -> None:
         self.ledger, self.lookups, self.book, self.caller, self.router = ledger, lookups, book, caller, router
-        self.limits, self.quotas = limits, quotas
+        self.limits, self.quotas, self.stability = limits, quotas, stability
 
     async def create_session(self, tenant: str, req: pb.CreateSamplingSessionRequest, seq_id: int | None = None
                              ) -> pb.SamplingSession:
@@ -106,6 +107,8 @@ class Sampling:
             if res.WhichOneof("result") == "error":
                 return pb.FutureResult(receipt=res.receipt, error=res.error)
             sampled = sum(len(s.tokens) for s in res.sample.sequences)
+            if req.record:  # before the result: a datum naming these sequences finds them once it has them
+                self.stability.keep(req, res.sample)
             return pb.FutureResult(receipt=res.receipt, sample=res.sample)
         finally:
             self.quotas.settle_sample(req.tenant, charge, sampled)

@@ -12,6 +12,9 @@ Tables (created and changed only by the alembic scripts in ``migrations/``, whic
   clients joined it (``join_sampling``), and for an inflight session the run whose inflight weights it follows;
 - ``inflight_targets``: model id -> tenant, the sampler checkpoint its latest inflight save published and its
   version (``set_inflight``: what its inflight sessions sample from);
+- ``sequence_records``: sequence id -> tenant, the prompt, sampled tokens and their sampling-time logprobs (int32 /
+  float32 bytes), the policy that sampled them, when it was recorded and when it expires (``lathe.gateway.stability``:
+  a tenant keeps its newest ``TenantQuotas.max_sequence_records``; each use renews one);
 - ``custom_losses``: loss id -> tenant, the checked loss (``pb.CustomLoss`` bytes), when it was created (a
   tenant keeps its newest ``TenantQuotas.max_custom_losses``);
 - ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
@@ -43,7 +46,7 @@ from sqlalchemy.pool import StaticPool
 
 from lathe.v1 import lathe_pb2 as pb
 
-from .records import Operation, Run, SamplingSession, Session
+from .records import Operation, Run, SamplingSession, SequenceRecord, Session
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 MEMORY_URL = "sqlite://"
@@ -92,6 +95,19 @@ sampling_sessions = sa.Table(
     sa.Column("version", sa.Float, nullable=False),
     sa.Column("clients", sa.Integer, nullable=False, server_default="0"),
     sa.Column("follows", sa.String(128), nullable=False, server_default=""),
+)
+sequence_records = sa.Table(
+    "sequence_records", metadata,
+    sa.Column("sequence_id", sa.String(160), primary_key=True),
+    sa.Column("tenant", sa.String(256), nullable=False),
+    sa.Column("prompt", sa.LargeBinary, nullable=False),
+    sa.Column("tokens", sa.LargeBinary, nullable=False),
+    sa.Column("logprobs", sa.LargeBinary, nullable=False),
+    sa.Column("policy", sa.Text, nullable=False),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Column("expires", sa.Float, nullable=False),
+    sa.Index("ix_sequence_records_tenant_created", "tenant", "created"),
+    sa.Index("ix_sequence_records_expires", "expires"),
 )
 inflight_targets = sa.Table(
     "inflight_targets", metadata,
@@ -375,6 +391,36 @@ class ControlStore:
             elif version >= row.version:
                 c.execute(inflight_targets.update().where(inflight_targets.c.model_id == model_id).values(
                     model_path=model_path, version=version))
+
+    def put_records(self, tenant: str, rows: list[SequenceRecord], keep: int) -> None:
+        """Keep ``rows`` (a repeated id keeps the first), then drop the tenant's oldest records beyond its newest
+        ``keep``: no tenant's records push out another's."""
+        mine = sequence_records.c.tenant == tenant
+        with self.engine.begin() as c:
+            insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(sequence_records)
+            for r in rows:
+                c.execute(insert.values(sequence_id=r.sequence_id, tenant=tenant, prompt=r.prompt, tokens=r.tokens,
+                                        logprobs=r.logprobs, policy=r.policy, created=r.created, expires=r.expires
+                                        ).on_conflict_do_nothing())
+            cut = c.execute(sa.select(sequence_records.c.created).where(mine).order_by(
+                sequence_records.c.created.desc()).offset(keep).limit(1)).scalar()
+            if cut is not None:
+                c.execute(sequence_records.delete().where(mine, sequence_records.c.created <= cut))
+
+    def records(self, tenant: str, sequence_ids: list[str], now: float, expires: float) -> dict[str, SequenceRecord]:
+        """The tenant's unexpired records of ``sequence_ids``, by id, each renewed to expire at ``expires``."""
+        found = sa.and_(sequence_records.c.tenant == tenant, sequence_records.c.sequence_id.in_(sequence_ids),
+                        sequence_records.c.expires > now)
+        with self.engine.begin() as c:
+            rows = c.execute(sa.select(sequence_records).where(found)).all()
+            c.execute(sequence_records.update().where(found).values(expires=expires))
+        return {r.sequence_id: SequenceRecord(r.sequence_id, r.prompt, r.tokens, r.logprobs, r.policy, r.created,
+                                              expires) for r in rows}
+
+    def purge_records(self, now: float) -> int:
+        """Delete expired sequence records; returns how many went."""
+        with self.engine.begin() as c:
+            return c.execute(sequence_records.delete().where(sequence_records.c.expires <= now)).rowcount
 
     def inflight(self, tenant: str, model_id: str) -> tuple[str, float] | None:
         """The tenant's run ``model_id``'s inflight weights (checkpoint path, version), None if it published none."""

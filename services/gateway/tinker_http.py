@@ -339,6 +339,8 @@ class TinkerHttpDoor:
                                                   self.http_limits.max_request_tokens)
                 if req.loss_fn == "custom":
                     self.custom_losses.resolve(tenant, req)
+                if req.loss_fn == "stable_reinforce":  # its behaviour logprobs are the record's
+                    self.core.stability.resolve(tenant, msg, req)
         return self._future(await self.core.runs.submit(tenant, req.model_id, req.seq_id, forward_backward=req))
 
     async def create_custom_loss(self, request: Request, tenant: str) -> dict[str, Any]:

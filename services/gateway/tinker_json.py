@@ -2,9 +2,9 @@
 
 In: LoRA and Adam settings with Tinker's defaults, and an ``/asample`` body as the core's ``SampleRequest``
 (Tinker's ``SamplingParams`` mapped onto the proto through ``lathe.wire``, so both front doors read ``stop``
-the same way; ``target_prompt_logprobs`` densified, -1 where a sparse one lists nothing; ``record_stability_info``
-needs no record beyond the sampled logprobs every Lathe sample returns, which the trainer reproduces bit for
-bit); the optimizer family of a run and of a step (AdamW or Dimuon), others refused by name.
+the same way; ``target_prompt_logprobs`` densified, -1 where a sparse one lists nothing; ``record_stability_info`` as
+``SampleRequest.record``, which ``lathe.gateway.stability`` keeps); the optimizer family of a run and of a step
+(AdamW or Dimuon), others refused by name.
 Out: training runs, checkpoints, model info, session summaries, storage usage and capabilities in the field names
 and types of Tinker's pydantic models (times as ISO-8601 strings), and the identity token of ``/auth/token``.
 """
@@ -167,7 +167,8 @@ def sample_request(f: Fields, max_elements: int) -> tuple[pb.SampleRequest, tp.S
                            topk_prompt_logprobs=f.get("topk_prompt_logprobs", int, 0, int_max=INT32_MAX),
                            topk_sample_logprobs=f.get("topk_sample_logprobs", int, 0, int_max=INT32_MAX),
                            prompt_alt_tokens_k=f.get("prompt_alt_tokens_k", int, 0, int_max=INT32_MAX),
-                           prompt_logprobs_last_n=f.get("prompt_logprobs_last_n", int, None, int_max=INT32_MAX))
+                           prompt_logprobs_last_n=f.get("prompt_logprobs_last_n", int, None, int_max=INT32_MAX),
+                           record=f.get("record_stability_info", bool, False) or False)
     layout = None
     raw = f.get("target_prompt_logprobs", object, None)
     if raw is not None:

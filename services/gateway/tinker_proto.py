@@ -133,9 +133,9 @@ def _spans_cover(spans: list[tp.ProvenanceSpan], length: int, where: str) -> Non
 
 
 def _check_provenance(d: tp.Datum, n_tokens: int, where: str) -> None:
-    """``stable_reinforce`` needs every datum to name the sampled sequences behind its tokens, as Tinker does.
-    Lathe keeps no record beyond the sampled logprobs the datum already carries (bit for bit the trainer's), so
-    the runs are checked for shape only."""
+    """``stable_reinforce`` needs every datum to name the sampled sequences behind its tokens, as Tinker does; here
+    the runs are checked for shape (each tiles its field), and ``lathe.gateway.stability`` then checks them against
+    the records and takes the behaviour logprobs from there."""
     if not d.model_input_spans or not d.loss_fn_input_spans:
         raise InvalidArgument(f"{where} has no provenance: loss 'stable_reinforce' needs model_input_spans and "
                               "loss_fn_input_spans naming the sampled sequences (Datum.with_provenance)")
