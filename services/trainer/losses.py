@@ -28,9 +28,9 @@ thresholds are the GSPO paper's clipping ranges (3e-4 below, 4e-4 above).
 only in outline (a REINFORCE variant stable when the sampler's policy or numerics differ from the trainer's,
 using information recorded at sampling time): the REINFORCE gradient ``A * d lp`` weighted per token by the
 importance ratio against the sampling policy, detached and truncated at ``c`` (truncated importance
-sampling, Yao et al. 2025, whose C = 2 is the default). The recorded information is the sampled tokens'
-logprobs: Lathe's sampler and trainer compute them bit for bit alike, so the ``logprobs`` a client got from
-sampling are the record, exactly, and the ratio is 1 until the policy moves.
+sampling, Yao et al. 2025, whose C = 2 is the default). ``q`` here is the recorded behaviour logprob: the Tinker
+door fills it from the gateway's record of each sampled sequence (``lathe.gateway.stability``), and Lathe's
+sampler and trainer compute it bit for bit alike, so the ratio is 1 until the policy moves.
 """
 
 from __future__ import annotations
