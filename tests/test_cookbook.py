@@ -56,6 +56,23 @@ asyncio.run(train.main(train.Config(
 """
 
 
+ASYNC_RL = """
+import asyncio, sys
+from tinker_cookbook.recipes.math_rl import arithmetic_env
+from tinker_cookbook.recipes.math_rl.train import get_dataset_builder
+from tinker_cookbook.rl import train
+
+arithmetic_env.ArithmeticEnv.check_answer = lambda self, text: "e" in text
+url, model, log, steps = sys.argv[1:]
+asyncio.run(train.main(train.Config(
+    log_path=log, model_name=model, recipe_name="lathe_async_rl", renderer_name="role_colon", base_url=url,
+    dataset_builder=get_dataset_builder(env="arithmetic", batch_size=4, model_name=model, renderer_name="role_colon",
+                                        group_size=4),
+    learning_rate=2e-2, lora_rank=8, max_tokens=5, eval_every=0, save_every=0, max_steps=int(steps),
+    async_config=train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=4))))
+"""
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
     cfg = StackConfig(models=f"lathe/tiny-llama,{tiny_dir}", store_root=tmp_path_factory.mktemp("store"),
@@ -130,6 +147,26 @@ def test_math_rl_arithmetic_recipe_trains_on_policy_with_its_default_loss(
         assert m["optim/kl_sample_train_v1"] == 0.0  # the sampler's logprobs are the trainer's, bit for bit
     assert final_state(tmp_path).endswith("/weights/final")
     assert json.loads((tmp_path / "config.json").read_text())["loss_fn"] == "stable_reinforce"
+
+
+def test_async_rl_with_stable_reinforce_trains_off_policy_on_the_recorded_samples(
+        stack: Stack, tiny_dir: Path, tmp_path: Path) -> None:
+    """The cookbook's async RL loop unchanged (``AsyncConfig(max_steps_off_policy=1)``: sampling runs a step ahead of
+    training) with its async default loss, stable_reinforce: samples recorded with ``record_stability_info``, datums
+    resolved against the records. A step trained on samples of the weights it trains has a sampler-trainer KL of
+    exactly 0; one whose samples came from weights an earlier step has since moved does not (the records are the
+    behaviour policy's). The arithmetic task's answers are out of the tiny model's reach, so the reward is whether
+    the answer holds an "e": easy to learn (``ASYNC_RL``)."""
+    metrics = run(["-c", ASYNC_RL, stack.http_url, str(tiny_dir), str(tmp_path), "8"], tmp_path)
+    steps = [m for m in metrics if "optim/kl_sample_train_v1" in m]
+    assert len(steps) == 8 and max(m["async/staleness_max"] for m in steps) == 1  # it ran off policy
+    moved = False
+    for m in steps:
+        if m["async/staleness_max"] == 0 or not moved:  # sampled from the weights being trained
+            assert m["optim/kl_sample_train_v1"] == 0.0, m
+        elif m["async/staleness_min"] == 1:  # sampled from weights that a step with gradients has since moved
+            assert m["optim/kl_sample_train_v1"] != 0.0, m
+        moved = moved or m["grad_norm:mean"] > 0
 
 
 def test_rl_with_a_kl_penalty_pulls_the_policy_back_toward_the_base(stack: Stack, tiny_dir: Path,
