@@ -159,12 +159,12 @@ def test_async_rl_with_stable_reinforce_trains_off_policy_on_the_recorded_sample
     the answer holds an "e": easy to learn (``ASYNC_RL``)."""
     metrics = run(["-c", ASYNC_RL, stack.http_url, str(tiny_dir), str(tmp_path), "8"], tmp_path)
     steps = [m for m in metrics if "optim/kl_sample_train_v1" in m]
-    assert len(steps) == 8 and max(m["async/staleness_max"] for m in steps) == 1  # it ran off policy
+    assert len(steps) == 8 and max(m["async/staleness_max"] for m in steps) >= 1  # it ran off policy
     moved = False
     for m in steps:
         if m["async/staleness_max"] == 0 or not moved:  # sampled from the weights being trained
             assert m["optim/kl_sample_train_v1"] == 0.0, m
-        elif m["async/staleness_min"] == 1:  # sampled from weights that a step with gradients has since moved
+        elif m["async/staleness_min"] >= 1:  # sampled from weights that the optimizer has since moved
             assert m["optim/kl_sample_train_v1"] != 0.0, m
         moved = moved or m["grad_norm:mean"] > 0
 

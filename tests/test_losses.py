@@ -30,7 +30,10 @@ def _ref(name: str, lp: np.ndarray, inp: dict[str, np.ndarray], cfg: dict[str, f
         return float(value), grad
     if name in ("cispo", "stable_reinforce"):
         c = np.clip(r, cfg.get("clip_low_threshold", -np.inf), cfg["clip_high_threshold"])
-        return float(-(c * lp * a).sum()), -c * a
+        k, sampled = cfg.get("kl_coeff", 0.0), q != 0  # KL(behaviour || trained) on the sampled tokens
+        d = lp - q
+        penalty = k * ((np.exp(d) - 1 - d) * sampled).sum()
+        return float(-(c * lp * a).sum() + penalty), -c * a + k * np.expm1(d) * sampled
     beta = cfg["beta"]
     return float(-(lp * a - 0.5 * beta * (lp - q) ** 2).sum()), -(a - beta * (lp - q))
 
@@ -48,6 +51,7 @@ CASES = [
     ("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}),
     ("stable_reinforce", {}),
     ("stable_reinforce", {"clip_high_threshold": 1.1}),
+    ("stable_reinforce", {"kl_coeff": 0.3}),
 ]
 
 
@@ -105,4 +109,4 @@ def test_defaults_are_tinkers() -> None:
     assert LOSSES["cispo"].config == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert LOSSES["dro"].config == {"beta": 0.05}
     assert LOSSES["gspo"].config == {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}
-    assert LOSSES["stable_reinforce"].config == {"clip_high_threshold": 2.0}
+    assert LOSSES["stable_reinforce"].config == {"clip_high_threshold": 2.0, "kl_coeff": 0.0}

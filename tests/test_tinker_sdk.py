@@ -219,6 +219,8 @@ def test_stable_reinforce_trains_on_recorded_samples(stack: Stack) -> None:
                                            r"\d+ at sampled_tokens\[\d+\] .*re-tokenized"),
             (sampled_data(tinker, [dataclasses.replace(sequences[0], sequence_id="never:0")], [1.0])[0],
              r"sequence_id 'never:0' has no record"),
+            (_shifted(data[0], sequences[0]),
+             r"loss_fn_input_spans\[1\]: sampled_tokens \[1, \d+\) of .* runs past its \d+ recorded tokens"),
             (dataclasses.replace(data[0], loss_fn_inputs={**data[0].loss_fn_inputs, "advantages": tinker.TensorData(
                 data=[0.5] * len(data[0].loss_fn_inputs["advantages"].data), dtype="float32",
                 shape=[len(data[0].loss_fn_inputs["advantages"].data)])}),
@@ -226,6 +228,8 @@ def test_stable_reinforce_trains_on_recorded_samples(stack: Stack) -> None:
         with pytest.raises(tinker.BadRequestError, match=message):
             t.forward([bad], "stable_reinforce").result()
     out = step(t, tinker, sampled_data(tinker, sequences, advantages), "stable_reinforce")
+    moved = t.forward(data, "stable_reinforce").result().metrics["loss:sum"]  # off policy now: kl_coeff matters
+    assert t.forward(data, "stable_reinforce", {"kl_coeff": 1.0}).result().metrics["loss:sum"] > moved
     same(out, step(lt, lathe, sampled_data(lathe, sequences, advantages), "stable_reinforce"))
     # on policy the recorded logprobs are the trainer's, bit for bit: every weight is 1, the loss REINFORCE's
     sampled = [np.asarray(lp)[len(PROMPT) - 1:] for lp in logprobs(out)]
@@ -238,6 +242,14 @@ def test_stable_reinforce_trains_on_recorded_samples(stack: Stack) -> None:
         t.forward_backward(bare, "stable_reinforce").result()
     sc.close("success").result()
     lc.close()
+
+
+def _shifted(datum: tinker.Datum, seq: tinker.SampledSequence) -> tinker.Datum:
+    """``datum`` whose loss-input run of sampled tokens starts one token late: it still tiles its field, but runs
+    past the end of the sequence's record."""
+    runs = [tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(PROMPT) - 1),
+            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(seq.tokens))]
+    return dataclasses.replace(datum, loss_fn_input_spans=runs)
 
 
 def _with_target(datum: tinker.Datum, position: int, token: int) -> tinker.Datum:

@@ -12,7 +12,8 @@ chooses the weighting). Inputs per datum, all shaped like ``target_tokens [L]``:
     gspo                 q, A, [sequence_ratio_mask m];  s = exp(mean over M of sg(lp) - q), M = {t: m_t != 0}
                          clip (lo, hi)=(1-3e-4, 1+4e-4)  r_t = s * exp(lp_t - sg(lp_t))  (value s, gradient r_t)
                                                         loss = -min(r * A, clip(r, lo, hi) * A).sum()
-    stable_reinforce     q, A; clip_high c=2.0           loss = -(sg(min(r, c)) * lp * A).sum()
+    stable_reinforce     q, A; clip_high c=2.0,          loss = -(sg(min(r, c)) * lp * A).sum()
+                         kl_coeff k=0                         + k * (exp(d) - 1 - d)[q != 0].sum(),  d = lp - q
 
 ``lp`` are the trainer's logprobs of the target tokens; ``sg`` is stop-gradient. Thresholds and beta
 are overridable through ``loss_fn_config`` (``clip_low_threshold``, ``clip_high_threshold``, ``beta``).
@@ -30,7 +31,10 @@ using information recorded at sampling time): the REINFORCE gradient ``A * d lp`
 importance ratio against the sampling policy, detached and truncated at ``c`` (truncated importance
 sampling, Yao et al. 2025, whose C = 2 is the default). ``q`` here is the recorded behaviour logprob: the Tinker
 door fills it from the gateway's record of each sampled sequence (``lathe.gateway.stability``), and Lathe's
-sampler and trainer compute it bit for bit alike, so the ratio is 1 until the policy moves.
+sampler and trainer compute it bit for bit alike, so the ratio is 1 until the policy moves. ``kl_coeff`` (named by
+tinker's SDK for StableReinforce, defined nowhere we could read) is our reading too: a penalty on the KL from the
+behaviour policy to the trained one, estimated on the sampled tokens (``q != 0``, as ``metrics.sampler_kl``) with
+the non-negative estimator ``exp(d) - 1 - d`` that the trainer's sampler-KL metric uses; 0 (off) by default.
 """
 
 from __future__ import annotations
@@ -90,7 +94,11 @@ def gspo(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) 
 
 def stable_reinforce(lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
     weight = _ratio(lp, inp).clamp(max=cfg["clip_high_threshold"]).detach()
-    return -(weight * lp * inp["advantages"]).sum()
+    loss = -(weight * lp * inp["advantages"]).sum()
+    if cfg["kl_coeff"]:
+        d = (lp - inp["logprobs"])[inp["logprobs"] != 0]
+        loss = loss + cfg["kl_coeff"] * (torch.expm1(d) - d).sum()
+    return loss
 
 
 _RL = ("logprobs", "advantages")
@@ -102,5 +110,5 @@ LOSSES: dict[str, LossSpec] = {
     "dro": LossSpec(dro, _RL, {"beta": 0.05}),
     "gspo": LossSpec(gspo, _RL, {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
                      optional=("sequence_ratio_mask",)),
-    "stable_reinforce": LossSpec(stable_reinforce, _RL, {"clip_high_threshold": 2.0}),
+    "stable_reinforce": LossSpec(stable_reinforce, _RL, {"clip_high_threshold": 2.0, "kl_coeff": 0.0}),
 }
