@@ -28,7 +28,16 @@ from lathe.kernels import activations, ops
 from lathe.kernels import attention as attn
 from lathe.models import moe
 from lathe.models.config import ModelConfig
-from lathe.models.lora import UNEMBED, LoraDeltas, TrainableDeltas, layer_targets, shape_keys, weight_name
+from lathe.models.lora import (
+    UNEMBED,
+    LoraDeltas,
+    TrainableDeltas,
+    expert_target,
+    layer_targets,
+    mlp_targets,
+    shape_keys,
+    weight_name,
+)
 
 LOGIT_CHUNK = 256  # rows of full-vocabulary logits alive at once in target_logprobs
 ExpertLoad = list[tuple[int, list[int]]]  # (sparse layer, tokens routed to each of its experts), per pass
@@ -79,10 +88,9 @@ def layer_weight_names(cfg: ModelConfig) -> list[str]:
     experts): what decode streams, and what the pool may prepack."""
     names = []
     for i in range(cfg.num_layers):
-        targets = layer_targets(cfg, i)
-        names += [weight_name((i, t)) + ".weight" for t in targets[:4]]
+        names += [weight_name((i, t)) + ".weight" for t in layer_targets(cfg, i, mlp=False)]
         names += [router_name(i)] if cfg.sparse(i) else []
-        names += [weight_name((i, t)) + ".weight" for t in targets[4:]]
+        names += [weight_name((i, t)) + ".weight" for t in mlp_targets(cfg, i)]
     return names
 
 
@@ -254,7 +262,7 @@ class Decoder(torch.nn.Module):
         outputs, start = [], 0
         for e, rows in routing.groups:
             xs = x[index[start:start + len(rows)]]
-            outputs.append(self._mlp(i, xs, lora.take(rows) if lora is not None else None, f"experts.{e}."))
+            outputs.append(self._mlp(i, xs, lora.take(rows) if lora is not None else None, expert_target(e, "")))
             start += len(rows)
         return moe.combine(outputs, routing)
 

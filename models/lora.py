@@ -44,7 +44,8 @@ Key = tuple[int, str]  # (layer index, target); the unembedding is (-1, "lm_head
 
 
 def expert_target(expert: int, target: str) -> str:
-    """The target name of ``target`` (one of ``MLP_TARGETS``) in expert ``expert`` of a sparse layer."""
+    """The target name of ``target`` (one of ``MLP_TARGETS``) in expert ``expert`` of a sparse layer (with ``""``: the
+    expert's prefix, ``"experts.3."``)."""
     return f"experts.{expert}.{target}"
 
 

@@ -4,8 +4,8 @@ Owns the three steps around the experts' products (the decoder runs the products
 
 1. ``route``: top-k of the router's softmax, ties to the lower expert index, optionally renormalized to sum to one
    (Hugging Face's ``norm_topk_prob``), then each token's choices put in ascending expert order;
-2. ``group``: the tokens of each expert, ascending (so each adapter's rows stay one segment), and the
-   permutation that brings the experts' outputs back to token order;
+2. grouping (``route`` too, into ``Routing.groups`` and ``inverse``): the tokens of each expert, ascending (so each
+   adapter's rows stay one segment), and the permutation that brings the experts' outputs back to token order;
 3. ``combine``: ``out[t] = sum_j y[t, j] * w[t, j]`` over a token's experts in ascending index order, one add at
    a time (the order of Hugging Face's per-expert ``index_add_`` loop).
 
