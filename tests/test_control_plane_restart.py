@@ -118,3 +118,23 @@ def test_a_kill_costs_time_not_steps(stack: Stack, service: str, loop: Callable,
         assert np.array_equal(a, b)  # bit for bit: no step lost, none applied twice
     with capsys.disabled():
         print(f"\n{loop.__name__}: {service} kill -9 -> next step done after {cost_s:.2f} s")
+
+
+def test_an_inflight_client_follows_its_run_across_a_gateway_restart(stack: Stack) -> None:
+    """The run's inflight weights and the run each inflight session follows live in the control database: after a
+    kill -9 of the gateway, a client made before it samples the weights of an inflight save made after it."""
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-inflight-restart")
+    tc = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
+    client = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    probe = tinker.ModelInput.from_ints([t for t, _ in batch(1)][0])
+    before = client.compute_logprobs(probe).result()
+    stack.kill("gateway")
+    stack.restart("gateway")
+    (tokens, weights), = batch(1)
+    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+    after = tc.save_weights_and_get_sampling_client(kind="inflight").result().compute_logprobs(probe).result()
+    assert after != before
+    assert client.compute_logprobs(probe).result() == after
