@@ -21,12 +21,15 @@ becomes the record's: the sampling-time logprob at each sampled position, 0 at p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from lathe.errors import InvalidArgument
+from lathe.types import TensorData
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import tinker_public_pb2 as tp
+from lathe.wire import tensor_from_proto, tensor_to_proto
 
 from .records import SequenceRecord
 from .store import ControlStore
@@ -35,7 +38,7 @@ RECORD_TTL_S = 24 * 3600.0
 
 
 class StabilityRecords:
-    def __init__(self, store: ControlStore, keep: object) -> None:
+    def __init__(self, store: ControlStore, keep: Callable[[str], int]) -> None:
         """``keep(tenant) -> int``: how many records the tenant may hold (its ``max_sequence_records`` quota)."""
         self.store, self._keep = store, keep
 
@@ -66,27 +69,22 @@ class StabilityRecords:
             where = f"data[{i}]"
             tokens = list(datum.model_input.chunks[0].tokens)
             _check(tokens, d.model_input_spans, records, f"{where}.model_input_spans", f"{where}.model_input")
-            targets = _array(datum.loss_fn_inputs["target_tokens"]).astype(np.int64).tolist() \
+            targets = tensor_from_proto(datum.loss_fn_inputs["target_tokens"]).to_numpy().astype(np.int64).tolist() \
                 if "target_tokens" in datum.loss_fn_inputs else tokens
             behaviour, sampled = _check(targets, d.loss_fn_input_spans, records, f"{where}.loss_fn_input_spans",
                                         f"{where}.loss_fn_inputs['target_tokens']")
             if "advantages" in datum.loss_fn_inputs:
-                advantages = _array(datum.loss_fn_inputs["advantages"])
+                advantages = tensor_from_proto(datum.loss_fn_inputs["advantages"]).to_numpy()
                 off = np.flatnonzero((advantages != 0) & ~sampled)
                 if off.size:
                     raise InvalidArgument(f"{where}.loss_fn_inputs['advantages'][{off[0]}] = "
                                           f"{float(advantages[off[0]])} is on a prompt token: stable_reinforce "
                                           "takes non-zero advantages on sampled tokens only")
-            datum.loss_fn_inputs["logprobs"].CopyFrom(pb.Tensor(data=behaviour.tobytes(), dtype="float32",
-                                                                shape=[len(behaviour)]))
+            datum.loss_fn_inputs["logprobs"].CopyFrom(tensor_to_proto(TensorData.from_numpy(behaviour)))
 
 
 def _run(span: tp.ProvenanceSpan) -> tp.PromptProvenanceSpan | tp.SampledProvenanceSpan:
     return getattr(span, span.WhichOneof("span"))
-
-
-def _array(t: pb.Tensor) -> np.ndarray:
-    return np.frombuffer(t.data, dtype=t.dtype).reshape(list(t.shape))
 
 
 def _check(tokens: list[int], spans: list[tp.ProvenanceSpan], records: dict[str, SequenceRecord], where: str,
