@@ -25,6 +25,9 @@ import argparse
 import asyncio
 import logging
 
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
 from lathe.runtime.options import add_options, options
 from lathe.runtime.probes import Probes, add_metrics_port, serve_metrics
 from lathe.runtime.serving import READY_MARK, serve_until_stopped, setup_logging
@@ -37,6 +40,8 @@ from .discovery import make_directory
 from .http_server import HttpServer
 from .limits import DecodeGate
 from .metrics import GatewayMetrics
+from .openai_http import PREFIX as OPENAI_PREFIX
+from .openai_http import OpenAiDoor
 from .quotas import QuotaConfig, Quotas
 from .server import GateDecodes, GatewayServicer, RequireApiKey
 from .store import ControlStore
@@ -80,7 +85,9 @@ async def serve(cfg: GatewayConfig, args: argparse.Namespace) -> None:
     gate = DecodeGate(http_limits.max_concurrent_decodes)  # both doors' large requests, decoded a few at a time
     if cfg.http_port >= 0:
         door = TinkerHttpDoor(core, keys, http_limits=http_limits, public_url=cfg.http_public_url, gate=gate)
-        http = await HttpServer.start(door.app(), args.host, cfg.http_port, tls)
+        openai = OpenAiDoor(core, keys, door.fields)
+        app = Starlette(routes=[Mount(OPENAI_PREFIX, app=openai.app()), Mount("", app=door.app())])
+        http = await HttpServer.start(app, args.host, cfg.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
         root = cfg.http_public_url.rstrip("/") or f"{'https' if tls else 'http'}://{args.host}:{http.port}"
         files_url = root + PREFIX

@@ -1,15 +1,17 @@
 """Sampling: binding sampling clients to a policy version, and samples submitted to the sampler pools.
 
-``Sampling`` owns no state of its own: sampling sessions are ``SessionBook``'s (id -> pinned policy version, or the
-run an inflight session follows), each run's published inflight weights the store's (``set_inflight``), requests
-and their idempotency the ledger's. It checks a sample at the door (``limits``), charges the tokens it
-may sample (``quotas.admit_sample``) and gives back what it did not sample once it ends. Ids are Tinker's:
-``"{session}:sample:{n}"``, ``n`` being the client's own counter when it sends one, else the session's next number.
+``Sampling`` owns no state of its own but the count of samples in flight outside the ledger (``sample_now``):
+sampling sessions are ``SessionBook``'s (id -> pinned policy version, or the run an inflight session follows), each
+run's published inflight weights the store's (``set_inflight``), requests and their idempotency the ledger's. It
+checks a sample at the door (``limits``), charges the tokens it may sample (``quotas.admit_sample``) and gives back
+what it did not sample once it ends. Ids are Tinker's: ``"{session}:sample:{n}"``, ``n`` being the client's own
+counter when it sends one, else the session's next number.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 
 from lathe.errors import InvalidArgument, NotFound
 from lathe.v1 import lathe_pb2 as pb
@@ -31,6 +33,7 @@ class Sampling:
                  limits: DoorLimits, quotas: Quotas, stability: StabilityRecords) -> None:
         self.ledger, self.lookups, self.book, self.caller, self.router = ledger, lookups, book, caller, router
         self.limits, self.quotas, self.stability = limits, quotas, stability
+        self._direct: dict[str, int] = {}  # tenant -> its samples in flight outside the ledger (sample_now)
 
     async def create_session(self, tenant: str, req: pb.CreateSamplingSessionRequest, seq_id: int | None = None
                              ) -> pb.SamplingSession:
@@ -97,12 +100,45 @@ class Sampling:
             self.quotas.settle_sample(tenant, charge, 0)
         return pb.SubmitResponse(request_id=holder)
 
+    async def policy(self, tenant: str, model: str) -> tuple[str, str, float]:
+        """What ``model`` names for a request that brings no sampling session (the OpenAI-compatible routes): a
+        sampler checkpoint path of the tenant's (its base model, the path, its version now), or a served base model
+        (itself, "", 0)."""
+        if model.startswith("tinker://"):
+            info = await self.lookups.checkpoint(tenant, model)
+            return json.loads(info.metadata_json or "{}").get("base_model", ""), model, info.created_at
+        await self.lookups.check_base_model(model)
+        return model, "", 0.0
+
+    async def sample_now(self, tenant: str, req: pb.SampleRequest) -> pb.FutureResult:
+        """Sample for a caller that waits on its connection (no ledger row, no idempotency: the OpenAI-compatible
+        routes, whose clients resend a failed call whole). ``req`` names its policy (``base_model``, ``model_path``,
+        ``model_version``); the same checks, quotas and fair queue as ``sample``; its in-flight count is the
+        tenant's."""
+        context = 0 if req.params.HasField("max_tokens") else await self.lookups.context_length(req.base_model)
+        self.limits.check_sample(req)
+        charge = self.quotas.admit_sample(tenant, self.ledger.pending(tenant) + self._direct.get(tenant, 0), req,
+                                          context)
+        req.tenant, req.request_id = tenant, f"direct-{uuid.uuid4().hex}"
+        self._direct[tenant] = self._direct.get(tenant, 0) + 1
+        try:
+            return await self.run(req, charge)
+        finally:
+            self._direct[tenant] -= 1
+            if not self._direct[tenant]:
+                del self._direct[tenant]
+
+    async def tokenizer_files(self, base_model: str) -> pb.TokenizerFiles:
+        """``base_model``'s tokenizer files, from a sampler of its pool."""
+        sampler = self.router.sampler(base_model, base_model)
+        return await self.caller.send(sampler.Tokenizer, pb.TokenizerRequest(base_model=base_model))
+
     async def run(self, req: pb.SampleRequest, charge: Charge | None = None) -> pb.FutureResult:
         """Sample; then settle the tokens its admission charged (``charge``; None: admitted before a restart, so its
         sampled tokens are charged now) with those it sampled (none if it failed or was cancelled)."""
         sampled = 0
         try:
-            sampler = self.router.sampler(req.base_model, req.sampling_session_id)
+            sampler = self.router.sampler(req.base_model, req.sampling_session_id or req.model_path or req.base_model)
             res: pb.SampleResult = await self.caller.send(sampler.Sample, req, work=True)
             if res.WhichOneof("result") == "error":
                 return pb.FutureResult(receipt=res.receipt, error=res.error)

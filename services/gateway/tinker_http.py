@@ -235,7 +235,8 @@ class TinkerHttpDoor:
             raise InvalidArgument(f"the zstd request body does not decompress: {e}") from None
         return b"".join(pieces)
 
-    async def _fields(self, request: Request) -> Fields:
+    async def fields(self, request: Request) -> Fields:
+        """The JSON body of ``request``, read under the door's limits (``_body``)."""
         async with self._body(request) as body:
             return Fields.parse(body, self.http_limits.max_request_tokens)
 
@@ -265,20 +266,20 @@ class TinkerHttpDoor:
         return DYNAMIC_CONFIG
 
     async def create_session(self, request: Request, tenant: str) -> dict[str, Any]:
-        f = await self._fields(request)
+        f = await self.fields(request)
         check_no_project("project_id", f.get("project_id", str, None))
         session_id = self.core.book.create(tenant, f.strings("user_metadata"), f.get("display_name", str, None))
         return {"type": "create_session", "session_id": session_id}
 
     async def session_heartbeat(self, request: Request, tenant: str) -> dict[str, Any]:
-        self.core.book.heartbeat(tenant, (await self._fields(request)).get("session_id", str))
+        self.core.book.heartbeat(tenant, (await self.fields(request)).get("session_id", str))
         return {"type": "session_heartbeat"}
 
     async def telemetry(self, request: Request, tenant: str) -> dict[str, Any]:
         return {"status": "accepted"}  # accepted and dropped: Lathe exports its own metrics
 
     async def finish_session(self, request: Request, tenant: str) -> dict[str, Any]:
-        reason = (await self._fields(request)).sub("reason", required=False).get("type", str, "")
+        reason = (await self.fields(request)).sub("reason", required=False).get("type", str, "")
         self.core.book.finish(tenant, request.path_params["session_id"], reason)
         return {}
 
@@ -295,7 +296,7 @@ class TinkerHttpDoor:
     async def search_sessions(self, request: Request, tenant: str) -> dict[str, Any]:
         """A page of the caller's sessions matching the filters (``session_search``), each with the count and bytes
         of its runs' live checkpoints."""
-        query = SessionQuery.from_fields(await self._fields(request))
+        query = SessionQuery.from_fields(await self.fields(request))
         found, last = await self.core.registry.search_sessions(tenant, query)
         return {"sessions": [tj.session_summary(s, checkpoints) for s, checkpoints in found],
                 "next_cursor": None if last is None else {"last_created_at": tj.iso(last.created_at),
@@ -317,7 +318,7 @@ class TinkerHttpDoor:
     # ---- training ----
 
     async def create_model(self, request: Request, tenant: str) -> dict[str, Any]:
-        f = await self._fields(request)
+        f = await self.fields(request)
         return self._future(await self.core.runs.create_model(tenant, pb.CreateModelRequest(
             session_id=f.get("session_id", str), base_model=f.get("base_model", str),
             lora_config=tj.lora_config(f.sub("lora_config", required=False)),
@@ -325,7 +326,7 @@ class TinkerHttpDoor:
             model_seq_id=f.get("model_seq_id", int)))
 
     async def get_info(self, request: Request, tenant: str) -> dict[str, Any]:
-        return tj.model_info(await self.core.runs.get_info(tenant, (await self._fields(request)).get("model_id", str)))
+        return tj.model_info(await self.core.runs.get_info(tenant, (await self.fields(request)).get("model_id", str)))
 
     async def forward_backward(self, request: Request, tenant: str) -> dict[str, Any]:
         content_type = request.headers.get("content-type", "")
@@ -345,7 +346,7 @@ class TinkerHttpDoor:
 
     async def create_custom_loss(self, request: Request, tenant: str) -> dict[str, Any]:
         """Check and keep a traced loss (``custom_losses``); the future answers its ``loss_id`` at once."""
-        f = await self._fields(request)
+        f = await self.fields(request)
         session_id = f.get("session_id", str)
         self.core.book.get(tenant, session_id)
         inputs = [Fields(x, f"{f.path('inputs')}[{i}]") for i, x in enumerate(f.get("inputs", list))]
@@ -356,13 +357,13 @@ class TinkerHttpDoor:
         return {"request_id": self.core.ledger.answered(tenant, result), "model_id": None}
 
     async def optim_step(self, request: Request, tenant: str) -> dict[str, Any]:
-        f = await self._fields(request)
+        f = await self.fields(request)
         with self._refusing(tenant, f):
             req = tj.optim_step(f)
         return self._future(await self.core.runs.submit(tenant, req.model_id, req.seq_id, optim_step=req))
 
     async def save_weights(self, request: Request, tenant: str) -> dict[str, Any]:
-        f = await self._fields(request)
+        f = await self.fields(request)
         with self._refusing(tenant, f):
             req = pb.SaveRequest(model_id=f.get("model_id", str), seq_id=f.get("seq_id", int),
                                  name=f.get("path", str), kind="weights", ttl_seconds=f.get("ttl_seconds", int, 0),
@@ -372,7 +373,7 @@ class TinkerHttpDoor:
     async def save_weights_for_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
         """Named: a sampler checkpoint. Unnamed (``save_weights_and_get_sampling_client``): an ephemeral
         one, answered with the sampling session bound to it."""
-        f = await self._fields(request)
+        f = await self.fields(request)
         model_id, seq_id = f.get("model_id", str), f.get("seq_id", int)
         with self._refusing(tenant, f):
             name = f.get("path", str, "")
@@ -393,7 +394,7 @@ class TinkerHttpDoor:
     async def load_weights(self, request: Request, tenant: str) -> dict[str, Any]:
         """With ``session_id``: a new training run loaded from ``path`` (create_training_client_from_state*).
         Otherwise the legacy form: a load into ``model_id`` at ``seq_id`` (load_state*)."""
-        f = await self._fields(request)
+        f = await self.fields(request)
         if f.get("session_id", str, None) is None:
             with self._refusing(tenant, f):
                 path, with_optimizer = self._load_source(f)
@@ -418,14 +419,14 @@ class TinkerHttpDoor:
     # ---- sampling ----
 
     async def create_sampling_session(self, request: Request, tenant: str) -> dict[str, Any]:
-        f = await self._fields(request)
+        f = await self.fields(request)
         session = await self.core.sampling.create_session(tenant, pb.CreateSamplingSessionRequest(
             session_id=f.get("session_id", str), model_path=f.get("model_path", str, ""),
             base_model=f.get("base_model", str, "")), seq_id=f.get("sampling_session_seq_id", int))
         return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
 
     async def join_sampling_session(self, request: Request, tenant: str) -> dict[str, Any]:
-        sid = (await self._fields(request)).get("sampling_session_id", str)
+        sid = (await self.fields(request)).get("sampling_session_id", str)
         return {"type": "join_sampling_session", "client_counter": self.core.sampling.join(tenant, sid)}
 
     async def get_sampler(self, request: Request, tenant: str) -> dict[str, Any]:
@@ -433,7 +434,7 @@ class TinkerHttpDoor:
         return {"sampler_id": s.sampling_session_id, "base_model": s.base_model, "model_path": s.model_path or None}
 
     async def asample(self, request: Request, tenant: str) -> dict[str, Any]:
-        req, layout = tj.sample_request(await self._fields(request), self.core.limits.max_tensor_elements)
+        req, layout = tj.sample_request(await self.fields(request), self.core.limits.max_tensor_elements)
         sub = await self.core.sampling.sample(tenant, req)
         if layout is not None:
             self._note(sub.request_id, _Note(target_layout=layout))
@@ -451,7 +452,7 @@ class TinkerHttpDoor:
             return MAX_WAIT_S
 
     async def retrieve_future(self, request: Request, tenant: str) -> Response | dict[str, Any]:
-        request_id = (await self._fields(request)).get("request_id", str)
+        request_id = (await self.fields(request)).get("request_id", str)
         res = await self.core.ledger.retrieve(tenant, request_id, self._poll_s(request))
         if not res.done:
             return {"type": "try_again", "request_id": request_id, "queue_state": res.queue_state,
@@ -465,7 +466,7 @@ class TinkerHttpDoor:
     async def retrieve_futures(self, request: Request, tenant: str) -> dict[str, Any]:
         """The samples of one sampling client finished since ``prev_cursor``; ``timeout`` 0 answers at once.
         ``retrieved_request_ids`` is accepted and not needed: results stay as long as the core keeps them."""
-        f = await self._fields(request)
+        f = await self.fields(request)
         target = f.sub("target")
         kind = target.get("type", str, "sampling_session")
         if kind != "sampling_session":
@@ -479,7 +480,7 @@ class TinkerHttpDoor:
 
     async def cancel_future(self, request: Request, tenant: str) -> dict[str, Any]:
         """Cancel a sample not finished yet (``Ledger.cancel``); one already finished keeps its result."""
-        request_id = (await self._fields(request)).get("request_id", str)
+        request_id = (await self.fields(request)).get("request_id", str)
         return {"request_id": request_id, "cancelled": self.core.ledger.cancel(tenant, request_id)}
 
     @staticmethod
@@ -525,7 +526,7 @@ class TinkerHttpDoor:
         """A copy of one of the caller's checkpoints at a new path (``Registry.copy_checkpoint``), answered at
         once. ``destination_project_id`` names nothing here (the copy stays the caller's); the
         ``X-Idempotency-Key`` the SDK keeps across its retries makes a retry answer the first copy."""
-        f = await self._fields(request)
+        f = await self.fields(request)
         if f.get("weights_access_token", str, None) or request.headers.get("x-tinker-weights-access-token"):
             raise InvalidArgument("weights_access_token is not supported: copy checkpoints of your own account")
         path = await self.core.registry.copy_checkpoint(
@@ -545,7 +546,7 @@ class TinkerHttpDoor:
 
     async def set_checkpoint_ttl(self, request: Request, tenant: str) -> dict[str, Any]:
         """``{"ttl_seconds": n}``: expire n seconds from now; ``null``: never."""
-        ttl = (await self._fields(request)).get("ttl_seconds", int, None)
+        ttl = (await self.fields(request)).get("ttl_seconds", int, None)
         await self.core.registry.set_checkpoint_ttl(tenant, self._checkpoint_path(request), ttl)
         return {}
 
@@ -562,7 +563,7 @@ class TinkerHttpDoor:
     async def save_weights_external(self, request: Request, tenant: str) -> dict[str, Any]:
         """A sampler snapshot of the run, turned into ``tinker://<run>/external_weights/<name>`` when its future
         is retrieved."""
-        f = await self._fields(request)
+        f = await self.fields(request)
         model_id, seq_id = f.get("model_id", str), f.get("seq_id", int)
         with self._refusing(tenant, f):
             note = export_note(f.get("age_encryption_recipients", list, None), f.get("path", str),
@@ -583,5 +584,5 @@ class TinkerHttpDoor:
 
     async def weights_info(self, request: Request, tenant: str) -> dict[str, Any]:
         """``Registry.weights_info`` (without the checkpoint's run in the registry, Tinker's default: AdamW)."""
-        path = (await self._fields(request)).get("tinker_path", str)
+        path = (await self.fields(request)).get("tinker_path", str)
         return tj.weights_info(await self.core.registry.weights_info(tenant, path))
