@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lathe-installed
 PROTOS := $(wildcard protos/lathe/v1/*.proto)
 GEN_STAMP := sdk/v1/.generated
+# Debian's chromium and its driver: the console's browser test (tests/test_console.py) and the demo's screenshot
+CHROMEDRIVER := /usr/bin/chromedriver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test test-fast lint protos serve clean bench
 
@@ -31,13 +34,17 @@ $(GEN_STAMP): $(PROTOS) $(STAMP)
 
 protos: $(GEN_STAMP)
 
-demo: $(GEN_STAMP)
+$(CHROMEDRIVER):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver
+
+demo: $(GEN_STAMP) $(CHROMEDRIVER)
 	$(PY) -m examples.demo
 
 serve: $(GEN_STAMP)
 	$(PY) -m lathe.cli serve
 
-test: $(GEN_STAMP)
+test: $(GEN_STAMP) $(CHROMEDRIVER)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # the in-process tests only: no service processes, no stacks (a quick loop while editing)

@@ -62,7 +62,7 @@ def test_the_migrated_schema_is_the_stores_and_migrations_run_once(db_url: str) 
     second = ControlStore(StoreConfig(db_url))  # a restart (or a second gateway): nothing runs again, nothing lost
     with second.engine.connect() as c:
         assert compare_metadata(MigrationContext.configure(c), metadata) == []
-        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0002"]  # the head
+        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0003"]  # the head
     upgrade(second.engine)
     assert [s.session_id for s in second.load().sessions] == ["s1"]
     first.close()

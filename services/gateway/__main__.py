@@ -35,6 +35,7 @@ from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import KEYS_FILE_ENV, ApiKeys
 from .config import GatewayConfig
+from .console import Console
 from .core import GatewayCore
 from .discovery import make_directory
 from .http_server import HttpServer
@@ -86,7 +87,8 @@ async def serve(cfg: GatewayConfig, args: argparse.Namespace) -> None:
     if cfg.http_port >= 0:
         door = TinkerHttpDoor(core, keys, http_limits=http_limits, public_url=cfg.http_public_url, gate=gate)
         openai = OpenAiDoor(core, keys, door.fields)
-        app = Starlette(routes=[Mount(OPENAI_PREFIX, app=openai.app()), Mount("", app=door.app())])
+        console = Console(core, keys, door.downloads.signer)
+        app = Starlette(routes=[Mount(OPENAI_PREFIX, app=openai.app()), *console.routes(), Mount("", app=door.app())])
         http = await HttpServer.start(app, args.host, cfg.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
         root = cfg.http_public_url.rstrip("/") or f"{'https' if tls else 'http'}://{args.host}:{http.port}"

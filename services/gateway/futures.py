@@ -57,6 +57,10 @@ class FutureStore:
         """How many of ``tenant``'s results are not finished yet."""
         return self._pending.get(tenant, 0)
 
+    def pending_all(self) -> int:
+        """Every tenant's unfinished requests."""
+        return sum(self._pending.values())
+
     def create(self, tenant: str, request_id: str = "") -> Entry:
         """A pending request of ``tenant``: a new id, or ``request_id`` (one the ledger recorded before a restart)."""
         entry = Entry(request_id or "req-" + uuid.uuid4().hex, tenant)

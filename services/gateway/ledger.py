@@ -57,6 +57,10 @@ class Ledger:
         """How many of ``tenant``'s requests are not finished yet (what its in-flight quota counts)."""
         return self.futures.pending(tenant)
 
+    def pending_all(self) -> int:
+        """Every tenant's requests not finished yet (the pools' queue as the gateway sees it)."""
+        return self.futures.pending_all()
+
     def holder(self, key: Key) -> str | None:
         """The request running here for ``key``, if any."""
         return self._by_seq.get(key)
@@ -126,7 +130,8 @@ class Ledger:
         entry.task = None
         now = time.time()
         try:
-            self.store.finish_op(entry.request_id, result, now, release_key=entry.seq_key is None)
+            self.store.finish_op(entry.request_id, result, now, release_key=entry.seq_key is None,
+                                 tenant=entry.tenant)
             if now >= self._next_purge:
                 self._next_purge = now + PURGE_EVERY_S
                 self.store.purge(now)

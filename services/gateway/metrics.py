@@ -11,12 +11,16 @@ where the gRPC door's calls are counted too (``lathe_gateway_grpc_*``, by ``lath
   Tenants are a bounded label set (``lathe.runtime.probes.TenantLabels``: past the cap they count as "other"), and by
   default an empty one (``tenant_labels`` 0, ``--metrics-tenant-labels``): every tenant is "other", since tenant
   names and their usage are the operator's customers' data, not the scraper's.
+- the pools at a glance, for the console (``pools``): the receipts of the training operations finished in the last
+  ``POOL_WINDOW_S``, every tenant's, summed per pool without naming anyone.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.requests import Request
@@ -26,6 +30,21 @@ from lathe.runtime.probes import LATENCY_BUCKETS, TenantLabels
 from lathe.v1 import lathe_pb2 as pb
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+POOL_WINDOW_S = 300.0  # the console's pool figures cover this much of the recent past
+TRAINING_OPS = ("forward_backward", "optim_step")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFigures:
+    """The trainer pools over the last ``window_s``: clock cycles run, their mean length, the share of the window
+    they filled, the mean wait of an operation before its cycle, and the operations not finished now."""
+
+    window_s: float
+    cycles: int
+    mean_cycle_s: float
+    utilization: float
+    mean_queued_s: float
+    pending: int
 
 
 class GatewayMetrics:
@@ -43,6 +62,7 @@ class GatewayMetrics:
                                   ["tenant", "op", "outcome"], registry=r)
         self.tenant_tokens = Counter("lathe_gateway_tenant_tokens", "Tokens of finished operations, by tenant",
                                      ["tenant", "op"], registry=r)
+        self._recent: deque[tuple[float, tuple[str, int], float, float]] = deque()  # finished, cycle, run_s, queued_s
 
     def timed(self, route: str, endpoint: Endpoint) -> Endpoint:
         """``endpoint``, counted and timed under ``route``."""
@@ -67,3 +87,18 @@ class GatewayMetrics:
         who, op = self.tenant(tenant), result.receipt.op or "other"
         self.operations.labels(tenant=who, op=op, outcome="error" if result.HasField("error") else "ok").inc()
         self.tenant_tokens.labels(tenant=who, op=op).inc(result.receipt.tokens)
+        if op in TRAINING_OPS and not result.HasField("error"):
+            r = result.receipt
+            self._recent.append((time.monotonic(), (r.fingerprint, r.cycle), r.run_s, r.queued_s))
+
+    def pools(self, pending: int, window_s: float = POOL_WINDOW_S) -> PoolFigures:
+        """The training operations finished in the last ``window_s`` as ``PoolFigures`` (``pending``: the ledger's
+        unfinished operations, every tenant's)."""
+        cut = time.monotonic() - window_s
+        while self._recent and self._recent[0][0] < cut:
+            self._recent.popleft()
+        cycles = {cycle: run_s for _, cycle, run_s, _ in self._recent}  # a cycle's operations share its run_s
+        busy = sum(cycles.values())
+        queued = [q for *_, q in self._recent]
+        return PoolFigures(window_s, len(cycles), busy / len(cycles) if cycles else 0.0, min(1.0, busy / window_s),
+                           sum(queued) / len(queued) if queued else 0.0, pending)

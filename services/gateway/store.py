@@ -17,6 +17,9 @@ Tables (created and changed only by the alembic scripts in ``migrations/``, whic
   a tenant keeps its newest ``TenantQuotas.max_sequence_records``; each use renews one);
 - ``custom_losses``: loss id -> tenant, the checked loss (``pb.CustomLoss`` bytes), when it was created (a
   tenant keeps its newest ``TenantQuotas.max_custom_losses``);
+- ``run_points``: one row per finished forward_backward or optim_step of a run -> its tenant, ``seq_id``, the
+  adapter's step, the operation, its metrics (JSON) and when it finished: the curves the console draws, kept for the
+  run's life (written with the operation's result, ``finish_op``);
 - ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
   the serialized request sent on, state (``pending``/``done``), the serialized ``pb.FutureResult`` and times.
   ``(key, seq_id)`` is unique (NULL while an operation answers no ``seq_id``), so the database, not a
@@ -123,6 +126,17 @@ custom_losses = sa.Table(
     sa.Column("loss", sa.LargeBinary, nullable=False),
     sa.Column("created", sa.Float, nullable=False),
     sa.Index("ix_custom_losses_tenant_created", "tenant", "created"),
+)
+run_points = sa.Table(
+    "run_points", metadata,
+    sa.Column("model_id", sa.String(128), nullable=False),
+    sa.Column("tenant", sa.String(256), nullable=False),
+    sa.Column("seq_id", sa.BigInteger, nullable=False),
+    sa.Column("step", sa.BigInteger, nullable=False),
+    sa.Column("op", sa.String(32), nullable=False),
+    sa.Column("metrics", sa.Text, nullable=False),
+    sa.Column("finished", sa.Float, nullable=False),
+    sa.PrimaryKeyConstraint("model_id", "seq_id", "op"),
 )
 operations = sa.Table(
     "operations", metadata,
@@ -369,6 +383,7 @@ class ControlStore:
 
     def delete_run(self, model_id: str) -> None:
         with self.engine.begin() as c:
+            c.execute(run_points.delete().where(run_points.c.model_id == model_id))
             c.execute(runs.delete().where(runs.c.model_id == model_id))
 
     def put_sampling(self, rec: SamplingSession) -> None:
@@ -466,11 +481,27 @@ class ControlStore:
                 raise
             return holder
 
-    def finish_op(self, request_id: str, result: pb.FutureResult, finished: float, release_key: bool) -> None:
-        """Record the result; ``release_key``: it answers no ``seq_id`` (a submit that failed on its way in)."""
+    def finish_op(self, request_id: str, result: pb.FutureResult, finished: float, release_key: bool,
+                  tenant: str = "") -> None:
+        """Record the result; ``release_key``: it answers no ``seq_id`` (a submit that failed on its way in). A
+        training step's metrics become a point of its run's curves (``run_points``)."""
+        point = _point(result, tenant, finished)
         with self.engine.begin() as c:
             c.execute(_RELEASE if release_key else _FINISH,
                       {"r": request_id, "result": result.SerializeToString(), "finished": finished})
+            if point is not None:
+                insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(run_points)
+                c.execute(insert.values(**point).on_conflict_do_nothing())
+
+    def run_points(self, tenant: str, model_id: str, after_seq: int = -1) -> list[dict]:
+        """The tenant's run ``model_id``'s curve points after ``seq_id`` ``after_seq``, in order: dicts of
+        ``seq_id``, ``step``, ``op``, ``metrics`` (name -> value) and ``finished``."""
+        with self.engine.begin() as c:
+            rows = c.execute(sa.select(run_points).where(
+                run_points.c.model_id == model_id, run_points.c.tenant == tenant, run_points.c.seq_id > after_seq)
+                .order_by(run_points.c.seq_id)).all()
+        return [{"seq_id": r.seq_id, "step": r.step, "op": r.op, "metrics": json.loads(r.metrics),
+                 "finished": r.finished} for r in rows]
 
     def get_op(self, request_id: str) -> Operation | None:
         with self.engine.begin() as c:
@@ -533,3 +564,15 @@ def _op_row(op: Operation) -> dict[str, object]:
     return {"request_id": op.request_id, "tenant": op.tenant, "key": op.key, "seq_id": op.seq_id, "kind": op.kind,
             "request": op.request, "sampling_seq_id": op.sampling_seq_id, "state": op.state, "result": op.result,
             "created": op.created, "finished": op.finished}
+
+
+def _point(result: pb.FutureResult, tenant: str, finished: float) -> dict | None:
+    """A ``run_points`` row for a training step's result (None for any other result, an error, or no metrics)."""
+    kind = result.WhichOneof("result")
+    if kind not in ("forward_backward", "optim_step") or not result.receipt.model_id:
+        return None
+    metrics = dict(getattr(result, kind).metrics)
+    if not metrics:
+        return None
+    return {"model_id": result.receipt.model_id, "tenant": tenant, "seq_id": result.receipt.seq_id,
+            "step": result.receipt.adapter_step, "op": kind, "metrics": json.dumps(metrics), "finished": finished}
