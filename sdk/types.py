@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from lathe.errors import InvalidArgument, PermissionDenied
+from lathe.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 if TYPE_CHECKING:
     import torch
@@ -380,20 +380,34 @@ class OptimStepResponse:
     receipt: Receipt | None = None
 
 
+class _ConsoleLink:
+    """A save's page in the gateway's web console (``console_url``; "" when the gateway serves no HTTP door)."""
+
+    __slots__ = ()
+    console_url: str
+
+    def get_console_url(self) -> str:
+        if not self.console_url:
+            raise FailedPrecondition("this gateway serves no web console (it runs without its HTTP door)")
+        return self.console_url
+
+
 @dataclass(slots=True)
-class SaveWeightsResponse:
+class SaveWeightsResponse(_ConsoleLink):
     """``path``: ``tinker://<run>/weights/<name>``, a training state (adapter + optimizer)."""
 
     path: str
     receipt: Receipt | None = None
+    console_url: str = ""
 
 
 @dataclass(slots=True)
-class SaveWeightsForSamplerResponse:
+class SaveWeightsForSamplerResponse(_ConsoleLink):
     """``path``: ``tinker://<run>/sampler_weights/<name>``, a PEFT-style adapter for sampling."""
 
     path: str
     receipt: Receipt | None = None
+    console_url: str = ""
 
 
 @dataclass(slots=True)

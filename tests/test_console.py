@@ -18,6 +18,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+import lathe
 from lathe.stack import Stack
 from tests.helpers import next_token_datum
 
@@ -108,3 +109,15 @@ def test_a_bad_key_or_a_forged_cookie_gets_the_login_form(stack: Stack) -> None:
         ok = http.post("/console/login", data={"api_key": KEY}, follow_redirects=False)
         assert ok.status_code == 303 and "httponly" in ok.headers["set-cookie"].lower()
         assert "samesite=strict" in ok.headers["set-cookie"].lower()
+
+
+def test_lathes_sdk_links_a_save_to_its_console_page(stack: Stack) -> None:
+    lc = lathe.ServiceClient(base_url=stack.gateway, api_key=KEY)
+    training = lc.create_lora_training_client(BASE, rank=4, seed=5)
+    saved = training.save_weights_for_sampler("linked").result()
+    url = saved.get_console_url()
+    assert url.startswith(stack.http_url + "/console/checkpoints/")
+    with httpx.Client() as http:
+        http.post(stack.http_url + "/console/login", data={"api_key": KEY})
+        page = http.get(url)
+    assert page.status_code == 200 and saved.path in page.text

@@ -93,7 +93,8 @@ async def serve(cfg: GatewayConfig, args: argparse.Namespace) -> None:
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
         root = cfg.http_public_url.rstrip("/") or f"{'https' if tls else 'http'}://{args.host}:{http.port}"
         files_url = root + PREFIX
-    servicer = GatewayServicer(core, keys, door.downloads if door is not None else None, files_url)
+    servicer = GatewayServicer(core, keys, door.downloads if door is not None else None, files_url,
+                               files_url.removesuffix(PREFIX))
 
     async def stop() -> None:
         if http is not None:

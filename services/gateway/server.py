@@ -29,6 +29,7 @@ from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import ApiKeys
+from .console import checkpoint_link
 from .core import GatewayCore
 from .downloads import Downloads, export_note
 from .limits import DecodeGate
@@ -132,14 +133,16 @@ def _session_summary(s: Session, checkpoints: list[cpb.CheckpointInfo]) -> pb.Se
 
 class GatewayServicer(pb_grpc.GatewayServicer):
     """``downloads``: the HTTP door's (None: no HTTP door, so no external weights); ``files_url``: that door's
-    ``/api/v1`` root as clients reach it, for the download URLs it signs."""
+    ``/api/v1`` root as clients reach it, for the download URLs it signs; ``root_url``: the door's root, for the
+    console pages a save's result links to ("": no HTTP door, no links)."""
 
     def __init__(self, core: GatewayCore, keys: ApiKeys, downloads: Downloads | None = None,
-                 files_url: str = "") -> None:
+                 files_url: str = "", root_url: str = "") -> None:
         self.core = core
         self.keys = keys
         self.downloads = downloads
         self.files_url = files_url
+        self.root_url = root_url
 
     def _downloads(self) -> Downloads:
         if self.downloads is None:
@@ -252,16 +255,19 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     @authed
     async def RetrieveFuture(self, request: pb.RetrieveFutureRequest, tenant: str) -> pb.FutureResult:
-        """The core's result; that of a ``SaveWeightsExternal`` answers the export, built now if not yet."""
+        """The core's result; that of a ``SaveWeightsExternal`` answers the export, built now if not yet; a save's
+        links to its console page."""
         res = await self.core.ledger.retrieve(tenant, request.request_id, request.timeout_s)
-        if self.downloads is None or res.WhichOneof("result") != "save" or not Downloads.maybe_staging(res.save.path):
-            return res
-        exported = await self.downloads.finish_export(tenant, res.save.path)
-        if exported is None:
+        if res.WhichOneof("result") != "save":
             return res
         out = pb.FutureResult()
         out.CopyFrom(res)  # the core keeps its own
-        out.save.path = exported["path"]
+        if self.downloads is not None and Downloads.maybe_staging(res.save.path):
+            exported = await self.downloads.finish_export(tenant, res.save.path)
+            if exported is not None:
+                out.save.path = exported["path"]
+        if self.root_url:
+            out.save.console_url = self.root_url + checkpoint_link(out.save.path)
         return out
 
     @authed
