@@ -5,6 +5,7 @@
 3. Supervised fine-tuning on the clamp task through the SDK (loss curve + manifest under runs/).
 4. RL on the clamp task from a fresh adapter: sample, grade in a sandbox, importance_sampling
    (reward and sampler-trainer KL curves + manifest under runs/).
+5. Each run's page in the gateway's web console, as a screenshot beside its PNGs (``console.png``).
 
 ``--model`` runs the same job on another served model, e.g. the tiny Qwen3-MoE:
 ``python -m examples.demo --model lathe/tiny-qwen3-moe --sft-steps 0 --rl-steps 4`` (a random model: its
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import lathe
 from examples import rl_clamp, sft_clamp
+from examples.console_shot import screenshot
 from lathe.stack import Stack, StackConfig
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+KEY = "tml-demo"
 
 
 def main() -> None:
@@ -47,14 +50,20 @@ def main() -> None:
     print("starting the embedded stack (checkpoints, trainer, gateway) ...", flush=True)
     with Stack(cfg) as stack:
         print(f"Lathe gateway listening on {stack.gateway}", flush=True)
-        with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-demo") as sc:
+        print(f"its web console: {stack.http_url}/console (log in with the API key tml-demo)", flush=True)
+        runs = {}
+        with lathe.ServiceClient(base_url=stack.gateway, api_key=KEY) as sc:
             if args.sft_steps:
-                sft_clamp.run(sc, sft_clamp.SftConfig(
+                runs["sft"] = sft_clamp.run(sc, sft_clamp.SftConfig(
                     base_model=model, model_dir=model_dir, out_dir=run_dir / "sft", steps=args.sft_steps,
                     batch_size=args.batch_size, rank=args.rank))
             if args.rl_steps:
-                rl_clamp.run(sc, rl_clamp.RlConfig(base_model=model, model_dir=model_dir, out_dir=run_dir / "rl",
-                                                   steps=args.rl_steps, rank=args.rank))
+                runs["rl"] = rl_clamp.run(sc, rl_clamp.RlConfig(
+                    base_model=model, model_dir=model_dir, out_dir=run_dir / "rl", steps=args.rl_steps,
+                    rank=args.rank))
+        for name, manifest in runs.items():
+            shot = screenshot(stack.http_url, KEY, manifest["model_id"], run_dir / name / "console.png")
+            print(f"{name}: the run's console page -> {shot}", flush=True)
     print(f"demo finished; outputs in {run_dir}")
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import quote
 
 from lathe import wire
 from lathe.connect import DEFAULT_BASE_URL, grpc_target, open_connection
@@ -34,6 +35,7 @@ from lathe.types import (
     OptimizerConfig,
     check_no_project,
     check_weights_access_token,
+    console_page,
     optimizer_family,
 )
 from lathe.v1 import lathe_pb2 as pb
@@ -67,6 +69,7 @@ class ServiceClient:
         # Touched only on the connection's loop:
         self._session: asyncio.Task[str] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._console = ""  # the root of the gateway's web console, from CreateSession
 
     def __repr__(self) -> str:
         return f"<ServiceClient {self._conn.target}>"
@@ -88,7 +91,13 @@ class ServiceClient:
         resp = await self._conn.call("CreateSession", pb.CreateSessionRequest(user_metadata=self._user_metadata,
                                                                               display_name=self._display_name))
         self._heartbeat = asyncio.create_task(self._beat(resp.session_id))
+        self._console = resp.console_url
         return resp.session_id
+
+    def get_console_url(self) -> str:
+        """This session's page in the gateway's web console (the session is made now if it is not yet)."""
+        session_id = self._run(self._session_id()).result()
+        return console_page(self._console, f"sessions/{quote(session_id, safe='')}")
 
     async def _beat(self, session_id: str) -> None:
         while True:
@@ -110,7 +119,7 @@ class ServiceClient:
         submitted = await self._conn.call(rpc, request)
         created = wire.result_from_proto(await poll(self._conn, submitted.request_id), CreateModelResponse)
         info = await self._conn.call("GetInfo", pb.GetInfoRequest(model_id=created.model_id))
-        return TrainingClient(self._conn, wire.get_info_from_proto(info), self._sampling_client)
+        return TrainingClient(self._conn, wire.get_info_from_proto(info), self._sampling_client, self._console)
 
     def _lora(self, base_model: str, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
               train_unembed: bool, user_metadata: dict[str, str] | None, optimizer: OptimizerConfig | None

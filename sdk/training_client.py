@@ -21,6 +21,7 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
 import numpy as np
 from google.protobuf.message import Message
@@ -47,6 +48,7 @@ from lathe.types import (
     SaveWeightsResponse,
     TensorData,
     check_weights_access_token,
+    console_page,
     optim_params_of,
 )
 from lathe.v1 import lathe_pb2 as pb
@@ -104,8 +106,10 @@ class TrainingClient:
     """Created by ``ServiceClient.create_lora_training_client`` / ``create_training_client_from_state*``."""
 
     def __init__(self, conn: Connection, info: GetInfoResponse,
-                 sampling_client: Callable[..., Awaitable[SamplingClient]]) -> None:
+                 sampling_client: Callable[..., Awaitable[SamplingClient]], console: str = "") -> None:
+        """``console``: the root of the gateway's web console ("": it serves none)."""
         self.model_id = info.model_id
+        self._console = console
         self._conn = conn
         self._sampling_client = sampling_client
         self._info = info
@@ -117,6 +121,10 @@ class TrainingClient:
 
     def __repr__(self) -> str:
         return f"<TrainingClient {self.model_id} on {self._info.model_name}>"
+
+    def get_console_url(self) -> str:
+        """This run's page in the gateway's web console: its curves and checkpoints."""
+        return console_page(self._console, f"training_runs/{quote(self.model_id, safe='')}")
 
     # ---- ordered submission ----
 

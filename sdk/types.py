@@ -380,6 +380,13 @@ class OptimStepResponse:
     receipt: Receipt | None = None
 
 
+def console_page(root: str, page: str) -> str:
+    """``page`` of the gateway's web console at ``root`` ("": the gateway serves none)."""
+    if not root:
+        raise FailedPrecondition("this gateway serves no web console (it runs without its HTTP door)")
+    return f"{root}/{page}"
+
+
 class _ConsoleLink:
     """A save's page in the gateway's web console (``console_url``; "" when the gateway serves no HTTP door)."""
 
@@ -387,9 +394,7 @@ class _ConsoleLink:
     console_url: str
 
     def get_console_url(self) -> str:
-        if not self.console_url:
-            raise FailedPrecondition("this gateway serves no web console (it runs without its HTTP door)")
-        return self.console_url
+        return console_page(self.console_url, "").removesuffix("/")
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -111,7 +112,7 @@ def test_a_bad_key_or_a_forged_cookie_gets_the_login_form(stack: Stack) -> None:
         assert "samesite=strict" in ok.headers["set-cookie"].lower()
 
 
-def test_lathes_sdk_links_a_save_to_its_console_page(stack: Stack) -> None:
+def test_lathes_sdk_links_a_session_a_run_and_a_save_to_their_console_pages(stack: Stack) -> None:
     lc = lathe.ServiceClient(base_url=stack.gateway, api_key=KEY)
     training = lc.create_lora_training_client(BASE, rank=4, seed=5)
     saved = training.save_weights_for_sampler("linked").result()
@@ -121,3 +122,11 @@ def test_lathes_sdk_links_a_save_to_its_console_page(stack: Stack) -> None:
         http.post(stack.http_url + "/console/login", data={"api_key": KEY})
         page = http.get(url)
     assert page.status_code == 200 and saved.path in page.text
+    run_page = training.get_console_url()
+    assert run_page == f"{stack.http_url}/console/training_runs/{quote(training.model_id, safe='')}"
+    session_page = lc.get_console_url()
+    assert session_page.startswith(stack.http_url + "/console/sessions/sess-")
+    with httpx.Client() as http:
+        http.post(stack.http_url + "/console/login", data={"api_key": KEY})
+        assert training.model_id in http.get(run_page).text
+        assert training.model_id in http.get(session_page).text

@@ -23,7 +23,6 @@ import lathe
 CLIENTS = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
 CONSTRUCTED_BY_USERS = {"ServiceClient", "RestClient"}  # the others are made by a client, from internal state
 
-_NO_CONSOLE = "Lathe has no web console"
 _NO_TELEMETRY = "Lathe sends no client telemetry"
 _NO_PROJECTS = "Lathe has tenants (API keys), not projects"
 _NO_TRACES = "Lathe builds no Perfetto traces of a session's requests"
@@ -32,10 +31,8 @@ _NO_BILLING = "Lathe keeps no billing or audit records"
 KNOWN_GAPS: dict[str, str] = {
     # ServiceClient
     "ServiceClient.__init__(default_headers_overrides)": "Lathe's SDK speaks gRPC; it sends no HTTP headers",
-    "ServiceClient.get_console_url": _NO_CONSOLE,
     "ServiceClient.get_telemetry": _NO_TELEMETRY,
     # TrainingClient
-    "TrainingClient.get_console_url": _NO_CONSOLE,
     "TrainingClient.get_telemetry": _NO_TELEMETRY,
     # SamplingClient
     "SamplingClient.create": "tinker's internal constructor (takes its client holder); use create_sampling_client",

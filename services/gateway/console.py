@@ -122,9 +122,18 @@ def _page(title: str, body: str, tenant: str | None = None) -> HTMLResponse:
 
 
 def checkpoint_link(path: str) -> str:
-    """The console page of the checkpoint at ``tinker://<run>/<kind>/<name>``."""
+    """The console page of the checkpoint at ``tinker://<run>/<kind>/<name>``, below the console's root."""
     run, _, checkpoint_id = path.removeprefix("tinker://").partition("/")
-    return f"{PREFIX}/checkpoints/{quote(run, safe='')}/{quote(checkpoint_id, safe='/')}"
+    return f"checkpoints/{quote(run, safe='')}/{quote(checkpoint_id, safe='/')}"
+
+
+def _link(page: str, text: str) -> str:
+    """A link to the console's ``page`` (below its root) that reads ``text``."""
+    return f'<a href="{PREFIX}/{page}">{_e(text)}</a>'
+
+
+def _run_link(model_id: str) -> str:
+    return _link(f"training_runs/{quote(model_id, safe='')}", model_id)
 
 
 class Console:
@@ -145,6 +154,7 @@ class Console:
             Route("/login", self.login, methods=["POST"]),
             Route("/logout", self.logout, methods=["GET"]),
             Route("/", page(self.overview), methods=["GET"]),
+            Route("/sessions/{session_id}", page(self.session), methods=["GET"]),
             Route("/training_runs/{run_id}", page(self.run), methods=["GET"]),
             Route("/training_runs/{run_id}/points", self._points, methods=["GET"]),
             Route("/checkpoints/{run_id}/{checkpoint_id:path}", page(self.checkpoint), methods=["GET"]),
@@ -221,22 +231,30 @@ class Console:
         listed = await self.core.registry.list_checkpoints(tenant, "", 1000, 0)
         sessions = self.core.registry.list_sessions(tenant, 100, 0)
         pools = self.core.metrics.pools(self.core.ledger.pending_all())
-        run_rows = [[f'<a href="{PREFIX}/training_runs/{quote(r.model_id, safe="")}">{_e(r.model_id)}</a>',
-                     _e(r.base_model), _e(r.lora.rank), _when(r.last_request_time)]
+        run_rows = [[_run_link(r.model_id), _e(r.base_model), _e(r.lora.rank), _when(r.last_request_time)]
                     for r in sorted(runs, key=lambda r: -r.created_at)]
         return "Overview", (
             "<h3>Training runs</h3>"
             + _table(["run", "base model", "rank", "last request"], run_rows, "no training runs yet")
             + "<h3>Checkpoints</h3>" + self._checkpoints(list(listed.checkpoints))
-            + "<h3>Sessions</h3>" + _table(["session"], [[_e(s)] for s in sessions], "no sessions yet")
+            + "<h3>Sessions</h3>" + _table(["session"], [[_link(f"sessions/{quote(s, safe='')}", s)] for s in sessions],
+                                           "no sessions yet")
             + f"<h3>Trainer pools (last {pools.window_s:.0f} s, every tenant)</h3>"
             + _table(["clock cycles", "mean cycle", "utilization", "mean wait before a cycle", "queued now"],
                      [[str(pools.cycles), f"{pools.mean_cycle_s:.3f} s", f"{100 * pools.utilization:.1f}%",
                        f"{pools.mean_queued_s:.3f} s", str(pools.pending)]], ""))
 
+    async def session(self, request: Request, tenant: str) -> tuple[str, str]:
+        s, run_ids, sampler_ids = self.core.registry.session_members(tenant, request.path_params["session_id"])
+        return f"Session {s.session_id}", (
+            _table(["created", "display name", "metadata"], [[_when(s.created_at), _e(s.display_name or ""),
+                                                             _e(json.dumps(s.user_metadata))]], "")
+            + "<h3>Training runs</h3>" + _table(["run"], [[_run_link(r)] for r in run_ids], "no training runs")
+            + "<h3>Sampling sessions</h3>" + _table(["sampler"], [[_e(x)] for x in sampler_ids], "no samplers"))
+
     @staticmethod
     def _checkpoints(checkpoints: list[Any]) -> str:
-        rows = [[f'<a href="{checkpoint_link(c.tinker_path)}">{_e(c.tinker_path)}</a>', _e(c.checkpoint_type),
+        rows = [[_link(checkpoint_link(c.tinker_path), c.tinker_path), _e(c.checkpoint_type),
                  _size(c.size_bytes), _when(c.time), _when(c.expires_at) if c.expires_at else "no TTL",
                  "published" if c.public else "private"]
                 for c in sorted(checkpoints, key=lambda c: -c.time)]
@@ -274,7 +292,6 @@ class Console:
                 ["saved", _when(info.created_at)],
                 ["expires", _when(info.expires_at) if info.expires_at else "no TTL"],
                 ["access", "published" if info.public else "private"],
-                ["training run", f'<a href="{PREFIX}/training_runs/{quote(info.run_id, safe="")}">'
-                                 f"{_e(info.run_id)}</a>"]]
+                ["training run", _run_link(info.run_id)]]
         rows += [[_e(k), _e(v if isinstance(v, str) else json.dumps(v))] for k, v in sorted(meta.items())]
         return f"Checkpoint {info.kind}/{info.name}", _table(["field", "value"], rows, "")

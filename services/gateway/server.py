@@ -29,6 +29,7 @@ from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
 from .auth import ApiKeys
+from .console import PREFIX as CONSOLE
 from .console import checkpoint_link
 from .core import GatewayCore
 from .downloads import Downloads, export_note
@@ -153,7 +154,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     @authed
     async def CreateSession(self, request: pb.CreateSessionRequest, tenant: str) -> pb.CreateSessionResponse:
         return pb.CreateSessionResponse(session_id=self.core.book.create(
-            tenant, dict(request.user_metadata), _optional(request, "display_name")))
+            tenant, dict(request.user_metadata), _optional(request, "display_name")),
+            console_url=self.root_url + CONSOLE if self.root_url else "")
 
     @authed
     async def FinishSession(self, request: pb.FinishSessionRequest, tenant: str) -> pb.Empty:
@@ -267,7 +269,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             if exported is not None:
                 out.save.path = exported["path"]
         if self.root_url:
-            out.save.console_url = self.root_url + checkpoint_link(out.save.path)
+            out.save.console_url = f"{self.root_url}{CONSOLE}/{checkpoint_link(out.save.path)}"
         return out
 
     @authed
