@@ -130,3 +130,22 @@ def test_lathes_sdk_links_a_session_a_run_and_a_save_to_their_console_pages(stac
         http.post(stack.http_url + "/console/login", data={"api_key": KEY})
         assert training.model_id in http.get(run_page).text
         assert training.model_id in http.get(session_page).text
+
+
+def test_an_rl_runs_points_carry_its_sampler_trainer_kl(stack: Stack) -> None:
+    """An importance_sampling step on the very policy that sampled reports ``sampler_kl:mean`` 0.0 (the pools'
+    bits agree), and the run page's points carry it for the console's KL curve."""
+    with lathe.ServiceClient(base_url=stack.gateway, api_key=KEY) as lc:
+        training = lc.create_lora_training_client(BASE, rank=4, seed=6)
+        prompt = [4, 9, 16, 25]
+        res = training.save_weights_and_get_sampling_client("rl").sample(
+            lathe.ModelInput.from_ints(prompt), 2, lathe.SamplingParams(max_tokens=5, seed=3, stop=[])).result()
+        data = [lathe.Datum(model_input=lathe.ModelInput.from_ints((prompt + s.tokens)[:-1]), loss_fn_inputs={
+            "target_tokens": (prompt + s.tokens)[1:], "logprobs": [0.0] * 3 + s.logprobs,
+            "advantages": [0.0] * 3 + [1.0] * len(s.tokens)}) for s in res.sequences]
+        fb = training.forward_backward(data, "importance_sampling").result()
+    assert fb.metrics["sampler_kl:mean"] == 0.0
+    with httpx.Client(base_url=stack.http_url) as http:
+        http.post("/console/login", data={"api_key": KEY})
+        got = http.get(f"/console/training_runs/{quote(training.model_id, safe='')}/points").json()
+    assert [p["metrics"]["sampler_kl:mean"] for p in got if p["op"] == "forward_backward"] == [0.0]

@@ -107,8 +107,6 @@ class CycleMetrics:
         self.tenants_in_cycle.set(tenants)
         self.queue_depth.set(queued)
 
-    def observe_kl(self, examples: Sequence[Example], logprobs: Sequence[torch.Tensor]) -> None:
+    def observe_kl(self, kl: float) -> None:
         """Record the sampler-trainer KL of a finished forward_backward that carried sampler logprobs."""
-        kl = sampler_kl(examples, logprobs)
-        if kl is not None:
-            self.kl.observe(kl)
+        self.kl.observe(kl)

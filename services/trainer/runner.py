@@ -22,7 +22,7 @@ from lathe.trainer.custom_loss import reduce_metrics
 from lathe.trainer.cycle import Partial, Work
 from lathe.trainer.dist import Group
 from lathe.trainer.lifecycle import BaseModels, RunMaker
-from lathe.trainer.metrics import CycleMetrics
+from lathe.trainer.metrics import CycleMetrics, sampler_kl
 from lathe.trainer.ops import Load, OptimStep, Result, Save
 from lathe.trainer.optim_state import optim_step
 from lathe.trainer.step import Job, JobResult, run_jobs
@@ -96,21 +96,26 @@ class CycleRunner:
             for n, param in self.bank.get(m.model_id).weights.named_parameters().items():
                 param.grad = p.grad_backup[n]
         m.partial = None
-        if res.error is None:
-            self.metrics.observe_kl(p.examples, p.logprobs)
-        out = self._fb_result(p, res.error)
+        kl = sampler_kl(p.examples, p.logprobs) if res.error is None else None
+        if kl is not None:
+            self.metrics.observe_kl(kl)
+        out = self._fb_result(p, res.error, kl)
         self.finish(m, p.item, cycle, start, out, tokens=p.request.tokens)
         if res.error is not None and w.optim is not None:
             self.finish(m, w.optim, cycle, start, self._optim(m.model_id, w.optim.op.body))
             w.optim = None
 
     @staticmethod
-    def _fb_result(p: Partial, error: LatheError | None) -> Result:
+    def _fb_result(p: Partial, error: LatheError | None, kl: float | None) -> Result:
+        """The request's answer: its logprobs, a custom loss's metrics, ``loss:sum``, and ``sampler_kl:mean`` (the
+        KL from the sampler's logprobs it carried to the trainer's, ``metrics.sampler_kl``) when it carried any."""
         if error is not None:
             return Result(error=error)
         outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in p.logprobs]
-        return Result(ForwardBackwardOutput("ArrayRecord", outputs,
-                                            {**reduce_metrics(p.metric_sums, len(p.logprobs)), "loss:sum": p.loss}))
+        metrics = {**reduce_metrics(p.metric_sums, len(p.logprobs)), "loss:sum": p.loss}
+        if kl is not None:
+            metrics["sampler_kl:mean"] = kl
+        return Result(ForwardBackwardOutput("ArrayRecord", outputs, metrics))
 
     def _optim(self, model_id: str, step: OptimStep) -> Result:
         try:
