@@ -59,23 +59,26 @@ def tiny_dir(model_cache: Path) -> Path:
 
 
 @contextlib.contextmanager
-def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, models: str = "lathe/tiny-llama"
-               ) -> Iterator:
-    """Every service as its own process on loopback, serving the tiny model (or ``models``), one thread per pool."""
+def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, models: str = "lathe/tiny-llama",
+               metrics: bool = False) -> Iterator:
+    """Every service as its own process on loopback, serving the tiny model (or ``models``), one thread per pool;
+    ``metrics``: each serves Prometheus metrics too."""
     from lathe.stack import Stack, StackConfig
 
     cfg = StackConfig(models=models, store_root=tmp_path_factory.mktemp("store"),
-                      cache_root=model_cache, trainer_threads=1, sampler_threads=1)
+                      cache_root=model_cache, trainer_threads=1, sampler_threads=1, metrics=metrics)
     with Stack(cfg) as s:
         yield s
 
 
 @pytest.fixture(scope="session")
 def shared_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator:
-    """One ``tiny_stack`` for the whole session, serving the tiny Llama and the tiny Qwen3-MoE. The modules that share
-    it keep out of each other's way by their tenants (each uses API keys of its own, and in open mode a key is its
-    own tenant)."""
-    with tiny_stack(tmp_path_factory, model_cache, "lathe/tiny-llama,lathe/tiny-qwen3-moe") as s:
+    """One ``tiny_stack`` for the whole session, serving the tiny Llama (by its name, and by its directory, as the
+    cookbook's recipes name a model whose tokenizer they load) and the tiny Qwen3-MoE, with Prometheus metrics. The
+    modules that share it keep out of each other's way by their tenants (each uses API keys of its own, and in open
+    mode a key is its own tenant), and read counters as differences."""
+    with tiny_stack(tmp_path_factory, model_cache, f"lathe/tiny-llama,lathe/tiny-qwen3-moe,{tiny_dir}",
+                    metrics=True) as s:
         yield s
 
 

@@ -11,12 +11,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 
 RECIPE_TIMEOUT_S = 240
 COOKBOOK_KEY = "tml-cookbook"
@@ -25,11 +24,16 @@ KL_PROMPTS = [f"User: What is {a} + {b}?\n\nAssistant:" for a, b in ((3, 4), (12
 SUPERVISED = """
 import asyncio, sys
 from importlib import resources
+import tinker
 from tinker_cookbook.renderers import TrainOnWhat
 from tinker_cookbook.supervised import train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
+# the recipe asks for an adapter without a seed (so a random one); this run's is seeded, so it starts alike every time
+unseeded = tinker.ServiceClient.create_lora_training_client
+tinker.ServiceClient.create_lora_training_client = lambda self, *a, seed=None, **k: unseeded(
+    self, *a, seed=0 if seed is None else seed, **k)
 url, model, log = sys.argv[1:]
 data = str(resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl")
 common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=model, renderer_name="role_colon", max_length=256,
@@ -41,10 +45,17 @@ asyncio.run(train.main(train.Config(
 """
 
 RL_WITH_KL = """
-import asyncio, sys
+import asyncio, itertools, sys
+import tinker
 from tinker_cookbook.recipes.math_rl.train import get_dataset_builder
 from tinker_cookbook.rl import train
 
+# The recipe samples unseeded; each of its samples gets the next seed of a counter instead, in the order the recipe
+# asks for them (its tasks start in a fixed order), so the run, and the KL it ends at, is the same every time.
+seeds, unseeded = itertools.count(1), tinker.SamplingClient.sample
+tinker.SamplingClient.sample = lambda self, prompt, num_samples, sampling_params, *a, **k: unseeded(
+    self, prompt, num_samples, sampling_params if sampling_params.seed is not None else
+    sampling_params.model_copy(update={"seed": next(seeds)}), *a, **k)
 url, model, log, start = sys.argv[1:]
 asyncio.run(train.main(train.Config(
     log_path=log, model_name=model, recipe_name="lathe_rl_kl", renderer_name="role_colon", base_url=url,
@@ -53,6 +64,14 @@ asyncio.run(train.main(train.Config(
     learning_rate=5e-3, lora_rank=8, max_tokens=5, loss_fn="importance_sampling", load_checkpoint_path=start,
     kl_penalty_coef=1.0, kl_reference_config=train.KLReferenceConfig(base_model=model),
     eval_every=0, save_every=0, max_steps=4)))
+"""
+
+
+DOWNLOAD = """
+import sys
+from tinker_cookbook import weights
+
+weights.download(tinker_path=sys.argv[1], output_dir=sys.argv[2], base_url=sys.argv[3])
 """
 
 
@@ -73,35 +92,30 @@ asyncio.run(train.main(train.Config(
 """
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    cfg = StackConfig(models=f"lathe/tiny-llama,{tiny_dir}", store_root=tmp_path_factory.mktemp("store"),
-                      cache_root=model_cache, trainer_threads=1, sampler_threads=1)
-    with Stack(cfg) as s:
-        yield s
-
-
-def run(args: list[str], log: Path) -> list[dict]:
-    """Run a recipe process (offline, bounded) and return the metrics it logged, one dict per step."""
+def run(args: list[str], log: Path | None) -> list[dict]:
+    """Run a recipe process (offline, bounded) and return the metrics it logged (under ``log``), one dict per
+    step."""
     env = {**os.environ, "TINKER_API_KEY": COOKBOOK_KEY, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                           timeout=RECIPE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    return [] if log is None else [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
 
 
 def _kl_to_base(stack: Stack, tiny_dir: Path, workdir: Path, path: str) -> float:
     """The mean over every position of ``KL_PROMPTS`` of KL(model || base) of the next-token distributions, exact
     (over the whole vocabulary), for the training state at ``path`` merged into the base model."""
     import torch
-    from tinker_cookbook import weights
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
     from lathe.export import export_merged
 
-    adapter = Path(weights.download(tinker_path=path, output_dir=str(workdir / "adapter"), base_url=stack.http_url))
+    # downloaded by a process of its own, as a user would: the tinker SDK keeps one REST client per base URL for the
+    # life of a process, with the API key it found first (another module's, in this one)
+    adapter = workdir / "adapter"
+    run(["-c", DOWNLOAD, path, str(adapter), stack.http_url], None)
     merged = export_merged(adapter, workdir / "merged", base_dir=tiny_dir)
     tokenizer = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
     ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in KL_PROMPTS]
@@ -171,16 +185,15 @@ def test_async_rl_with_stable_reinforce_trains_off_policy_on_the_recorded_sample
 
 def test_rl_with_a_kl_penalty_pulls_the_policy_back_toward_the_base(stack: Stack, tiny_dir: Path,
                                                                     supervised: tuple[list[dict], str],
-                                                                    tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                    tmp_path: Path) -> None:
     """From the supervised checkpoint the policy differs from the base model, so the KL penalty gives every
-    token an advantage: gradients flow, and the policy ends nearer the base. Nearer is measured without sampling:
-    the exact KL of the next-token distributions to the base's over every position of fixed arithmetic prompts,
-    from the start and the final checkpoints, each downloaded and merged as a user would."""
+    token an advantage: gradients flow, and the policy ends nearer the base. Both recipes run seeded (the adapter's
+    initialization, each sample's seed from a counter), so the run is the same every time. Nearer is measured
+    without sampling: the exact KL of the next-token distributions to the base's over every position of fixed
+    arithmetic prompts, from the start and the final checkpoints, each downloaded and merged as a user would."""
     metrics = run(["-c", RL_WITH_KL, stack.http_url, str(tiny_dir), str(tmp_path), supervised[1]], tmp_path)
     assert len([m for m in metrics if "kl_policy_base" in m]) == 4  # the recipe measured it every step
     assert all(m["grad_norm:mean"] > 0 for m in metrics if "grad_norm:mean" in m)
-    monkeypatch.setenv("TINKER_API_KEY", COOKBOOK_KEY)
     start, final = (_kl_to_base(stack, tiny_dir, tmp_path / name, path)
                     for name, path in (("start", supervised[1]), ("final", final_state(tmp_path))))
     print(f"KL to base: start {start:.5f}, final {final:.5f}")

@@ -10,12 +10,11 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 
 RECIPE_TIMEOUT_S = 300
 STEPS = 4
@@ -37,14 +36,6 @@ train_dpo.main(train_dpo.Config(
     learning_rate=2e-2, lr_schedule="constant", dpo_beta=0.5, lora_rank=8, num_epochs=int(steps),
     save_every=0, eval_every=0, max_steps=int(steps)))
 """
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    cfg = StackConfig(models=str(tiny_dir), store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
-                      trainer_threads=1, sampler_threads=1)
-    with Stack(cfg) as s:
-        yield s
 
 
 def preferences(path: Path) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import lathe
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = [REPO / "helm/lathe/dashboards/cycles.json", REPO / "helm/lathe/dashboards/service.json"]
@@ -59,11 +58,10 @@ def scrape(url: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
-                      trainer_threads=1, sampler_threads=1, metrics=True)
-    with Stack(cfg) as s:
-        yield s
+def live(shared_stack: Stack) -> Stack:
+    """The shared stack (it serves metrics): other modules' tenants move its counters too, so they are read as
+    differences."""
+    return shared_stack
 
 
 def _rl_datum(completion: list[int], lps: list[float]) -> lathe.Datum:
@@ -98,8 +96,10 @@ def test_every_service_exposes_its_metrics_and_they_move_with_sdk_calls(live: St
     for service, names in POSITIVE_GAUGES.items():
         for name in names:
             assert after[service].get(name, 0.0) > 0, (service, name)
-    assert after["trainer"]["lathe_trainer_sampler_kl_sum"] == 0.0  # exact pools: same bits, no divergence
-    assert after["trainer"]["lathe_trainer_exactness"] == after["sampler"]["lathe_sampler_exactness"] == 1.0
+    # exact pools: same bits, no divergence (other modules train off-policy on purpose, so the difference)
+    assert after["trainer"]["lathe_trainer_sampler_kl_sum"] == before["trainer"]["lathe_trainer_sampler_kl_sum"]
+    served = len(live.cfg.models.split(","))  # the gauge is 1 per model that passed its self-check, summed here
+    assert after["trainer"]["lathe_trainer_exactness"] == after["sampler"]["lathe_sampler_exactness"] == served
 
 
 def _exprs() -> list[str]:

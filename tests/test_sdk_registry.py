@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import tinker
@@ -16,20 +15,11 @@ from tinker import types as ttypes
 import lathe
 from lathe.errors import InvalidArgument, NotFound
 from lathe.registry_types import SessionSearchRequest, SessionStatusQuery
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 KEY, OTHER = "tml-sdk-registry", "tml-sdk-registry-other"
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("sdk-registry")
-    cfg = StackConfig(models=BASE, store_root=root / "store", cache_root=model_cache, trainer_threads=1,
-                      sampler_threads=1, db_url=f"sqlite:///{root}/control.db")
-    with Stack(cfg) as s:
-        yield s
 
 
 def _datum() -> lathe.Datum:

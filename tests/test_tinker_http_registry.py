@@ -5,8 +5,6 @@ official ``tinker`` SDK's own method against real processes."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,21 +13,12 @@ from tinker import types
 from tinker.lib._jwt_auth import JwtAuthProvider, jwt_claims
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
-from lathe.stack import Stack, StackConfig
+from lathe.stack import Stack
 from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
 WAIT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("registry")
-    cfg = StackConfig(models=BASE, store_root=root / "store", cache_root=model_cache, trainer_threads=1,
-                      sampler_threads=1, db_url=f"sqlite:///{root}/control.db")
-    with Stack(cfg) as s:
-        yield s
 
 
 def _http(stack: Stack, key: str) -> httpx.Client:
