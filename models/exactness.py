@@ -403,14 +403,23 @@ def _layout(lengths: list[int], adapters: list[LoraWeights]) -> LoraBatch:
     return LoraBatch(seg, [s % len(adapters) for s in range(len(lengths))], adapters)
 
 
-def _model_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> tuple[list[Check], torch.Tensor]:
-    """End-to-end checks; also returns the packed logprobs the fingerprint hashes."""
+def packed_logprobs(model: Decoder, gen: torch.Generator, lora_rank: int
+                    ) -> tuple[list[list[int]], list[LoraWeights], torch.Tensor]:
+    """The self-check's batch: random sequences of ``SEQ_LENGTHS`` tokens and two random adapters of ``lora_rank``
+    (drawn from ``gen``), and their logprobs in one packed pass: what the fingerprint hashes."""
     vocab = model.cfg.vocab_size
     seqs = [torch.randint(vocab, (n,), generator=gen).tolist() for n in SEQ_LENGTHS]
     adapters = _adapters(model, lora_rank, gen)
     lengths = [len(s) for s in seqs]
     with torch.no_grad():
-        packed = _logprobs(model, seqs, [list(range(n)) for n in lengths], _layout(lengths, adapters))
+        return seqs, adapters, _logprobs(model, seqs, [list(range(n)) for n in lengths], _layout(lengths, adapters))
+
+
+def _model_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> tuple[list[Check], torch.Tensor]:
+    """End-to-end checks; also returns the packed logprobs the fingerprint hashes."""
+    seqs, adapters, packed = packed_logprobs(model, gen, lora_rank)
+    lengths = [len(s) for s in seqs]
+    with torch.no_grad():
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)

@@ -95,7 +95,7 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     """The pool widens its linear and attention tiles only to heights whose bits equal the reference tiles':
     the packed logprobs and the fingerprint's bits are the same with the chosen ladders as with the references."""
     model = Decoder.from_dir(tiny_dir, dtype=dtype)
-    reference = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
+    reference = exactness.packed_logprobs(model, torch.Generator().manual_seed(5), 4)[2]
     pool = exactness.PoolExactness("trainer", invariant=True)
     report = pool.check("tiny", model)
     assert report.exact, report.first_failure
@@ -103,7 +103,7 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     assert set(model.ladder.tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
     assert attn.ATTN_ROW_TILE in model.attn_tiles and report.tiles["attn_row_tiles"] == list(model.attn_tiles)
     assert set(model.attn_tiles) <= {attn.ATTN_ROW_TILE, *attn.ATTN_TILE_CANDIDATES}
-    ladder = exactness._model_checks(model, torch.Generator().manual_seed(5), 4)[1]
+    ladder = exactness.packed_logprobs(model, torch.Generator().manual_seed(5), 4)[2]
     assert torch.equal(ladder, reference)
 
 
