@@ -178,3 +178,14 @@ def test_bad_requests_answer_openais_error_schema_naming_the_field(stack: Stack,
                      content=b"[1, 2]")
     assert raw.status_code == 400 and raw.json()["error"]["message"] == \
         "the request body must be a JSON object, got list"
+
+
+def test_several_prompts_answer_their_choices_prompt_by_prompt(stack: Stack, client: openai.OpenAI) -> None:
+    prompts = [PROMPT, [9, 8, 7, 6]]
+    out = client.completions.create(model=BASE, prompt=prompts, max_tokens=4, seed=SEED, n=2, logprobs=0)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        ref = tinker_sample(stack, BASE, prompt, 2, max_tokens=4, seed=SEED)
+        for choice, seq in zip(out.choices[2 * i:2 * i + 2], ref, strict=True):
+            assert choice.logprobs.token_logprobs == [float(np.float32(x)) for x in seq.logprobs]
+    assert out.usage.prompt_tokens == len(PROMPT) + 4

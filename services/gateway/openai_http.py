@@ -16,6 +16,7 @@ state of its own beyond the codecs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -40,6 +41,7 @@ from .text import Message, TextCodec, TextCodecs
 
 PREFIX = "/v1"
 MAX_PROMPTS = 64  # prompts of one /v1/completions call
+MAX_LISTED = 1000  # checkpoints /v1/models lists, the newest
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and on a completion's logprobs)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -125,7 +127,7 @@ class OpenAiDoor:
     async def models(self, request: Request, tenant: str) -> dict[str, Any]:
         """The served base models and the tenant's sampler checkpoints, newest first."""
         caps = await self.core.lookups.capabilities()
-        listed = await self.core.registry.list_checkpoints(tenant, "", INT32_MAX, 0)
+        listed = await self.core.registry.list_checkpoints(tenant, "", MAX_LISTED, 0)
         data = [{"id": m.model_name, "object": "model", "created": 0, "owned_by": "lathe"}
                 for m in caps.supported_models]
         data += [{"id": c.tinker_path, "object": "model", "created": int(c.time), "owned_by": tenant}
@@ -199,18 +201,16 @@ class OpenAiDoor:
 
     async def _sample(self, tenant: str, ask: Ask, codec: TextCodec, base_model: str, path: str, version: float
                       ) -> list[Choice]:
-        """Every prompt's ``n`` samples as choices, numbered prompt by prompt (OpenAI's order)."""
-        choices: list[Choice] = []
-        for prompt in ask.prompts:
-            req = pb.SampleRequest(prompt=prompt, params=ask.params, num_samples=ask.n,
-                                   topk_sample_logprobs=ask.top_logprobs, base_model=base_model, model_path=path,
-                                   model_version=version)
-            res = await self.core.sampling.sample_now(tenant, req)
+        """Every prompt's ``n`` samples as choices, numbered prompt by prompt (OpenAI's order). The prompts are
+        sampled at once (the sampler batches them); the text of each choice is decoded off the event loop."""
+        results = await asyncio.gather(*(self.core.sampling.sample_now(tenant, pb.SampleRequest(
+            prompt=prompt, params=ask.params, num_samples=ask.n, topk_sample_logprobs=ask.top_logprobs,
+            base_model=base_model, model_path=path, model_version=version)) for prompt in ask.prompts))
+        for res in results:
             if res.WhichOneof("result") == "error":
                 raise error_from_proto(res.error)
-            for seq in res.sample.sequences:
-                choices.append(_choice(len(choices), seq, codec, ask.stops))
-        return choices
+        seqs = [seq for res in results for seq in res.sample.sequences]
+        return await asyncio.to_thread(lambda: [_choice(i, seq, codec, ask.stops) for i, seq in enumerate(seqs)])
 
 
 def _rid() -> str:

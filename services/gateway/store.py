@@ -493,13 +493,13 @@ class ControlStore:
                 insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(run_points)
                 c.execute(insert.values(**point).on_conflict_do_nothing())
 
-    def run_points(self, tenant: str, model_id: str, after_seq: int = -1) -> list[dict]:
-        """The tenant's run ``model_id``'s curve points after ``seq_id`` ``after_seq``, in order: dicts of
-        ``seq_id``, ``step``, ``op``, ``metrics`` (name -> value) and ``finished``."""
+    def run_points(self, tenant: str, model_id: str, after_seq: int = -1, limit: int = 5000) -> list[dict]:
+        """The tenant's run ``model_id``'s first ``limit`` curve points after ``seq_id`` ``after_seq``, in order:
+        dicts of ``seq_id``, ``step``, ``op``, ``metrics`` (name -> value) and ``finished``."""
         with self.engine.begin() as c:
             rows = c.execute(sa.select(run_points).where(
                 run_points.c.model_id == model_id, run_points.c.tenant == tenant, run_points.c.seq_id > after_seq)
-                .order_by(run_points.c.seq_id)).all()
+                .order_by(run_points.c.seq_id, run_points.c.op).limit(limit)).all()
         return [{"seq_id": r.seq_id, "step": r.step, "op": r.op, "metrics": json.loads(r.metrics),
                  "finished": r.finished} for r in rows]
 
