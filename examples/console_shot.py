@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -13,23 +15,35 @@ from selenium.webdriver.support.ui import WebDriverWait
 WAIT_S = 60  # the most the page is waited for
 
 
-def screenshot(http_url: str, api_key: str, model_id: str, out: Path) -> Path:
-    """Log in to the console at ``http_url`` with ``api_key``, open run ``model_id``'s page, wait until its curves
-    are drawn and save the page as the PNG ``out``."""
+@contextlib.contextmanager
+def chromium(width: int = 1200, height: int = 1000) -> Iterator[webdriver.Chrome]:
+    """Debian's chromium, headless, driven by its chromedriver; quit on the way out."""
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,1000"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", f"--window-size={width},{height}"):
         options.add_argument(flag)
     service = webdriver.ChromeService(executable_path=shutil.which("chromedriver") or "/usr/bin/chromedriver")
     driver = webdriver.Chrome(options=options, service=service)
     try:
-        driver.get(http_url + "/console/login")
-        driver.find_element(By.NAME, "api_key").send_keys(api_key)
-        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        WebDriverWait(driver, WAIT_S).until(lambda d: d.title.startswith("Overview"))
+        yield driver
+    finally:
+        driver.quit()
+
+
+def log_in(driver: webdriver.Chrome, http_url: str, api_key: str) -> None:
+    """Log in to the console at ``http_url`` with ``api_key`` through its form; returns on the overview."""
+    driver.get(http_url + "/console/login")
+    driver.find_element(By.NAME, "api_key").send_keys(api_key)
+    driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    WebDriverWait(driver, WAIT_S).until(lambda d: d.title.startswith("Overview"))
+
+
+def screenshot(http_url: str, api_key: str, model_id: str, out: Path) -> Path:
+    """Log in to the console at ``http_url`` with ``api_key``, open run ``model_id``'s page, wait until its curves
+    are drawn and save the page as the PNG ``out``."""
+    with chromium() as driver:
+        log_in(driver, http_url, api_key)
         driver.get(f"{http_url}/console/training_runs/{quote(model_id, safe='')}")
         WebDriverWait(driver, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "svg[data-points]"))
         driver.save_screenshot(str(out))
-    finally:
-        driver.quit()
     return out

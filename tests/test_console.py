@@ -7,7 +7,6 @@ the login cookie is out of the page's script's reach.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -20,6 +19,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 import lathe
+from examples import console_shot
 from lathe.stack import Stack
 from tests.helpers import next_token_datum
 
@@ -30,23 +30,16 @@ WAIT_S = 60  # the most a page is waited for (a bound on a loop, not a speed ass
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[webdriver.Chrome]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
-        options.add_argument(flag)
-    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver") or "/usr/bin/chromedriver")
-    driver = webdriver.Chrome(options=options, service=service)
-    yield driver
-    driver.quit()
+    with console_shot.chromium() as driver:
+        yield driver
 
 
 def log_in(browser: webdriver.Chrome, stack: Stack, key: str) -> None:
+    """Log out, find the console sending to its login form, and log in with ``key``."""
     browser.get(stack.http_url + "/console/logout")
     browser.get(stack.http_url + "/console")
     assert browser.current_url.endswith("/console/login")
-    browser.find_element(By.NAME, "api_key").send_keys(key)
-    browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-    WebDriverWait(browser, WAIT_S).until(lambda b: b.title.startswith("Overview"))
+    console_shot.log_in(browser, stack.http_url, key)
 
 
 def points(browser: webdriver.Chrome) -> int:
