@@ -45,19 +45,12 @@ class Sampling:
         self.book.open(tenant, req.session_id)
         if req.follow_model_id:
             path, version = self.inflight(tenant, req.follow_model_id)
-            info = await self.lookups.checkpoint(tenant, path)
-            base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
+            base_model, _ = await self._checkpoint(tenant, path)
             return self.book.bind_sampling(tenant, req.session_id, seq_id, base_model, path, version,
                                            follows=req.follow_model_id).proto()
-        if req.model_path:
-            info = await self.lookups.checkpoint(tenant, req.model_path)
-            base_model = json.loads(info.metadata_json or "{}").get("base_model", "")
-            version = info.created_at
-        elif req.base_model:
-            await self.lookups.check_base_model(req.base_model)
-            base_model, version = req.base_model, 0.0
-        else:
+        if not (req.model_path or req.base_model):
             raise InvalidArgument("a sampling client needs model_path or base_model")
+        base_model, _, version = await self.policy(tenant, req.model_path or req.base_model, req.model_path != "")
         return self.book.bind_sampling(tenant, req.session_id, seq_id, base_model, req.model_path, version).proto()
 
     def inflight(self, tenant: str, model_id: str) -> tuple[str, float]:
@@ -100,15 +93,20 @@ class Sampling:
             self.quotas.settle_sample(tenant, charge, 0)
         return pb.SubmitResponse(request_id=holder)
 
-    async def policy(self, tenant: str, model: str) -> tuple[str, str, float]:
-        """What ``model`` names for a request that brings no sampling session (the OpenAI-compatible routes): a
-        sampler checkpoint path of the tenant's (its base model, the path, its version now), or a served base model
-        (itself, "", 0)."""
-        if model.startswith("tinker://"):
-            info = await self.lookups.checkpoint(tenant, model)
-            return json.loads(info.metadata_json or "{}").get("base_model", ""), model, info.created_at
+    async def policy(self, tenant: str, model: str, checkpoint: bool | None = None) -> tuple[str, str, float]:
+        """The policy ``model`` names: a checkpoint path of the tenant's (its base model, the path, its version now)
+        or a served base model (itself, "", 0). ``checkpoint``: which it is (None: a ``tinker://`` path is one, as
+        the OpenAI-compatible routes' ``model`` says)."""
+        if model.startswith("tinker://") if checkpoint is None else checkpoint:
+            base_model, version = await self._checkpoint(tenant, model)
+            return base_model, model, version
         await self.lookups.check_base_model(model)
         return model, "", 0.0
+
+    async def _checkpoint(self, tenant: str, path: str) -> tuple[str, float]:
+        """The base model and creation time of the tenant's checkpoint at ``path``."""
+        info = await self.lookups.checkpoint(tenant, path)
+        return json.loads(info.metadata_json or "{}").get("base_model", ""), info.created_at
 
     async def sample_now(self, tenant: str, req: pb.SampleRequest) -> pb.FutureResult:
         """Sample for a caller that waits on its connection (no ledger row, no idempotency: the OpenAI-compatible
