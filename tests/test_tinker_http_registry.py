@@ -5,6 +5,7 @@ official ``tinker`` SDK's own method against real processes."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -107,9 +108,15 @@ def test_storage_usage_and_copy_weights_of_a_tenants_checkpoints(stack: Stack) -
         answers = [http.post("/copy_weights", json=body, headers=headers) for _ in range(2)]
         assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
         again = [r.json()["tinker_path"] for r in answers]
+        with ThreadPoolExecutor(2) as pool:  # two attempts at once: whichever commits second answers the first's
+            both = list(pool.map(lambda _: http.post("/copy_weights", json=body, headers={"X-Idempotency-Key": "k-2"}),
+                                 range(2)))
+        assert [r.status_code for r in both] == [200, 200], [r.text for r in both]
+        raced = {r.json()["tinker_path"] for r in both}
     assert again[0] == again[1] and again[0] not in (source, copied)
+    assert len(raced) == 1 and raced.isdisjoint({source, copied, again[0]})
     usage = admin.get_current_checkpoint_storage_usage().result()
-    assert [(row.checkpoint_count, row.size_bytes) for row in usage.data] == [(3, 3 * listed[source].size_bytes)]
+    assert [(row.checkpoint_count, row.size_bytes) for row in usage.data] == [(4, 4 * listed[source].size_bytes)]
     assert usage.data[0].size_gigabytes == pytest.approx(usage.data[0].size_bytes / 1e9)
     with pytest.raises(tinker.NotFoundError):  # another tenant's checkpoint is missing, for copying too
         tinker.RestClient(base_url=stack.http_url, api_key="tml-copy-other").copy_weights(source, "p").result()

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from lathe.errors import AlreadyExists, from_rpc_error
+from lathe.errors import NotFound, from_rpc_error
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
@@ -35,24 +35,41 @@ def copy_run_id(tenant: str, idempotency_key: str | None) -> str:
 
 async def copy_checkpoint(stub: cpb_grpc.CheckpointsStub, tenant: str, source: str, run_id: str, ttl_seconds: int,
                           max_tenant_bytes: int) -> cpb.CheckpointInfo:
-    """Copy ``source`` to ``run_id``; a copy already there (an earlier attempt of the same request) is answered."""
+    """Copy ``source`` to ``run_id``; a copy already there (an earlier attempt of the same request) is answered.
+
+    The copy is looked for before the upload starts, and again when the upload fails: a concurrent attempt of the
+    same request may have committed first. The upload's own status is not trusted to say so, because grpc's asyncio
+    client can report a server's early refusal of a client stream (ALREADY_EXISTS before the first piece is read)
+    as ``INTERNAL: Internal error from Core`` when a write was in flight (grpc/grpc#36066)."""
     try:
         reader = stub.GetStream(cpb.CheckpointRef(tenant=tenant, path=source), timeout=_CALL_TIMEOUT_S)
-        header = (await reader.read()).header
-        info = header.info
+        info = (await reader.read()).header.info
+        target = cpb.CheckpointRef(tenant=tenant, path=f"tinker://{run_id}/{info.kind}/{info.name}")
+        if (done := await _stat(stub, target)) is not None:
+            reader.cancel()
+            return done
         put = cpb.PutCheckpointRequest(tenant=tenant, run_id=run_id, kind=info.kind, name=info.name,
                                        metadata_json=info.metadata_json, ttl_seconds=ttl_seconds,
                                        max_tenant_bytes=max_tenant_bytes)
-        target = f"tinker://{run_id}/{info.kind}/{info.name}"
         try:
             return await stub.PutStream(_pieces(put, reader), timeout=_CALL_TIMEOUT_S)
-        except grpc.RpcError as e:
-            if not isinstance(from_rpc_error(e), AlreadyExists):
-                raise
+        except grpc.RpcError:
             reader.cancel()
-            return await stub.Stat(cpb.CheckpointRef(tenant=tenant, path=target), timeout=_CALL_TIMEOUT_S)
+            if (done := await _stat(stub, target)) is not None:
+                return done
+            raise
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
+
+
+async def _stat(stub: cpb_grpc.CheckpointsStub, ref: cpb.CheckpointRef) -> cpb.CheckpointInfo | None:
+    """The checkpoint at ``ref``, or None when there is none."""
+    try:
+        return await stub.Stat(ref, timeout=_CALL_TIMEOUT_S)
+    except grpc.RpcError as e:
+        if isinstance(from_rpc_error(e), NotFound):
+            return None
+        raise
 
 
 async def _pieces(header: cpb.PutCheckpointRequest, reader: grpc.aio.UnaryStreamCall
