@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +33,37 @@ def _config(checkpoint_dir: Path) -> dict[str, Any]:
     return json.loads((checkpoint_dir / ADAPTER_CONFIG).read_text())
 
 
-def _write_metadata(out: Path, config: dict[str, Any], tinker_path: str, base_dir: Path, kind: str,
-                    source_metadata: dict[str, Any]) -> None:
-    meta = {"export": kind, "tinker_path": tinker_path, "base_model": source_metadata.get("base_model",
+def _metadata(config: dict[str, Any], tinker_path: str, base_dir: Path, kind: str,
+              source_metadata: dict[str, Any]) -> dict[str, Any]:
+    return {"export": kind, "tinker_path": tinker_path, "base_model": source_metadata.get("base_model",
             config.get("base_model_name_or_path")), "base_model_dir": str(base_dir), "rank": config["r"],
             "alpha": config["lora_alpha"], "target_modules": config["target_modules"],
             "checkpoint_metadata": source_metadata}
-    (out / METADATA).write_text(json.dumps(meta, indent=1))
+
+
+def write_peft(files: Mapping[str, bytes], out: Path, *, base_model: str, metadata: Mapping[str, Any]) -> Path:
+    """Write the PEFT adapter directory of a checkpoint's ``files`` (``adapter_model.safetensors`` and
+    ``adapter_config.json``, as the trainer saves them) at ``out``: the weights as they are, the config naming
+    ``base_model`` as its ``base_model_name_or_path``, and ``metadata`` as ``lathe_export.json``. ``export_peft``
+    writes with it, and so does the sampler's sglang engine when it publishes an adapter to its SGLang server."""
+    missing = [name for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG) if name not in files]
+    if missing:
+        raise FailedPrecondition(f"checkpoint has no {missing}: not a sampler checkpoint")
+    config = json.loads(files[ADAPTER_CONFIG])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ADAPTER_WEIGHTS).write_bytes(files[ADAPTER_WEIGHTS])
+    (out / ADAPTER_CONFIG).write_text(json.dumps({**config, "base_model_name_or_path": base_model}, indent=1))
+    (out / METADATA).write_text(json.dumps(dict(metadata), indent=1))
+    return out
 
 
 def export_peft(checkpoint_dir: Path, out: Path, *, base_dir: Path, tinker_path: str = "",
                 source_metadata: dict[str, Any] | None = None) -> Path:
     """Write a PEFT adapter directory at ``out`` whose ``base_model_name_or_path`` is ``base_dir``."""
     config = _config(checkpoint_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(checkpoint_dir / ADAPTER_WEIGHTS, out / ADAPTER_WEIGHTS)
-    (out / ADAPTER_CONFIG).write_text(json.dumps({**config, "base_model_name_or_path": str(base_dir)}, indent=1))
-    _write_metadata(out, config, tinker_path, base_dir, "peft", source_metadata or {})
-    return out
+    files = {name: (checkpoint_dir / name).read_bytes() for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)}
+    return write_peft(files, out, base_model=str(base_dir),
+                      metadata=_metadata(config, tinker_path, base_dir, "peft", source_metadata or {}))
 
 
 def export_merged(checkpoint_dir: Path, out: Path, *, base_dir: Path, tinker_path: str = "",
@@ -88,5 +102,6 @@ def export_merged(checkpoint_dir: Path, out: Path, *, base_dir: Path, tinker_pat
     tensors = {k: v.contiguous() for k, v in weights.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(model_config, indent=1))
-    _write_metadata(out, config, tinker_path, base_dir, "merged", source_metadata or {})
+    (out / METADATA).write_text(json.dumps(_metadata(config, tinker_path, base_dir, "merged", source_metadata or {}),
+                                            indent=1))
     return out

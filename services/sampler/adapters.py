@@ -69,6 +69,32 @@ def adapter_dtype(pool_dtype: torch.dtype, sgmv: bool) -> torch.dtype:
     return pool_dtype if sgmv else torch.float32
 
 
+def fetch_checkpoint(source: AdapterSource | None, tenant: str, path: str, version: float) -> dict[str, bytes]:
+    """The files of the sampler checkpoint at ``path`` as they were at ``version`` (the time the sampling client was
+    bound to it): ``FailedPrecondition`` when there is no store, or when the checkpoint was overwritten since."""
+    if source is None:
+        raise FailedPrecondition(f"this sampler has no checkpoint store configured, so it cannot load {path}")
+    files, stored = source.get(tenant, path)
+    if stored != version:
+        raise FailedPrecondition(f"the checkpoint at {path} was overwritten after this sampling client was "
+                                 f"bound (bound to version {version}, the store now holds {stored}); "
+                                 "create a new sampling client to sample from the new weights")
+    return files
+
+
+def peft_config(files: dict[str, bytes], base_model: str) -> dict:
+    """The ``adapter_config.json`` of a sampler checkpoint's ``files``, checked: both PEFT files present, and
+    trained on ``base_model`` (the model the request samples)."""
+    missing = [f for f in (WEIGHTS_FILE, CONFIG_FILE) if f not in files]
+    if missing:
+        raise InvalidArgument(f"checkpoint has no {missing}: not a sampler checkpoint")
+    config = json.loads(files[CONFIG_FILE])
+    trained_on = config.get("base_model_name_or_path")
+    if trained_on and trained_on != base_model:
+        raise FailedPrecondition(f"checkpoint was trained on {trained_on!r}, this request samples {base_model!r}")
+    return config
+
+
 def load_adapter(files: dict[str, bytes], cfg: ModelConfig, dtype: torch.dtype, base_model: str,
                  device: str | torch.device = "cpu") -> LoraWeights:
     """Build an adapter for base model ``cfg`` from a checkpoint's files; tensors cast to ``dtype`` on
@@ -77,14 +103,7 @@ def load_adapter(files: dict[str, bytes], cfg: ModelConfig, dtype: torch.dtype, 
     The pool asks for fp32 (its per-segment LoRA path computes in fp32, as the trainer does from its fp32
     master weights) or, for the SGMV kernels, the activation dtype that path casts to on every call.
     """
-    missing = [f for f in (WEIGHTS_FILE, CONFIG_FILE) if f not in files]
-    if missing:
-        raise InvalidArgument(f"checkpoint has no {missing}: not a sampler checkpoint")
-    config = json.loads(files[CONFIG_FILE])
-    trained_on = config.get("base_model_name_or_path")
-    if trained_on and trained_on != base_model:
-        raise FailedPrecondition(f"checkpoint was trained on {trained_on!r}, this request samples {base_model!r}")
-    spec = spec_from_peft(config)
+    spec = spec_from_peft(peft_config(files, base_model))
     weights = LoraWeights.init(cfg, spec, seed=0)
     try:
         weights.load_state_dict(st_load(files[WEIGHTS_FILE]))
@@ -139,12 +158,4 @@ class AdapterCache:
 
     def _fetch(self, key: Key, cfg: ModelConfig, dtype: torch.dtype, base_model: str,
                device: str | torch.device) -> LoraWeights:
-        tenant, path, version = key
-        if self.source is None:
-            raise FailedPrecondition(f"this sampler has no checkpoint store configured, so it cannot load {path}")
-        files, stored = self.source.get(tenant, path)
-        if stored != version:
-            raise FailedPrecondition(f"the checkpoint at {path} was overwritten after this sampling client was "
-                                     f"bound (bound to version {version}, the store now holds {stored}); "
-                                     "create a new sampling client to sample from the new weights")
-        return load_adapter(files, cfg, dtype, base_model, device)
+        return load_adapter(fetch_checkpoint(self.source, *key), cfg, dtype, base_model, device)

@@ -46,10 +46,21 @@ def random_seed() -> int:
     return secrets.randbits(63)
 
 
+def _derived(seed: int, index: int, stream: str, nbytes: int) -> int:
+    """A non-negative ``8 * nbytes - 1``-bit integer derived from (``seed``, ``index``, ``stream``)."""
+    digest = hashlib.sha256(f"lathe-{stream}:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:nbytes], "little") >> 1
+
+
 def generator(seed: int, index: int, stream: str = "sample") -> torch.Generator:
     """The generator of sample ``index`` of a request seeded with ``seed`` (independent per index and stream)."""
-    digest = hashlib.sha256(f"lathe-{stream}:{seed}:{index}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.Generator().manual_seed(_derived(seed, index, stream, 8))
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The 31-bit seed an external engine (sglang: ``sampling_seed``) draws sample ``index`` of a request seeded with
+    ``seed`` with: independent per index, the same for the same request."""
+    return _derived(seed, index, "engine-sample", 4)
 
 
 def choose(logits: torch.Tensor, rule: Rule, gen: torch.Generator) -> int:
