@@ -63,8 +63,9 @@ class RetryPolicy:
 
 class ExactnessWatch:
     """Reads the receipt of every result a client gets and warns once (per client) when sampled logprobs
-    may not equal the trainer's bit for bit: a pool that failed its exactness self-check, or a trainer and
-    a sampler whose fingerprints differ (their bits come from different machines or settings)."""
+    may not equal the trainer's bit for bit: a pool that failed its exactness self-check or runs another engine (an
+    SGLang sampler pool: fingerprint "sglang"), or a trainer and a sampler whose fingerprints differ (their bits come
+    from different machines or settings)."""
 
     def __init__(self) -> None:
         self.fingerprints: dict[str, set[str]] = {"trainer": set(), "sampler": set()}
@@ -75,7 +76,8 @@ class ExactnessWatch:
             return
         pool = "sampler" if receipt.op == "sample" else "trainer"
         if not receipt.exact:
-            reason = f"the {pool} pool that ran {receipt.op!r} did not pass its exactness self-check"
+            reason = (f"the {pool} pool that ran {receipt.op!r} (fingerprint {receipt.fingerprint!r}) is not exact: it "
+                      "failed its exactness self-check or samples with another engine's kernels (sglang)")
         else:
             self.fingerprints[pool].add(receipt.fingerprint)
             trainer, sampler = self.fingerprints["trainer"], self.fingerprints["sampler"]

@@ -70,6 +70,7 @@ class StackConfig:
     tls_cert: Path | None = None  # PEM certificate and key: both public doors serve TLS
     tls_key: Path | None = None
     trainer_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.trainer`
+    sampler_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.sampler` (e.g. --engine sglang ...)
     gateway_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.gateway`
     trainer_ranks: int = 1  # processes in the trainer pool: one service, whose rank 0 starts the others
     log_dir: Path | None = None
@@ -188,7 +189,7 @@ class Stack:
             ranks = ["--world-size", str(c.trainer_ranks)] if c.trainer_ranks > 1 else []
             trainer, sampler = self._spawn_together(
                 ("trainer", [*self._pool_args(ckpt.address, c.trainer_threads), *ranks, *c.trainer_args]),
-                ("sampler", self._pool_args(ckpt.address, c.sampler_threads)))
+                ("sampler", [*self._pool_args(ckpt.address, c.sampler_threads), *c.sampler_args]))
             gw_args = ["--trainer", trainer.address, "--checkpoints", ckpt.address, "--sampler", sampler.address,
                        "--db", c.db_url or f"sqlite:///{Path(c.cache_root).resolve()}/control/{os.urandom(6).hex()}.db"]
             if c.api_keys_file:

@@ -55,7 +55,9 @@ ROOMS = [
     Room("tools", TOOLS, SHARED + RUNTIME + ("lathe.checkpoints",), STORAGE, TORCH),  # export --merged needs torch
     Room("gateway", ("lathe.gateway",), SHARED + RUNTIME, TORCH + ("minio", "boto3")),
     Room("trainer", ("lathe.trainer",), SHARED + RUNTIME + POOL + ("lathe.checkpoints.client",), STORAGE),
-    Room("sampler", ("lathe.sampler",), SHARED + RUNTIME + POOL + ("lathe.checkpoints.client",), STORAGE),
+    # the sglang engine publishes adapters as PEFT directories with the export tool's writer (lathe.export.write_peft)
+    Room("sampler", ("lathe.sampler",), SHARED + RUNTIME + POOL + ("lathe.checkpoints.client", "lathe.export"),
+         STORAGE),
     Room("checkpoints", ("lathe.checkpoints",), SHARED + RUNTIME, TORCH + ("sqlalchemy",)),
     Room("models", ("lathe.models",), ("lathe.kernels",), ("grpc",) + STORAGE),
     Room("kernels", ("lathe.kernels",), (), ("grpc",) + STORAGE),

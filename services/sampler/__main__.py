@@ -1,4 +1,4 @@
-"""``python -m lathe.sampler``: one native sampler process for the configured base models."""
+"""``python -m lathe.sampler``: one sampler process for the configured base models, on the engine ``--engine`` names."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.runtime.options import add_options, options
 from lathe.runtime.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.runtime.serving import run, setup_logging
-from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.engine import SamplerConfig
+from lathe.sampler.engines import make_engine
 from lathe.sampler.server import SamplerServicer
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
@@ -47,9 +48,10 @@ def main() -> None:
     cfg = options(args, SamplerConfig, ap)
     source = CheckpointsSource(CheckpointsClient(args.checkpoints)) if args.checkpoints else None
     catalog = ModelCatalog.from_spec(cfg.models, cfg.cache_root)
-    engine = SamplerEngine(cfg, catalog, source)
+    engine = make_engine(cfg, catalog, source)
     engine.start()
-    warm = Warmup(engine.base, catalog.names(), lambda: engine.alive).start()  # ready once every model is loaded
+    # ready once every model is loaded (native) or the SGLang server answers (sglang)
+    warm = Warmup(engine.warm, catalog.names(), lambda: engine.alive).start()
     probes = Probes("lathe.v1.Sampler", "lathe_sampler", warm.ready, warm.alive, registry=engine.metrics.registry)
     if args.metrics_port >= 0:
         serve_metrics("lathe.sampler", probes.registry, args.host, args.metrics_port)

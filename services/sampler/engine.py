@@ -94,12 +94,23 @@ class SamplerConfig(PoolOptions):
     """The sampler pool's configuration; ``python -m lathe.sampler`` has a flag for each field (``--max-running``
     for ``max_running``; ``--no-prefix-cache`` for a field that defaults to True), its help the field's docstring."""
 
+    engine: Literal["native", "sglang"] = "native"
+    """what samples: native (Lathe's own engine, bitwise equal to the trainer when invariant) or sglang (an SGLang
+    server, --sglang-url: its throughput and LoRA batching, not bitwise equal to the trainer)"""
+    sglang_url: str = ""
+    """engine sglang: the base URL of the pool's SGLang server, e.g. http://127.0.0.1:30000"""
+    sglang_adapter_dir: str = ""
+    """engine sglang: where adapters are published as PEFT directories for the SGLang server to load; the same path
+    must hold the same files for the server (a volume the sampler and SGLang containers share)"""
+    sglang_timeout_s: float = 600.0
+    """engine sglang: the longest wait for one answer of the SGLang server"""
     max_running: int = 64
     """sequences decoding at once (each sample of a request is one)"""
     max_queue: int = 1024
     """requests accepted but not yet running"""
     adapter_cache: int = 16
-    """adapters kept loaded"""
+    """adapters kept loaded (engine sglang: in the SGLang server, the least recently used unloaded past this; at most
+    the server's --max-loaded-loras)"""
     max_prefill_tokens: int = 4096
     """prompt tokens admitted per step (a lone request always fits)"""
     max_running_tokens: int = 128 * 8192
@@ -142,6 +153,16 @@ class SamplerConfig(PoolOptions):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         GraphConfig(self.graph_buckets)  # checks the buckets
+        if self.engine not in ("native", "sglang"):
+            raise ValueError(f"engine {self.engine!r} is not one of ['native', 'sglang']")
+        if self.engine == "sglang":
+            if not self.sglang_url.startswith(("http://", "https://")):
+                raise ValueError(f"engine 'sglang' needs --sglang-url, the SGLang server's http(s):// base URL; got "
+                                 f"{self.sglang_url!r}")
+            if not self.sglang_adapter_dir:
+                raise ValueError("engine 'sglang' needs --sglang-adapter-dir, a directory the SGLang server reads too")
+            if self.sglang_timeout_s <= 0:
+                raise ValueError(f"sglang_timeout_s must be > 0, got {self.sglang_timeout_s}")
 
     @property
     def decode_bgmv(self) -> str:
@@ -250,6 +271,10 @@ class SamplerEngine:
         runner = DecodeRunner(model, kv, slots, GraphConfig(self.cfg.graph_buckets, capture=graphs)) \
             if slots is not None or graphs else None
         return _Base(model, limits, kv, slots, runner)
+
+    def warm(self, name: str) -> None:
+        """Readiness (``lathe.sampler.engines.Engine``): load and self-check the base model ``name``."""
+        self.base(name)
 
     @property
     def alive(self) -> bool:

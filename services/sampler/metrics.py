@@ -36,6 +36,7 @@ class SamplerMetrics:
     wait_seconds: Histogram = field(init=False)
     request_seconds: Histogram = field(init=False)
     requests: Counter = field(init=False)
+    adapter_events: Counter = field(init=False)
     experts: ExpertTokens = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +70,9 @@ class SamplerMetrics:
                                          registry=r)
         self.requests = Counter("lathe_sampler_requests", "Requests answered, by outcome (ok or error)",
                                 ["outcome"], registry=r)
+        self.adapter_events = Counter("lathe_sampler_engine_adapters",
+                                      "Adapters an external engine (sglang) was told to load or unload, by event",
+                                      ["event"], registry=r)
         self.experts = ExpertTokens(r, "sampler")
 
     def record_step(self, *, seconds: float, sequences: int, prompt_tokens: int, running: int, reserved: int,

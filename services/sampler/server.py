@@ -1,4 +1,4 @@
-"""gRPC door of the sampler: translates ``lathe.v1.Sampler`` calls into ``SamplerEngine`` calls.
+"""gRPC door of the sampler: translates ``lathe.v1.Sampler`` calls into calls of its engine (``engines.Engine``).
 
 ``Tokenizer`` hands a served model's tokenizer files to a door that takes text. ``Sample`` answers with the engine's
 ``SampleResult``: a per-request problem (bad argument, unknown model, overwritten checkpoint) is
@@ -17,7 +17,7 @@ import grpc
 
 from lathe.errors import LatheError, NotFound
 from lathe.models.catalog import ModelCatalog
-from lathe.sampler.engine import SamplerEngine
+from lathe.sampler.engines import Engine
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 
@@ -36,7 +36,7 @@ def tokenizer_files(catalog: ModelCatalog, name: str) -> pb.TokenizerFiles:
 
 
 class SamplerServicer(pb_grpc.SamplerServicer):
-    def __init__(self, engine: SamplerEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     async def Capabilities(self, request: pb.TrainerCapabilitiesRequest, context: grpc.aio.ServicerContext
