@@ -27,6 +27,7 @@ from lathe.gateway.auth import ApiKeys
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "lathe"
 MULTIPOOL = CHART / "values-gpu-multipool.yaml"
+SGLANG = CHART / "values-gpu-sglang.yaml"
 K8S_VERSION = "1.35.0"
 RELEASE = "rel"
 
@@ -59,7 +60,8 @@ def env_of(container: dict) -> dict[str, object]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
-VALUES = pytest.mark.parametrize("values", ["", str(MULTIPOOL)], ids=["default", "gpu-multipool"])
+VALUES = pytest.mark.parametrize("values", ["", str(MULTIPOOL), str(SGLANG)],
+                                 ids=["default", "gpu-multipool", "gpu-sglang"])
 
 
 @VALUES
@@ -186,6 +188,38 @@ def test_every_lathe_pod_runs_as_non_root_on_a_read_only_root_filesystem(values:
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, c["name"]
             assert sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_an_sglang_pool_runs_sglang_beside_the_sampler_on_the_gpu_and_shares_the_adapters(tmp_path: Path) -> None:
+    pod = one(objects(str(SGLANG)), "Deployment", f"{RELEASE}-lathe-smollm2-sglang-sampler")["spec"]["template"]["spec"]
+    sampler, sglang = pod["containers"]
+    assert (sampler["name"], sglang["name"]) == ("sampler", "sglang")
+    assert {"--engine=sglang", "--sglang-url=http://127.0.0.1:30000", "--sglang-adapter-dir=/adapters",
+            "--adapter-cache=16"} <= set(sampler["args"])
+    assert sglang["command"] == ["python3", "-m", "sglang.launch_server"]
+    assert {"--model-path=/models/SmolLM2-135M-Instruct", "--host=127.0.0.1", "--port=30000", "--enable-lora",
+            "--enable-deterministic-inference", "--max-loaded-loras=16"} <= set(sglang["args"])
+    assert env_of(sglang)["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    # the GPU is SGLang's; the sampler container runs the CPU image
+    assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in sampler["resources"]["limits"]
+    assert not sampler["image"].endswith("-cuda:0.1.0")
+    # readiness: the sampler's gRPC health stays NOT_SERVING until SGLang answers; SGLang's own probes ask /health
+    assert sampler["readinessProbe"]["grpc"] == {"port": 8520}
+    assert "127.0.0.1:30000/health" in sglang["readinessProbe"]["exec"]["command"][-1]
+    mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (sampler, sglang)}
+    assert mounts["sampler"]["adapters"]["mountPath"] == mounts["sglang"]["adapters"]["mountPath"] == "/adapters"
+    assert mounts["sglang"]["adapters"]["readOnly"] is True
+    assert {"name": "adapters", "emptyDir": {}} in pod["volumes"]
+    # the default pool keeps the native engine: one container
+    native_pod = one(objects(), "Deployment", f"{RELEASE}-lathe-smollm2-sampler")["spec"]["template"]["spec"]
+    (native,) = native_pod["containers"]
+    assert not any(a.startswith("--engine") for a in native["args"])
+    values = tmp_path / "values.yaml"
+    values.write_text("poolDefaults:\n  sampler:\n    engine: sglang\n")
+    out = subprocess.run([helm(), "template", RELEASE, str(CHART), "-f", str(values)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "sampler.sglang.modelPath" in out.stderr
 
 
 def test_disruption_budgets_cover_every_lathe_component() -> None:
