@@ -74,7 +74,9 @@ class SGLangEngine:
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
-        self._live: set[asyncio.Task] = set()
+        self._live: set[asyncio.Task] = set()  # the loop's own
+        self._held = 0  # requests accepted and not answered yet (any thread, under _lock)
+        self._lock = threading.Lock()
         self._stopping = False
         self.adapters = ServerAdapters(source, Path(cfg.sglang_adapter_dir), cfg.adapter_cache, self._post,
                                        lambda event: self.metrics.adapter_events.labels(event=event).inc())
@@ -96,7 +98,8 @@ class SGLangEngine:
 
     def stop(self) -> None:
         """Every unfinished request gets ``Unavailable``; then the loop ends."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         if self._thread is None:
             return
         self._call(self._close())
@@ -134,11 +137,21 @@ class SGLangEngine:
             raise server_error(self.url, route, r.status_code, r.text)
         return r.json() if r.content else None
 
+    def limits(self, name: str) -> ModelLimits:
+        """The limits of served base model ``name``, read once (``NotFound`` when not served)."""
+        if not name:
+            raise InvalidArgument("base_model is empty: the gateway must name the model to sample")
+        if name not in self._limits:
+            try:
+                entry = self.catalog.resolve(name)
+            except KeyError:
+                raise NotFound(f"base_model {name!r} is not served by this sampler") from None
+            self._limits[name] = model_limits(name, Path(entry.path), entry.max_context_length)
+        return self._limits[name]
+
     def warm(self, name: str) -> None:
         """Block until the server answers ``/health`` and ``/get_model_info`` (the pool's readiness), polling."""
-        if name not in self._limits:
-            entry = self.catalog.resolve(name)
-            self._limits[name] = model_limits(name, Path(entry.path), entry.max_context_length)
+        self.limits(name)
         while self.server_info is None:
             if self._stopping:
                 raise Unavailable("the sampler is shutting down")
@@ -161,11 +174,13 @@ class SGLangEngine:
 
     def sample(self, req: pb.SampleRequest) -> Future[pb.SampleResult]:
         """Accept one request (``Engine.sample``); its future resolves once the server answered all its samples."""
-        if self._stopping or self._thread is None:
-            raise Unavailable("the sampler is shutting down")
-        if len(self._live) >= self.cfg.max_queue:
-            raise ResourceExhausted(f"sampler queue is full ({len(self._live)} requests waiting); retry later",
-                                    retry_after_s=1.0)
+        with self._lock:
+            if self._stopping or self._thread is None:
+                raise Unavailable("the sampler is shutting down")
+            if self._held >= self.cfg.max_queue:
+                raise ResourceExhausted(f"sampler queue is full ({self._held} requests waiting); retry later",
+                                        retry_after_s=1.0)
+            self._held += 1
         return asyncio.run_coroutine_threadsafe(self._track(Ask.of(req), req, time.monotonic()), self._loop)
 
     async def _track(self, ask: Ask, req: pb.SampleRequest, arrived: float) -> pb.SampleResult:
@@ -175,12 +190,15 @@ class SGLangEngine:
             return await self._answer(ask, req, arrived)
         finally:
             self._live.discard(task)
+            with self._lock:
+                self._held -= 1
 
     async def _answer(self, ask: Ask, req: pb.SampleRequest, arrived: float) -> pb.SampleResult:
         """One request, start to end: its result, or its error as ``SampleResult.error``."""
         prompt_len, samples, prompt, error = 0, [], None, None
         try:
-            plan = check_sample(req, await self._model(ask.base_model), self.cfg.max_running_tokens)
+            limits = await asyncio.to_thread(self.limits, ask.base_model)
+            plan = check_sample(req, limits, self.cfg.max_running_tokens)
             unsupported(plan)
             prompt_len = len(plan.prompt)
             lora = await self.adapters.acquire(ask) if ask.model_path else None
@@ -210,16 +228,3 @@ class SGLangEngine:
             policy=ask.policy)
         self.metrics.record_request(queued_s=0.0, total_s=now - arrived, failed=error is not None)
         return failure(receipt, error) if error is not None else answer(receipt, ask, prompt_len, prompt, samples)
-
-    async def _model(self, name: str) -> ModelLimits:
-        """The limits of served base model ``name`` (read once)."""
-        if not name:
-            raise InvalidArgument("base_model is empty: the gateway must name the model to sample")
-        if name not in self._limits:
-            try:
-                entry = self.catalog.resolve(name)
-            except KeyError:
-                raise NotFound(f"base_model {name!r} is not served by this sampler") from None
-            self._limits[name] = await asyncio.to_thread(model_limits, name, Path(entry.path),
-                                                         entry.max_context_length)
-        return self._limits[name]
