@@ -200,6 +200,9 @@ def test_an_sglang_pool_runs_sglang_beside_the_sampler_on_the_gpu_and_shares_the
     assert {"--model-path=/models/SmolLM2-135M-Instruct", "--host=127.0.0.1", "--port=30000", "--enable-lora",
             "--enable-deterministic-inference", "--max-loaded-loras=16"} <= set(sglang["args"])
     assert env_of(sglang)["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    at = sglang["args"].index("--lora-target-modules")
+    assert sglang["args"][at + 1:at + 9] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj", "lm_head"]  # every target a Lathe adapter may have
     # the GPU is SGLang's; the sampler container runs the CPU image
     assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in sampler["resources"]["limits"]
