@@ -239,6 +239,31 @@ def test_adapters_past_the_cap_are_unloaded_from_the_server(stack: Stack, server
         assert len(info["loaded_lora_adapters"]) <= ADAPTER_CAP and info["lora_unloads"] >= unloads
 
 
+def test_an_adapter_the_server_lost_is_loaded_again(stack: Stack, server: Server) -> None:
+    """A restarted SGLang container forgets its adapters while the sampler still lists them: the next request that
+    needs one loads it again instead of failing for ever."""
+    import json
+
+    lc, _ = clients(stack, "tml-sglang-lost")
+    policy = lc.create_lora_training_client(BASE, rank=4, seed=9).save_weights_and_get_sampling_client()
+    params = lathe.SamplingParams(max_tokens=3, seed=2, stop=[])
+    first = policy.sample(lathe.ModelInput.from_ints(PROMPT), 1, params).result()
+    loads = adapter_events(stack).get("load", 0)
+    published = [d.name for d in server.adapter_dir.iterdir() if d.is_dir()]
+    for name in published:  # what a restart does to the server's list
+        request = urllib.request.Request(f"{server.url}/unload_lora_adapter", json.dumps({"lora_name": name}).encode(),
+                                         {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).close()
+    again = policy.sample(lathe.ModelInput.from_ints(PROMPT), 1, params).result()
+    assert seqs(again) == seqs(first)
+    assert adapter_events(stack).get("load", 0) == loads + 1
+    # the others it lost are dropped from the pool's list when their turn to be evicted comes (no unload to fail on)
+    for i in range(ADAPTER_CAP + 1):
+        fresh = lc.create_lora_training_client(BASE, rank=4, seed=20 + i).save_weights_and_get_sampling_client()
+        fresh.sample(lathe.ModelInput.from_ints(PROMPT), 1, params).result()
+    assert len([d for d in server.adapter_dir.iterdir() if d.is_dir()]) <= ADAPTER_CAP
+
+
 def test_bad_requests_get_errors_that_name_the_field(stack: Stack) -> None:
     lc, _ = clients(stack, "tml-sglang-errors")
     ls = lc.create_sampling_client(base_model=BASE)
@@ -307,3 +332,42 @@ def test_an_unreachable_server_answers_unavailable_naming_it(tmp_path: Path, mod
         assert not engine.capabilities().supported_models[0].sampler_exactness.checked  # never answered
     finally:
         engine.stop()
+
+
+def test_adapters_in_use_stay_loaded_and_the_least_recently_used_idle_one_goes_first(tmp_path: Path) -> None:
+    import asyncio
+
+    from lathe.errors import FailedPrecondition
+    from lathe.sampler.intake import Ask
+    from lathe.sampler.sglang_adapters import ServerAdapters, lora_name
+
+    config = b'{"r": 4, "lora_alpha": 4, "target_modules": ["q_proj"], "base_model_name_or_path": "m"}'
+    files = {"adapter_model.safetensors": b"weights", "adapter_config.json": config}
+
+    class Store:  # an AdapterSource: every checkpoint at version 1.0
+        def get(self, tenant: str, path: str) -> tuple[dict[str, bytes], float]:
+            return files, 1.0
+
+    calls: list[tuple[str, str]] = []
+
+    async def post(route: str, body: dict) -> None:
+        calls.append((route, body["lora_name"]))
+
+    def ask(path: str, version: float = 1.0) -> Ask:
+        return Ask("r", 0, "t", "m", path, version)
+
+    async def scenario() -> None:
+        adapters = ServerAdapters(Store(), tmp_path, 1, post)
+        a = await adapters.acquire(ask("a"))
+        b = await adapters.acquire(ask("b"))  # over capacity, but a is in use: both stay
+        assert calls == [("/load_lora_adapter", a), ("/load_lora_adapter", b)] and len(adapters) == 2
+        assert (tmp_path / a / "adapter_config.json").is_file() and (tmp_path / a / "lathe_export.json").is_file()
+        await adapters.release(a)  # a is idle and least recently used: unloaded, its directory removed
+        assert calls[-1] == ("/unload_lora_adapter", a) and not (tmp_path / a).exists()
+        await adapters.release(b)
+        assert len(adapters) == 1 and len(calls) == 3
+        with pytest.raises(FailedPrecondition, match="overwritten"):
+            await adapters.acquire(ask("c", version=0.5))
+        assert len(calls) == 3 and lora_name(("t", "c", 1.0)) != lora_name(("t", "c", 0.5))
+
+    asyncio.run(scenario())

@@ -41,7 +41,7 @@ from lathe.sampler.intake import Ask, answer, capabilities, failure
 from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sglang_adapters import ServerAdapters
 from lathe.sampler.sglang_wire import generate_body, read_prompt, read_sample, server_error, unsupported
-from lathe.sampler.validate import ModelLimits, check_sample
+from lathe.sampler.validate import ModelLimits, Plan, check_sample
 from lathe.types import Receipt
 from lathe.v1 import lathe_pb2 as pb
 
@@ -193,6 +193,17 @@ class SGLangEngine:
             with self._lock:
                 self._held -= 1
 
+    async def _generate(self, plan: Plan, lora: str | None) -> Any:
+        """``POST /generate`` for ``plan``. A refusal of a request with an adapter is retried once after loading the
+        adapter again, if the server had lost it (it restarted)."""
+        body = generate_body(plan, lora)
+        try:
+            return await self._post("/generate", body)
+        except (InvalidArgument, NotFound, Unavailable):
+            if lora is None or not await self.adapters.reload(lora):
+                raise
+        return await self._post("/generate", body)
+
     async def _answer(self, ask: Ask, req: pb.SampleRequest, arrived: float) -> pb.SampleResult:
         """One request, start to end: its result, or its error as ``SampleResult.error``."""
         prompt_len, samples, prompt, error = 0, [], None, None
@@ -203,7 +214,7 @@ class SGLangEngine:
             prompt_len = len(plan.prompt)
             lora = await self.adapters.acquire(ask) if ask.model_path else None
             try:
-                items = await self._post("/generate", generate_body(plan, lora))
+                items = await self._generate(plan, lora)
             finally:
                 if lora is not None:
                     await self.adapters.release(lora)

@@ -8,7 +8,8 @@ least recently used.
 
 ``acquire`` fetches a checkpoint through the ``AdapterSource`` (the checkpoints service; refused when overwritten
 since the sampling client was bound), writes its directory (into a temporary sibling, then renamed: the server never
-sees half a directory), and ``POST /load_lora_adapter {lora_name, lora_path}``; ``release`` ends one request's use.
+sees half a directory), and ``POST /load_lora_adapter {lora_name, lora_path}``; ``release`` ends one request's use;
+``reload`` loads a held adapter again when the server lost it (a restarted SGLang container forgets its adapters).
 Past ``capacity`` loaded adapters, the least recently used one that no request is using is unloaded (``POST
 /unload_lora_adapter {lora_name}``) and its directory removed; adapters in use are never unloaded, so the server may
 briefly hold more. Loads and unloads run one at a time (concurrent requests for one adapter share its load). Owned by
@@ -26,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lathe.errors import LatheError
+from lathe.errors import InvalidArgument, LatheError, NotFound
 from lathe.export import write_peft
 from lathe.sampler.adapters import AdapterSource, fetch_checkpoint, peft_config
 from lathe.sampler.intake import Ask
@@ -82,6 +83,18 @@ class ServerAdapters:
                     entry.users -= 1
             await self._evict()
 
+    async def reload(self, name: str) -> bool:
+        """Load adapter ``name`` (held by the caller) into the server again, for when the server lost it (it
+        restarted); False when the server refuses because it still holds it."""
+        async with self._lock:
+            entry = next(e for e in self._loaded.values() if e.name == name)
+            try:
+                await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(entry.directory)})
+            except InvalidArgument:
+                return False
+            self._on_event("load")
+            return True
+
     async def _load(self, key: Key, base_model: str) -> _Loaded:
         files = await asyncio.to_thread(fetch_checkpoint, self.source, *key)
         name = lora_name(key)
@@ -106,8 +119,9 @@ class ServerAdapters:
         staging.rename(directory)
 
     async def _evict(self) -> None:
-        """Unload the least recently used idle adapters past ``capacity``. A refused unload is logged and the
-        adapter kept on the list (the next call tries again): it never fails the request that made room."""
+        """Unload the least recently used idle adapters past ``capacity``; never fails the request that made room.
+        An unload the server refuses (400/404: it does not hold the adapter, say after a restart) drops the adapter
+        all the same; one it cannot answer (``Unavailable``) is logged and tried again at the next call."""
         while len(self._loaded) > self.capacity:
             idle = next((k for k, e in self._loaded.items() if e.users == 0), None)
             if idle is None:
@@ -115,9 +129,11 @@ class ServerAdapters:
             entry = self._loaded[idle]
             try:
                 await self._post("/unload_lora_adapter", {"lora_name": entry.name})
+                self._on_event("unload")
+            except (InvalidArgument, NotFound) as e:
+                log.warning("the SGLang server did not hold adapter %s: %s", entry.name, e.message)
             except LatheError as e:
                 log.warning("the SGLang server kept adapter %s: %s", entry.name, e.message)
                 return
             del self._loaded[idle]
-            self._on_event("unload")
             await asyncio.to_thread(shutil.rmtree, entry.directory, True)
