@@ -1,4 +1,6 @@
-"""lathe.sampler: the native sampling engine (many LoRA adapters on one frozen base model).
+"""lathe.sampler: a pool's sampling service (many LoRA adapters on one frozen base model), on one of two engines
+behind ``engines.Engine`` (``--engine``): native, Lathe's own (all below but the sglang lines), or sglang, an SGLang
+server driven over HTTP.
 
 In:  ``lathe.v1.Sampler.Sample(SampleRequest)`` from the gateway: prompt tokens, Tinker's sampling
      params (temperature, top_k, top_p, seed, max_tokens, stop strings / token ids / EOS),
@@ -12,7 +14,12 @@ Out: ``SampleResult``: per sequence the tokens, the logprob of each (temperature
 
 Where a request's data lives, and who owns it:
   server.SamplerServicer   gRPC only: request in, awaited future out
-  engine.SamplerEngine     admission queue, waiting line (``fair.FairQueue``: one FIFO per tenant, served
+  engines.Engine           what the door calls on an engine; ``make_engine`` builds the configured one
+  sglang.SGLangEngine      sglang: the event loop and HTTP client to the pool's SGLang server, requests in flight;
+                           ``sglang_wire`` maps a Plan onto /generate and back, ``sglang_adapters.ServerAdapters``
+                           the adapters published (PEFT directories) and loaded in the server, LRU
+  sglang_api               the native engine behind SGLang's HTTP API (its own process; tests and local runs)
+  engine.SamplerEngine     native: admission queue, waiting line (``fair.FairQueue``: one FIFO per tenant, served
                            in turn), running sequences and their token reservations, the scheduler thread;
                            base models (one ``lathe.models.decoder.Decoder`` each, CPU, pool dtype)
   intake                   the only place protobuf is read or built: SampleRequest -> ``Ask`` (who, which
