@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
-from tokenizers import Tokenizer
 
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
 from lathe.models.decoder import Decoder, ExpertLoad
@@ -254,14 +253,8 @@ class SamplerEngine:
             raise NotFound(f"base_model {name!r} is not served by this sampler") from None
         model = load_decoder(entry.path, name, self.exactness.check, dtype=self.cfg.dtype, device=self.cfg.device,
                              invariant=self.cfg.invariant, sgmv=self.cfg.sgmv)
-        tok_file = Path(entry.path) / "tokenizer.json"
         cfg = model.cfg
-        limits = ModelLimits(
-            name=name, vocab_size=cfg.vocab_size, eos_ids=cfg.eos_token_ids,
-            max_context=min(entry.max_context_length or cfg.max_position_embeddings,
-                            cfg.max_position_embeddings),
-            tokenizer=Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None,
-        )
+        limits = ModelLimits.of(name, cfg, Path(entry.path), entry.max_context_length)
         kv = KVPool.for_model(model, self.cfg.pool_blocks)
         # a sparse layer picks each expert's rows on the host: its steps cannot be captured in a CUDA graph
         bgmv = self.cfg.decode_bgmv

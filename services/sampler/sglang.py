@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tokenizers import Tokenizer
 
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
 from lathe.models.config import ModelConfig
@@ -50,15 +49,6 @@ FINGERPRINT = "sglang"
 NOT_EXACT = ("engine sglang: the SGLang server samples with its own kernels, not Lathe's batch-invariant ops, so its "
              "logprobs are not bit-equal to the trainer's")
 WARM_POLL_S = 1.0
-
-
-def model_limits(name: str, directory: Path, max_context_length: int) -> ModelLimits:
-    """What requests of base model ``name`` are checked against, read from its directory (no weights loaded)."""
-    cfg = ModelConfig.from_dir(directory)
-    tok = directory / "tokenizer.json"
-    return ModelLimits(name=name, vocab_size=cfg.vocab_size, eos_ids=cfg.eos_token_ids,
-                       max_context=min(max_context_length or cfg.max_position_embeddings, cfg.max_position_embeddings),
-                       tokenizer=Tokenizer.from_file(str(tok)) if tok.exists() else None)
 
 
 class SGLangEngine:
@@ -146,7 +136,9 @@ class SGLangEngine:
                 entry = self.catalog.resolve(name)
             except KeyError:
                 raise NotFound(f"base_model {name!r} is not served by this sampler") from None
-            self._limits[name] = model_limits(name, Path(entry.path), entry.max_context_length)
+            directory = Path(entry.path)
+            self._limits[name] = ModelLimits.of(name, ModelConfig.from_dir(directory), directory,
+                                                entry.max_context_length)
         return self._limits[name]
 
     def warm(self, name: str) -> None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 from lathe.errors import InvalidArgument
+from lathe.models.config import ModelConfig
 from lathe.sampler.sampling import Rule, random_seed
 from lathe.sampler.step import PromptAsk
 from lathe.sampler.stops import StopRule
@@ -41,6 +43,15 @@ class ModelLimits:
     max_context: int
     eos_ids: tuple[int, ...]
     tokenizer: Tokenizer | None
+
+    @classmethod
+    def of(cls, name: str, cfg: ModelConfig, directory: Path, max_context_length: int) -> ModelLimits:
+        """The limits of base model ``name`` (config ``cfg``, files in ``directory``; its catalog entry's context
+        length, 0 for the model's own), with its tokenizer where the directory has one."""
+        tok = directory / "tokenizer.json"
+        return cls(name=name, vocab_size=cfg.vocab_size, eos_ids=cfg.eos_token_ids,
+                   max_context=min(max_context_length or cfg.max_position_embeddings, cfg.max_position_embeddings),
+                   tokenizer=Tokenizer.from_file(str(tok)) if tok.exists() else None)
 
 
 @dataclass(frozen=True, slots=True)
