@@ -42,7 +42,9 @@ problem whatever the batch and the thread count, and a row's bits depend only on
   and the self-check admits each height only where its rows have the ``ROW_TILE`` tile's bits
   (``choose_direct_tiles``); where none is admitted, the tiles above run as they did. Rows fewer than the
   smallest height (a lone decode row) run where the pool found them fastest among the bit-admitted ways
-  (``Ladder.lone``): zero-padded to a direct tile, or in a tile of the ladder.
+  (``Ladder.lone``): zero-padded to a direct tile, or in a tile of the ladder, or, where the library's tiles
+  compute each element in one fixed order that Lathe's own product repeats, through that (``Ladder.chain``,
+  ``lathe.kernels.chain``), which reads each weight once and pads nothing.
 - ``attention``, ``attention_batch`` and ``decode_attention`` live in ``lathe.kernels.attention``: fixed key
   chunks and fixed row tiles, in the same way.
 - ``log_softmax`` over the last dim is row-invariant in plain torch (its kernel splits the work over
@@ -66,6 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels.activations import recomputed
+from lathe.kernels.chain import chain_matmul
 
 ROW_TILE = 16
 """Rows of the reference ``linear`` tile in invariant mode (measured invariant at every position on AVX2 and
@@ -90,11 +93,14 @@ class Ladder:
         direct  heights run as ``direct_matmul`` products (CPU); where any, every row runs there
         lone    how ``direct_matmul`` runs the rows fewer than its smallest height (a lone decode row): in
                 ``tiled_matmul`` tiles of this height (one of ``tiles``), or zero-padded to one direct tile (0)
+        chain   where not 0, those rows run instead through Lathe's own fixed-order product with k-blocks of this
+                size (``lathe.kernels.chain``), admitted where it gives them the reference tile's bits
     """
 
     tiles: tuple[int, ...] = (ROW_TILE,)
     direct: tuple[int, ...] = ()
     lone: int = ROW_TILE
+    chain: int = 0
 
 
 REFERENCE = Ladder()
@@ -224,7 +230,7 @@ def _lone_tile(t: torch.Tensor, w: torch.Tensor, blocks: list[tuple[int, int]]) 
 
 
 def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lone: int = ROW_TILE,
-                  packed: torch.Tensor | None = None) -> torch.Tensor:
+                  packed: torch.Tensor | None = None, chain: int = 0) -> torch.Tensor:
     """y = x @ w as direct products; x [M, K], w [K, N] -> y [M, N].
 
     Rows are cut largest height first (each height taking as many whole tiles as fit) and each tile is one
@@ -235,6 +241,7 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     admitted ``heights`` (``choose_direct_tiles``, whose trial runs this function with ``lone=0``) and ``lone``
     (a height of its tile ladder). With ``packed`` (``prepack(w.T, smallest height)``), a zero-padded lone tile is
     multiplied by that copy instead of ``w`` (``prepacked_tile``; the pool admits it by bits: ``choose_packed``).
+    With ``chain`` (``Ladder.chain``), those rows run through ``lathe.kernels.chain`` instead of any tile.
     """
     x = x.contiguous()  # the rows' layout the self-check admitted the heights with
     m = x.shape[0]
@@ -250,6 +257,8 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
         y = product(tile, x.new_empty(smallest, n)) if packed is None else prepacked_tile(tile, packed)
         return y[:rows.shape[0]]
 
+    if m < smallest and chain:
+        return chain_matmul(x, w, chain)
     if m < smallest and not lone:  # a decode step's lone row: its product is a view of the padded tile's
         return padded(x)
     y = x.new_empty(m, n)
@@ -259,7 +268,9 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
         for s in range(start, stop, h):
             product(x[s:s + h], y[s:s + h])
         start = stop
-    if start < m and smallest and not lone:
+    if start < m and smallest and chain:
+        y[start:] = chain_matmul(x[start:], w, chain)
+    elif start < m and smallest and not lone:
         y[start:] = padded(x[start:])
     elif start < m:
         y[start:] = tiled_matmul(x[start:], w, tile=lone or ROW_TILE)
@@ -288,11 +299,16 @@ def prepacked_tile(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, None, "none", [], "")
 
 
+def lone_rows(ladder: Ladder, rows: int, device: torch.device) -> bool:
+    """Whether ``rows`` rows are too few for any of ``ladder``'s direct heights on ``device`` (a decode step's lone
+    row on CPU): ``direct_matmul`` runs them as ``ladder.lone`` and ``ladder.chain`` say."""
+    return bool(ladder.direct) and device.type == "cpu" and rows < min(ladder.direct)
+
+
 def lone_height(ladder: Ladder, rows: int, device: torch.device) -> int:
-    """The direct tile height an invariant ``linear`` zero-pads ``rows`` rows to on ``ladder`` (a decode step's lone
-    row: fewer rows than the smallest direct height, with ``lone=0``, on CPU), as ``direct_matmul`` does; 0 where
-    it cuts them otherwise."""
-    if not ladder.direct or ladder.lone or device.type != "cpu" or rows >= min(ladder.direct):
+    """The direct tile height an invariant ``linear`` zero-pads ``rows`` rows to on ``ladder`` (``lone_rows``, with
+    ``lone=0`` and no ``chain``), as ``direct_matmul`` does; 0 where it runs them otherwise."""
+    if ladder.lone or ladder.chain or not lone_rows(ladder, rows, device):
         return 0
     return min(ladder.direct)
 
@@ -361,7 +377,7 @@ def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder, pack
     ``row_groups(M, ladder.tiles)`` -> [M, N]."""
     w = weight.t()
     if ladder.direct and rows.device.type == "cpu":
-        return direct_matmul(rows, w, ladder.direct, ladder.lone, packed)
+        return direct_matmul(rows, w, ladder.direct, ladder.lone, packed, ladder.chain)
     least = torch.get_num_threads() if rows.device.type == "cpu" else 1
     groups = row_groups(rows.shape[0], ladder.tiles, least)
     parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in groups]

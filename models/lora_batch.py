@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels import ops
+from lathe.kernels.chain import chain_lora
 from lathe.kernels.lora_grouped import TileLayout, lora_grouped, stacks
 from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments, take_rows
 from lathe.models.lora_sgmv import SgmvBatch
@@ -37,9 +38,22 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _lone_tile(ladder: ops.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) -> int:
     """``ops.lone_height`` out of autograd (under it, ``ops.linear``'s differentiable products run); 0 in it."""
-    if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
+    if _autograd(x, a):
         return 0
     return ops.lone_height(ladder, rows, x.device)
+
+
+def _lone_chain(ladder: ops.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) -> int:
+    """``ladder.chain`` where ``rows`` are lone rows on it (``ops.lone_rows``) out of autograd, else 0: both products
+    of their correction then run in one call of Lathe's fixed-order kernel (``chain.chain_lora``), with the bits
+    ``ops.linear`` gives them on that ladder."""
+    if not ladder.chain or _autograd(x, a) or not ops.lone_rows(ladder, rows, x.device):
+        return 0
+    return ladder.chain
+
+
+def _autograd(x: torch.Tensor, a: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or a.requires_grad)
 
 
 @dataclass(slots=True)
@@ -150,6 +164,10 @@ class LoraBatch:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
                 continue
             a, b, ladder = _as(w.a[key], wide), _as(w.b[key], wide), ladders.get(w.spec.rank, ops.REFERENCE)
+            block = _lone_chain(ladder, s1 - s0, xs, a)
+            if block:  # one call for both products
+                parts.append(chain_lora(xs, a, b, w.spec.scale, block))
+                continue
             tile = _lone_tile(ladder, s1 - s0, x, a)
             if tile:  # both products in one zero-padded direct tile, as ``ops.linear`` runs each of them
                 v = ops.direct_tile(F.pad(xs, (0, 0, 0, tile - (s1 - s0))), a.t())

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import ops
+from lathe.kernels import chain, ops
 from lathe.models.decoder import Decoder, layer_weight_names, shape_weight_names
 from lathe.models.lora import module_shape, shape_keys
 
@@ -143,19 +143,40 @@ def _direct_heights(trial: _RowTrial) -> tuple[int, ...]:
                      if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,), lone=0)))
 
 
+CHAIN_ROWS = 8
+"""Rows of each weight's row pool that ``choose_chain`` runs through a candidate block (a wrong block changes most
+elements of every row; the self-check then runs the chosen ladder's lone rows against batches)."""
+
+
+def choose_chain(trial: _RowTrial) -> int:
+    """The first k-block of ``chain.BLOCKS`` whose fixed-order product (``lathe.kernels.chain``) gives the first
+    ``CHAIN_ROWS`` rows of every weight's pool the reference tile's bits at every thread count, or 0: where none
+    does, where a weight is not fp32, or where the kernel cannot be built here. Decided by bits."""
+    if any(w.dtype != torch.float32 for w in trial.weights) or not chain.available():
+        return 0
+    def agrees(block: int, n: int) -> bool:
+        with at_threads(n):
+            return all(not differing(chain.chain_matmul(pool[:CHAIN_ROWS], w, block), ref[:CHAIN_ROWS])
+                       for w, pool, ref in zip(trial.weights, trial.pools, trial.refs[n], strict=True))
+
+    with torch.no_grad():
+        return next((block for block in chain.BLOCKS if all(agrees(block, n) for n in trial.threads)), 0)
+
+
 def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too: bool = False) -> ops.Ladder:
     """The ``ops.Ladder`` of ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` where no direct height
     was admitted. With one, the tile ladder serves only the rows fewer than its smallest height, as a way for
     ``choose_lone`` to time: where ``tiles_too`` asks for it, only heights under the reference tile are tried (a
-    taller tile is never the faster way to run a lone row). ``lone`` is the reference tile. One trial (row pools
-    and reference products) serves both choices."""
+    taller tile is never the faster way to run a lone row); and so may Lathe's own product (``choose_chain``).
+    ``lone`` is the reference tile. One trial (row pools and reference products) serves every choice."""
     if any(w.device.type != "cpu" for w in weights):
         return ops.REFERENCE
     trial = _RowTrial(weights, threads, seed=0)
     direct = _direct_heights(trial)
     if not direct:
         return ops.Ladder(_tile_ladder(trial), direct)
-    return ops.Ladder(_tile_ladder(trial, below=ops.ROW_TILE) if tiles_too else (ops.ROW_TILE,), direct)
+    return ops.Ladder(_tile_ladder(trial, below=ops.ROW_TILE) if tiles_too else (ops.ROW_TILE,), direct,
+                      chain=choose_chain(trial))
 
 
 def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Ladder:
@@ -189,8 +210,9 @@ def _lora_ladder(ins: tuple[int, ...], outs: tuple[int, ...], rank: int, wide: t
 def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Ladder:
     """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
     sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
-    ladder. Both give the reference tile's bits (the trial admitted each), so this choice, unlike the others, is
-    timed: it changes speed, never bits, and is not part of the fingerprint (``UNPRINTED``).
+    ladder, or through Lathe's own product where ``choose_chain`` admitted a block. All give the reference tile's
+    bits (the trial admitted each), so this choice, unlike the others, is timed: it changes speed, never bits, and
+    is not part of the fingerprint (``UNPRINTED``).
 
     Why timed: which is faster depends on the library. Measured on an AVX-512 EPYC, MKL runs a 4-row fp32
     product on one thread (the tiled way spreads a weight's column halves over two) while its bf16 products
@@ -198,10 +220,10 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Lad
     """
     if not ladder.direct:
         return ladder
-    def seconds(lone: int) -> float:
-        return _lone_row_seconds(model, dataclasses.replace(ladder, lone=lone), {}, repeats)
-
-    return dataclasses.replace(ladder, lone=min((0, min(ladder.tiles)), key=seconds))
+    ways = [dataclasses.replace(ladder, lone=lone, chain=0) for lone in (0, min(ladder.tiles))]
+    if ladder.chain:
+        ways.append(ladder)
+    return min(ways, key=lambda way: _lone_row_seconds(model, way, {}, repeats))
 
 
 def _lone_row_seconds(model: Decoder, ladder: ops.Ladder, packed: dict[str, torch.Tensor], repeats: int) -> float:
@@ -253,7 +275,8 @@ def choose_packed(model: Decoder, threads: list[int], repeats: int = 3) -> dict[
     copies cost the layer weights' bytes again (a sampling pool only). Not part of the fingerprint
     (``UNPRINTED``): it changes speed, never bits."""
     ladder = model.ladder
-    if model.device.type != "cpu" or not ladder.direct or ladder.lone or not packed_agrees(model, threads):
+    if model.device.type != "cpu" or not ladder.direct or ladder.lone or ladder.chain \
+            or not packed_agrees(model, threads):
         return {}
     height = min(ladder.direct)
     with torch.no_grad():

@@ -107,26 +107,31 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     assert torch.equal(ladder, reference)
 
 
-def test_a_pool_times_the_ways_of_running_a_lone_row_and_both_keep_the_reference_bits(tiny_dir: Path) -> None:
-    """``choose_lone`` picks between a lone row zero-padded to a direct tile and one in the smallest tile of the
-    ladder, by time; both give every linear's lone row the reference tile's bits, so the choice is left out of
-    the fingerprint: a pool that chose the other way prints the same."""
+def test_a_pool_times_the_ways_of_running_a_lone_row_and_all_keep_the_reference_bits(tiny_dir: Path) -> None:
+    """``choose_lone`` picks among a lone row zero-padded to a direct tile, one in the smallest tile of the ladder and
+    (where ``choose_chain`` admitted a block) Lathe's own fixed-order product, by time; each gives every linear's
+    lone row the reference tile's bits, so the choice is left out of the fingerprint: a pool that chose another
+    way prints the same."""
     model = Decoder.from_dir(tiny_dir)
     ladder = tiles.choose_ladder(tiles.model_weights(model), [1, 2], tiles_too=True)
     chosen = tiles.choose_lone(model, ladder, repeats=1)
-    ways = (0, min(ladder.tiles)) if ladder.direct else (ladder.lone,)
-    assert chosen.lone in ways and dataclasses.replace(chosen, lone=ladder.lone) == ladder
+    if ladder.direct:
+        ways = [dataclasses.replace(ladder, lone=lone, chain=0) for lone in (0, min(ladder.tiles))]
+        ways += [ladder] if ladder.chain else []
+    else:
+        ways = [ladder]
+    assert chosen in ways
     row = torch.randn(1, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     for weight in (*tiles.model_weights(model)[:-1], model.lm_head):
         if weight.shape[1] != row.shape[1]:
             continue
         ref = ops.tiled_matmul(row, weight.t())
-        for lone in ways:
-            got = ops.linear(row, weight, invariant=True, ladder=dataclasses.replace(ladder, lone=lone))
-            assert torch.equal(got, ref), (tuple(weight.shape), lone)
+        for way in ways:
+            got = ops.linear(row, weight, invariant=True, ladder=way)
+            assert torch.equal(got, ref), (tuple(weight.shape), way)
     prints = set()
-    for lone in ways:
-        model.ladder = dataclasses.replace(ladder, lone=lone)
+    for way in ways:
+        model.ladder = way
         prints.add(exactness.self_check(model, threads=[1]).fingerprint)
     assert len(prints) == 1
 
@@ -225,7 +230,7 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
                           "direct_tiles": [], "grad_direct_tiles": [], "lone_tile": ops.ROW_TILE,
-                          "lone_packed": False, "lora_direct_tiles": {},
+                          "lone_packed": False, "lone_chain": 0, "lora_direct_tiles": {},
                           "attn_row_tile": attn.ATTN_ROW_TILE,
                           "attn_row_tiles": [attn.ATTN_ROW_TILE], "key_chunk": attn.KEY_CHUNK,
                           "col_block_bytes": ops.COL_BLOCK_BYTES}

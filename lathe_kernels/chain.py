@@ -1,0 +1,150 @@
+"""Lathe's own fixed-order product for a decode step's few rows (CPU, fp32): ``chain.c``, built with the machine's C
+compiler on first use and loaded with ctypes.
+
+    chain_matmul(x, w, block) -> y
+      x: [M, K] fp32 (rows contiguous); w: [K, N] fp32 (any strides)
+      y[i, j] = sum_k x[i, k] * w[k, j]: k cut into blocks of ``block``, each block one fused multiply-add
+      chain from zero in k order, the block sums added in order                           -> y: [M, N] fp32
+
+    chain_lora(x, a, b, scale, block) -> d             (a LoRA correction of a few rows in one call)
+      x: [M, K]; a: [R, K]; b: [N, R]; all fp32
+      d = chain_matmul(chain_matmul(x, a.T) * scale, b.T), the scaling rounded to fp32   -> d: [M, N] fp32
+
+Why: an invariant ``linear`` gives a row the bits of its reference tile, and the kernel library computes a row of
+one or two rows with other bits, so a lone decode row was zero-padded to a tile of four, for which the library
+packs the whole weight again (a third of a single-sequence decode step, measured under MKL's AVX2 path). Where the
+library's tile computes each element in the order above (MKL's AVX2 sgemm does, with blocks of 192), this kernel
+gives the lone row the same bits reading each weight once. Whether it does on a machine is never assumed: a pool's
+trial admits a block only where every row of every weight it runs comes out bitwise equal to the reference tile
+(``lathe.models.tiles.choose_chain``), and an unadmitted machine, or one without a C compiler, runs as before.
+
+Who owns what: this module owns the build (a cache directory, one library per source, compiler flags and CPU) and
+the call; ``lathe.kernels.ops.direct_matmul`` decides which rows come here (``Ladder.chain``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("chain.c")
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+"""How the library is built: vectorized for this CPU (fused multiply-adds are exact at any width), and no
+contraction of the block sums' separate adds into fused ones."""
+
+BLOCKS = (64, 96, 128, 192, 256, 320, 384, 512)
+"""K-blocks a pool's trial tries, in this order (``lathe.models.tiles.choose_chain``)."""
+
+THREADED_FLOPS = 1 << 17
+"""Fewest multiply-adds of a product that runs on torch's threads; a smaller one (a LoRA shrink) stays on one, as
+an OpenMP region costs more than its arithmetic (the bits do not depend on the thread count)."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$LATHE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lathe/kernels`` (``~/.cache``
+    when unset)."""
+    if os.environ.get("LATHE_KERNEL_CACHE"):
+        return Path(os.environ["LATHE_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lathe" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built library, compiled once per source, flags and CPU into ``cache_dir`` (written under a temporary
+    name and renamed, so processes building at once never load a partial file); None where that fails."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("lathe.kernels.chain: no C compiler (CC or cc); lone decode rows keep the padded tile")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _cpu_flags().encode(),
+                                     compiler.encode()])).hexdigest()[:16]
+    built = cache_dir() / f"chain-{key}.so"
+    try:
+        if not built.exists():
+            built.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=built.parent) as tmp:
+                out = Path(tmp) / built.name
+                subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(out, built)
+        lib = ctypes.CDLL(str(built))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("lathe.kernels.chain: building %s failed (%s %s); lone decode rows keep the padded tile",
+                    SOURCE.name, e, detail.decode(errors="replace")[-400:])
+        return None
+    ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.lathe_chain_matmul.restype = lib.lathe_chain_lora.restype = None
+    lib.lathe_chain_matmul.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count]
+    lib.lathe_chain_lora.argtypes = [ptr, stride, ptr, stride, stride, ptr, stride, stride, ctypes.c_float, ptr, ptr,
+                                     count, count, count, count, count, count]
+    return lib
+
+
+def available() -> bool:
+    """Whether the library builds and loads on this machine."""
+    return _library() is not None
+
+
+def _checked(x: torch.Tensor, *weights: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and ``x`` with contiguous rows, after checking every operand is an fp32 CPU tensor."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("lathe.kernels.chain is not available on this machine (see the log for why)")
+    for t in (x, *weights):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
+            raise TypeError(f"lathe.kernels.chain takes 2-d fp32 CPU tensors, got {t.dtype} {list(t.shape)} "
+                            f"on {t.device}")
+    return lib, x if x.stride(1) == 1 else x.contiguous()
+
+
+def _threads(flops: int) -> int:
+    return torch.get_num_threads() if flops >= THREADED_FLOPS else 1
+
+
+def chain_matmul(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """y = x @ w in the fixed order of the module docstring; x [M, K], w [K, N], both fp32 on the CPU -> [M, N].
+    ``x``'s rows are made contiguous if they are not; ``w`` is read in place whatever its strides."""
+    lib, x = _checked(x, w)
+    (m, k), n = x.shape, w.shape[1]
+    if w.shape[0] != k:
+        raise ValueError(f"chain_matmul: x is [{m}, {k}] but w is {list(w.shape)}")
+    y = torch.empty(m, n)
+    lib.lathe_chain_matmul(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(),
+                           m, k, n, block, _threads(m * k * n))
+    return y
+
+
+def chain_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, block: int) -> torch.Tensor:
+    """d = ((x @ a.T) * scale) @ b.T in one call, each product in the fixed order of the module docstring; x [M, K],
+    a [R, K], b [N, R], all fp32 on the CPU -> [M, N]."""
+    lib, x = _checked(x, a, b)
+    (m, k), (r, n) = x.shape, (a.shape[0], b.shape[0])
+    if a.shape[1] != k or b.shape[1] != r:
+        raise ValueError(f"chain_lora: x is [{m}, {k}], a {list(a.shape)}, b {list(b.shape)}")
+    v, y = torch.empty(m, r), torch.empty(m, n)
+    lib.lathe_chain_lora(x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(),
+                         b.stride(1), b.stride(0), scale, v.data_ptr(), y.data_ptr(), m, k, r, n, block,
+                         _threads(m * r * n))
+    return y

@@ -1,0 +1,157 @@
+"""lathe.kernels.chain: Lathe's fixed-order product for a decode step's lone rows.
+
+The kernel's order is checked against an exact emulation (every fused multiply-add rounded once, by rational
+arithmetic), so these tests hold on any CPU; whether a pool may use it is checked where it matters, against the
+reference tile's bits: admitted only where every row agrees, and where admitted, a lone row's linear and LoRA
+correction have the reference bits."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from lathe.kernels import chain, ops
+from lathe.models import tiles
+from lathe.models.lora import LoraSpec, LoraWeights
+from lathe.models.lora_batch import LoraBatch
+
+
+def _fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """a * b + c rounded once to the nearest fp32 (ties to even), by exact rational arithmetic."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(exact))
+    candidates = [near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))]
+    return min(candidates, key=lambda f: (abs(Fraction(float(f)) - exact), int(f.view(np.int32)) & 1))
+
+
+def _emulated(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """The module docstring's order, element by element."""
+    xs, ws = x.numpy(), w.numpy()
+    y = np.zeros((x.shape[0], w.shape[1]), dtype=np.float32)
+    for i in range(x.shape[0]):
+        for j in range(w.shape[1]):
+            total = np.float32(0)
+            for k0 in range(0, x.shape[1], block):
+                acc = np.float32(0)
+                for k in range(k0, min(k0 + block, x.shape[1])):
+                    acc = _fma32(xs[i, k], ws[k, j], acc)
+                total = acc if k0 == 0 else np.float32(total + acc)
+            y[i, j] = total
+    return torch.from_numpy(y)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(11)
+
+
+def test_the_kernel_runs_the_documented_order(gen: torch.Generator) -> None:
+    x, w = torch.randn(2, 50, generator=gen), torch.randn(50, 7, generator=gen)
+    for block in (16, 64):
+        assert torch.equal(chain.chain_matmul(x, w, block), _emulated(x, w, block)), block
+    # the block is part of the order: 16 and 64 round differently somewhere
+    assert not torch.equal(chain.chain_matmul(x, w, 16), chain.chain_matmul(x, w, 64))
+
+
+@pytest.mark.parametrize("n", [5, 300, 2100])
+def test_rows_threads_and_layouts_leave_the_bits_alone(gen: torch.Generator, threads: int, n: int) -> None:
+    x, w = torch.randn(3, 700, generator=gen), torch.randn(700, n, generator=gen)
+    column_major = w.t().contiguous().t()  # [K, N] read as chains of a few columns
+    ref = chain.chain_matmul(x, w, 192)
+    with tiles.at_threads(1):
+        alone = torch.cat([chain.chain_matmul(x[i:i + 1], w, 192) for i in range(3)])
+    assert torch.equal(alone, ref)
+    assert torch.equal(chain.chain_matmul(x, column_major, 192), ref)
+    assert torch.equal(chain.chain_matmul(x.t().contiguous().t(), w, 192), ref)  # rows made contiguous
+    torch.testing.assert_close(ref.double(), x.double() @ w.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_chain_lora_is_both_products_in_one_call(gen: torch.Generator) -> None:
+    x, a, b = torch.randn(2, 96, generator=gen), torch.randn(8, 96, generator=gen), torch.randn(130, 8, generator=gen)
+    got = chain.chain_lora(x, a, b, 0.37, 64)
+    want = chain.chain_matmul(chain.chain_matmul(x, a.t(), 64) * 0.37, b.t(), 64)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.double(), (x.double() @ a.double().t()) * 0.37 @ b.double().t(),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_bad_operands_are_refused_with_what_was_wrong() -> None:
+    with pytest.raises(TypeError, match=r"fp32 CPU tensors, got torch.bfloat16 \[2, 4\]"):
+        chain.chain_matmul(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 3), 64)
+    with pytest.raises(ValueError, match=r"x is \[2, 4\] but w is \[5, 3\]"):
+        chain.chain_matmul(torch.ones(2, 4), torch.ones(5, 3), 64)
+    with pytest.raises(ValueError, match=r"a \[8, 5\]"):
+        chain.chain_lora(torch.ones(2, 4), torch.ones(8, 5), torch.ones(3, 8), 1.0, 64)
+
+
+WEIGHTS = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+"""[N, K] weights of a SmolLM2 layer's shapes."""
+
+
+def _weights(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    return [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for n, k in WEIGHTS]
+
+
+def test_a_pool_admits_the_kernel_only_where_every_row_has_the_reference_tiles_bits(gen: torch.Generator) -> None:
+    weights = _weights(gen)
+    ladder = tiles.choose_ladder(weights, [1, 2])
+    rows = torch.randn(5, 1536, generator=gen)
+
+    def agrees(block: int) -> bool:
+        return all(torch.equal(chain.chain_matmul(rows[:, :w.shape[1]], w.t(), block),
+                               ops.tiled_matmul(rows[:, :w.shape[1]], w.t())) for w in weights)
+
+    if not ladder.chain:  # refused here: then no block gives those bits (or the kernel cannot be built)
+        assert not ladder.direct or not chain.available() or not any(agrees(b) for b in chain.BLOCKS)
+        return
+    assert ladder.direct and agrees(ladder.chain)
+    for w in weights:  # a lone row's linear on the ladder takes the kernel, with the reference bits
+        row = rows[:1, :w.shape[1]]
+        got = ops.linear(row, w, invariant=True, ladder=ladder)
+        assert torch.equal(got, ops.tiled_matmul(row, w.t()))
+        assert torch.equal(got, ops.linear(row, w, invariant=True, ladder=dataclasses.replace(ladder, chain=0)))
+
+
+def test_the_kernel_is_never_admitted_for_bf16_weights(gen: torch.Generator) -> None:
+    assert tiles.choose_ladder(_weights(gen, torch.bfloat16), [1]).chain == 0
+
+
+def test_a_lone_rows_lora_correction_in_one_call_keeps_the_ladders_bits(gen: torch.Generator) -> None:
+    rank = 32
+    shrinks = [torch.randn(rank, k, generator=gen) for k in (576, 1536)]
+    expands = [torch.randn(n, rank, generator=gen) for n in (192, 576, 1536)]
+    ladder = tiles.choose_ladder(shrinks + expands, [1, 2])
+    key, one = (0, "down_proj"), LoraWeights(LoraSpec(rank=rank, alpha=16), {(0, "down_proj"): shrinks[1]},
+                                             {(0, "down_proj"): expands[1] * 0.02})
+    x = torch.randn(1, 1536, generator=gen)
+    with torch.no_grad():
+        got = LoraBatch([0, 1], [0], [one]).delta_per_segment(key, x, {rank: ladder})
+        padded = dataclasses.replace(ladder, chain=0, lone=0)
+        v = ops.linear(x, one.a[key], invariant=True, ladder=padded)
+        want = ops.linear(v * one.spec.scale, one.b[key], invariant=True, ladder=padded)
+    assert torch.equal(got, want)
+
+
+@pytest.fixture
+def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[None]:
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("LATHE_KERNEL_CACHE", str(tmp_path))
+    chain._library.cache_clear()
+    yield
+    chain._library.cache_clear()
+
+
+def test_without_a_compiler_pools_keep_the_padded_tile(no_compiler: None, gen: torch.Generator,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="lathe.kernels.chain"):
+        assert not chain.available()
+    assert "no C compiler" in caplog.text
+    assert tiles.choose_ladder(_weights(gen), [1]).chain == 0
+    with pytest.raises(RuntimeError, match="not available on this machine"):
+        chain.chain_matmul(torch.ones(1, 4), torch.ones(4, 2), 64)
