@@ -45,7 +45,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 contraction of the block sums' separate adds into fused ones."""
 
 BLOCKS = (64, 96, 128, 192, 256, 320, 384, 512)
-"""K-blocks a pool's trial tries, in this order (``lathe.models.tiles.choose_chain``)."""
+"""K-blocks a pool's trial tries, in this order (``lathe.models.tiles.choose_chain``); ``chain.c`` takes at most
+the last."""
 
 THREADED_FLOPS = 1 << 17
 """Fewest multiply-adds of a product that runs on torch's threads; a smaller one (a LoRA shrink) stays on one, as
@@ -89,13 +90,13 @@ def _library() -> ctypes.CDLL | None:
                                capture_output=True, timeout=120)
                 os.replace(out, built)
         lib = ctypes.CDLL(str(built))
-    except (OSError, subprocess.SubprocessError) as e:
+        ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+        lib.lathe_chain_matmul.restype = lib.lathe_chain_lora.restype = None
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("lathe.kernels.chain: building %s failed (%s %s); lone decode rows keep the padded tile",
                     SOURCE.name, e, detail.decode(errors="replace")[-400:])
         return None
-    ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.lathe_chain_matmul.restype = lib.lathe_chain_lora.restype = None
     lib.lathe_chain_matmul.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count]
     lib.lathe_chain_lora.argtypes = [ptr, stride, ptr, stride, stride, ptr, stride, stride, ctypes.c_float, ptr, ptr,
                                      count, count, count, count, count, count]
@@ -107,11 +108,14 @@ def available() -> bool:
     return _library() is not None
 
 
-def _checked(x: torch.Tensor, *weights: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
-    """The library and ``x`` with contiguous rows, after checking every operand is an fp32 CPU tensor."""
+def _checked(x: torch.Tensor, block: int, *weights: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and ``x`` with contiguous rows, after checking the block and that every operand is an fp32 CPU
+    tensor."""
     lib = _library()
     if lib is None:
         raise RuntimeError("lathe.kernels.chain is not available on this machine (see the log for why)")
+    if not 0 < block <= BLOCKS[-1]:
+        raise ValueError(f"lathe.kernels.chain: block must be in [1, {BLOCKS[-1]}], got {block}")
     for t in (x, *weights):
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
             raise TypeError(f"lathe.kernels.chain takes 2-d fp32 CPU tensors, got {t.dtype} {list(t.shape)} "
@@ -126,7 +130,7 @@ def _threads(flops: int) -> int:
 def chain_matmul(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
     """y = x @ w in the fixed order of the module docstring; x [M, K], w [K, N], both fp32 on the CPU -> [M, N].
     ``x``'s rows are made contiguous if they are not; ``w`` is read in place whatever its strides."""
-    lib, x = _checked(x, w)
+    lib, x = _checked(x, block, w)
     (m, k), n = x.shape, w.shape[1]
     if w.shape[0] != k:
         raise ValueError(f"chain_matmul: x is [{m}, {k}] but w is {list(w.shape)}")
@@ -139,7 +143,7 @@ def chain_matmul(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
 def chain_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, block: int) -> torch.Tensor:
     """d = ((x @ a.T) * scale) @ b.T in one call, each product in the fixed order of the module docstring; x [M, K],
     a [R, K], b [N, R], all fp32 on the CPU -> [M, N]."""
-    lib, x = _checked(x, a, b)
+    lib, x = _checked(x, block, a, b)
     (m, k), (r, n) = x.shape, (a.shape[0], b.shape[0])
     if a.shape[1] != k or b.shape[1] != r:
         raise ValueError(f"chain_lora: x is [{m}, {k}], a {list(a.shape)}, b {list(b.shape)}")

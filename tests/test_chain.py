@@ -88,6 +88,8 @@ def test_bad_operands_are_refused_with_what_was_wrong() -> None:
         chain.chain_matmul(torch.ones(2, 4), torch.ones(5, 3), 64)
     with pytest.raises(ValueError, match=r"a \[8, 5\]"):
         chain.chain_lora(torch.ones(2, 4), torch.ones(8, 5), torch.ones(3, 8), 1.0, 64)
+    with pytest.raises(ValueError, match=r"block must be in \[1, 512\], got 1024"):
+        chain.chain_matmul(torch.ones(2, 4), torch.ones(4, 3), 1024)
 
 
 WEIGHTS = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
