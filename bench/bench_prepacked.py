@@ -10,7 +10,7 @@ through the prepacked weights, and a plain 1-row product (what transformers runs
 rows are bitwise the 4-row tile's at each thread count (what the pool checks first). Best of --repeats, each way
 in turn. With ``--decode``, it first decodes one sequence (one rank-32 adapter, 32-token prompt, 32 new tokens) in a
 ``SamplerEngine`` with the pool's prepacked copies and without them, alternating in one process, and prints the
-median ms per token of each and whether their greedy tokens are equal.
+median ms per token of each and whether their greedy tokens and sampled logprobs are equal.
 
 Run it alone: other processes on the same cores distort these timings badly.
 Run: .venv/bin/python bench/bench_prepacked.py [--dtype bfloat16 --threads 1 2 --repeats 7 --decode]
@@ -25,13 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_sampling import lathe_engine, lathe_generate, random_adapter, sampler_files
+from bench_sampling import BASE, TENANT, lathe_engine, lathe_generate, random_adapter, sampler_files
 from machine import cpu_line
 
 from lathe.models.config import ModelConfig
 from lathe.models.decoder import Decoder
 from lathe.models.pool import on_passing_thread
 from lathe.models.smollm2 import import_smollm2
+from lathe.sampler.engine import SamplerEngine
+from lathe.v1 import lathe_pb2 as pb
 
 CACHE = Path(".cache/lathe")
 
@@ -46,8 +48,15 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return best * 1e3
 
 
-def decode_ab(path: Path, dtype: str, rounds: int = 4, new_tokens: int = 32) -> None:
-    """A single-sequence decode with the sampling pool's prepacked copies and without, alternating."""
+Way = Callable[[Decoder], None]
+"""Sets one way of running a lone row on the pool's model (and restores nothing: the next way sets its own)."""
+
+
+def decode_ab(path: Path, dtype: str, ways: Callable[[Decoder], dict[str, Way]], rounds: int = 4,
+              new_tokens: int = 32) -> dict[str, float]:
+    """A single-sequence decode (one rank-32 adapter, 32-token prompt) in a ``SamplerEngine``, each of ``ways(model)``
+    in turn, alternating ``rounds`` times in one process; prints and returns each way's median ms per token, and
+    whether every way's greedy tokens and sampled logprobs are equal."""
     torch.set_num_threads(2)
     cfg = ModelConfig.from_dir(path)
     adapter = "tinker://bench-0/sampler_weights/s"
@@ -58,26 +67,46 @@ def decode_ab(path: Path, dtype: str, rounds: int = 4, new_tokens: int = 32) -> 
     try:
         lathe_generate(engine, prompts, paths, 3)
         model = engine.base(engine.catalog.entries()[0].name).model
-        copies = dict(model.packed)
-        ms: dict[str, list[float]] = {"prepacked": [], "padded tile": []}
-        tokens: dict[str, list[int]] = {}
+        chosen = ways(model)
+        ms: dict[str, list[float]] = {way: [] for way in chosen}
+        outputs: dict[str, set[str]] = {way: set() for way in chosen}
         for _ in range(rounds):
-            for way, packed in (("prepacked", copies), ("padded tile", {})):
-                model.packed = packed
+            for way, set_way in chosen.items():
+                set_way(model)
                 start = time.perf_counter()
-                tokens[way] = lathe_generate(engine, prompts, paths, new_tokens + 1)[0]
+                tokens = lathe_generate(engine, prompts, paths, new_tokens + 1)[0]
                 mid = time.perf_counter()
                 lathe_generate(engine, prompts, paths, 1)  # the prompt's prefill and one token, taken off
                 ms[way].append(((mid - start) - (time.perf_counter() - mid)) / new_tokens * 1e3)
+                outputs[way].add(repr((tokens, sampled_logprobs(engine, prompts[0], paths[0]))))
     finally:
         engine.stop()
-    print(f"single-sequence decode, {dtype}, 2 threads, {len(copies)} prepacked layer weights chosen by the pool")
+    print(f"single-sequence decode, {dtype}, 2 threads, {cpu_line()}")
     for way, values in ms.items():
-        print(f"  {way:<12} {statistics.median(values):6.1f} ms/token  (runs: {', '.join(f'{v:.1f}' for v in values)})")
-    if copies:
-        ratio = statistics.median(ms["prepacked"]) / statistics.median(ms["padded tile"])
-        same = tokens["prepacked"] == tokens["padded tile"]
-        print(f"  prepacked / padded tile: {ratio:.2f}; greedy tokens equal: {same}")
+        print(f"  {way:<14} {statistics.median(values):6.1f} ms/token  (runs: {', '.join(f'{v:.1f}' for v in values)})")
+    same = len(set().union(*outputs.values())) == 1
+    print(f"  greedy tokens and sampled logprobs equal across ways and runs: {same}")
+    return {way: statistics.median(values) for way, values in ms.items()}
+
+
+def sampled_logprobs(engine: SamplerEngine, prompt: list[int], path: str) -> list[float]:
+    """The logprobs of 8 tokens sampled at temperature 1 with a fixed seed."""
+    r = engine.sample(pb.SampleRequest(prompt=prompt, num_samples=1, tenant=TENANT, base_model=BASE, model_path=path,
+                                       model_version=1.0, params=pb.SamplingParams(max_tokens=8, temperature=1.0,
+                                                                                   top_p=1.0, use_eos=False, seed=3)))
+    return list(r.result().sample.sequences[0].logprobs)
+
+
+def _prepacked_ways(model: Decoder) -> dict[str, Way]:
+    copies = dict(model.packed)
+
+    def use(packed: dict[str, torch.Tensor]) -> Way:
+        def set_way(m: Decoder) -> None:
+            m.packed = packed
+        return set_way
+
+    print(f"{len(copies)} prepacked layer weights chosen by the pool")
+    return {"prepacked": use(copies), "padded tile": use({})}
 
 
 def main() -> None:
@@ -89,7 +118,7 @@ def main() -> None:
     args = ap.parse_args()
     path = import_smollm2(CACHE)
     if args.decode:  # first: the products below run on this thread, whose OpenMP team would then slow the engine's
-        decode_ab(path, args.dtype)
+        decode_ab(path, args.dtype, _prepacked_ways)
     model = Decoder.from_dir(path, dtype=getattr(torch, args.dtype))
     weights = [w for name, w in model.w.items() if name.endswith("proj.weight")]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 4) for w in weights]
