@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from lathe.kernels import ops
 from lathe.kernels.invariant_triton import invariant_bmm
-from lathe.models import exactness
+from lathe.models import checks
 from lathe.models.decoder import Decoder
 from lathe.models.tiny import ensure_tiny_model
 
@@ -60,8 +60,8 @@ def test_decoder_on_the_kernel_path_agrees_with_the_cpu_path(monkeypatch: pytest
     model = Decoder.from_dir(ensure_tiny_model(cache, "llama"))
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        want = exactness.packed_logprobs(model, gen, 4)[2]
+        want = checks.packed_logprobs(model, gen, 4)[2]
         monkeypatch.setattr(ops, "_bmm", invariant_bmm)
         monkeypatch.setattr(ops, "tiled_matmul", lambda x, w, tile=ops.ROW_TILE: invariant_bmm(x[None], w[None])[0])
-        got = exactness.packed_logprobs(model, torch.Generator().manual_seed(3), 4)[2]
+        got = checks.packed_logprobs(model, torch.Generator().manual_seed(3), 4)[2]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lathe.kernels import attention as attn
 from lathe.kernels import ops
-from lathe.models import exactness, tiles
+from lathe.models import checks, exactness, tiles
 from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.lora import LoraSpec, LoraWeights, module_shape
 from lathe.models.lora_batch import LoraBatch
@@ -95,7 +95,7 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     """The pool widens its linear and attention tiles only to heights whose bits equal the reference tiles':
     the packed logprobs and the fingerprint's bits are the same with the chosen ladders as with the references."""
     model = Decoder.from_dir(tiny_dir, dtype=dtype)
-    reference = exactness.packed_logprobs(model, torch.Generator().manual_seed(5), 4)[2]
+    reference = checks.packed_logprobs(model, torch.Generator().manual_seed(5), 4)[2]
     pool = exactness.PoolExactness("trainer", invariant=True)
     report = pool.check("tiny", model)
     assert report.exact, report.first_failure
@@ -103,7 +103,7 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     assert set(model.ladder.tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
     assert attn.ATTN_ROW_TILE in model.attn_tiles and report.tiles["attn_row_tiles"] == list(model.attn_tiles)
     assert set(model.attn_tiles) <= {attn.ATTN_ROW_TILE, *attn.ATTN_TILE_CANDIDATES}
-    ladder = exactness.packed_logprobs(model, torch.Generator().manual_seed(5), 4)[2]
+    ladder = checks.packed_logprobs(model, torch.Generator().manual_seed(5), 4)[2]
     assert torch.equal(ladder, reference)
 
 
@@ -155,12 +155,12 @@ def test_prepacked_lone_rows_are_used_only_where_they_keep_the_padded_tiles_bits
         return
     assert set(model.packed) <= set(layer_weight_names(model.cfg))
     copies = {n: ops.prepack(model.w[n], min(model.ladder.direct)) for n in layer_weight_names(model.cfg)}
-    adapters = exactness._adapters(model, 8, torch.Generator().manual_seed(4))
+    adapters = checks.random_adapters(model, 8, torch.Generator().manual_seed(4))
     out = []
     for packed in ({}, copies):  # one token alone: every linear runs a lone row
         model.packed = packed
         with torch.no_grad():
-            out.append(exactness._logprobs(model, [[5]], [[3]], exactness._layout([1], adapters[:1])))
+            out.append(checks.logprobs(model, [[5]], [[3]], checks.layout([1], adapters[:1])))
     assert torch.equal(out[0], out[1])
 
 
