@@ -34,8 +34,8 @@ from lathe.loss_graph import (
     NUMBER,
     OPERAND,
     check_graph,
-    infer_shapes,
 )
+from lathe.loss_shapes import infer_shapes
 from lathe.loss_trace import LossHandle
 from lathe.stack import Stack
 from lathe.trainer import custom_loss

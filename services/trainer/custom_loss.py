@@ -13,7 +13,7 @@ built-in losses); its metrics are summed over datums and ``reduce_metrics`` divi
 number of datums, as tinker's SDK combines them client-side.
 
 Budgets, all checked before anything is computed (``plan`` for a job's datums, then each call per datum): every
-node's shape comes from ``lathe.loss_graph.infer_shapes`` (at most ``MAX_NODE_ELEMENTS`` elements per node); over a
+node's shape comes from ``lathe.loss_shapes.infer_shapes`` (at most ``MAX_NODE_ELEMENTS`` elements per node); over a
 job's datums, the nodes' elements (which autograd keeps until the backward) add up to at most the pool's
 ``LossBudget.elements`` and the node evaluations to at most its ``LossBudget.calls`` (``MAX_LOSS_ELEMENTS`` and
 ``MAX_LOSS_CALLS`` by default, the trainer's ``--max-loss-elements`` and ``--max-loss-calls``); the cycle planner
@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from lathe.errors import Internal, InvalidArgument
-from lathe.loss_graph import FUNCTIONS, LossGraph, Ref, Shape, infer_shapes
+from lathe.loss_graph import FUNCTIONS, LossGraph, Ref
+from lathe.loss_shapes import Shape, infer_shapes
 
 MAX_LOSS_ELEMENTS = 2**26  # default: elements of all nodes over a job's datums, and a cycle's (256 MiB in fp32)
 MAX_LOSS_CALLS = 2**15  # default: node evaluations over a job's datums (datums x calls)
