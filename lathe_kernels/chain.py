@@ -45,8 +45,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 contraction of the block sums' separate adds into fused ones."""
 
 BLOCKS = (64, 96, 128, 192, 256, 320, 384, 512)
-"""K-blocks a pool's trial tries, in this order (``lathe.models.tiles.choose_chain``); ``chain.c`` takes at most
-the last."""
+"""K-blocks a pool's trial tries, in this order (``lathe.models.tiles.choose_chain``); the calls refuse a larger one
+(no library measured blocks by more)."""
 
 THREADED_FLOPS = 1 << 17
 """Fewest multiply-adds of a product that runs on torch's threads; a smaller one (a LoRA shrink) stays on one, as
@@ -134,7 +134,7 @@ def chain_matmul(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[1]
     if w.shape[0] != k:
         raise ValueError(f"chain_matmul: x is [{m}, {k}] but w is {list(w.shape)}")
-    y = torch.empty(m, n)
+    y = torch.empty(m, n, dtype=torch.float32)
     lib.lathe_chain_matmul(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(),
                            m, k, n, block, _threads(m * k * n))
     return y
@@ -147,7 +147,7 @@ def chain_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, 
     (m, k), (r, n) = x.shape, (a.shape[0], b.shape[0])
     if a.shape[1] != k or b.shape[1] != r:
         raise ValueError(f"chain_lora: x is [{m}, {k}], a {list(a.shape)}, b {list(b.shape)}")
-    v, y = torch.empty(m, r), torch.empty(m, n)
+    v, y = torch.empty(m, r, dtype=torch.float32), torch.empty(m, n, dtype=torch.float32)
     lib.lathe_chain_lora(x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(),
                          b.stride(1), b.stride(0), scale, v.data_ptr(), y.data_ptr(), m, k, r, n, block,
                          _threads(m * r * n))
