@@ -21,28 +21,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import torch
 from bench_prepacked import CACHE, Way, best_ms, decode_ab
-from machine import cpu_line
+from machine import cpu_line, read_gbps
 
 from lathe.kernels import chain, ops
 from lathe.models import tiles
 from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.smollm2 import import_smollm2
-
-
-def read_gbps(mbytes: int = 512, repeats: int = 5) -> float:
-    """This machine's read bandwidth: the best of ``repeats`` sums over an fp32 tensor of ``mbytes`` MB."""
-    x = torch.ones(mbytes * 2**18)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
 
 
 def _chain_ways(model: Decoder) -> dict[str, Way]:

@@ -49,3 +49,20 @@ def gemm_gflops(threads: int, rows: int = 256, k: int = 576, n: int = 1536, repe
     finally:
         torch.set_num_threads(before)
     return 2 * rows * k * n / best / 1e9
+
+
+def read_gbps(mbytes: int = 512, repeats: int = 5) -> float:
+    """This machine's memory read bandwidth in GB/s: the best of ``repeats`` sums over an fp32 tensor of ``mbytes``
+    MB (more than a cache holds), the rate a decode figure's floor is computed with."""
+    import time
+
+    import torch
+
+    x = torch.ones(mbytes * 2**18)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
