@@ -34,6 +34,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
+from lathe.kernels import chain as chain_kernel
 from lathe.kernels import ops
 
 ATTN_ROW_TILE = 4
@@ -258,7 +259,7 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
 
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | list[int], *, scale: float,
-    invariant: bool,
+    invariant: bool, chain: int = 0,
 ) -> torch.Tensor:
     """One decode token for each of S sequences at once; q [S, Hq, D], k/v [S, N, Hkv, D] -> [S, Hq, D].
 
@@ -269,6 +270,12 @@ def decode_attention(
     grid, the same exact max, and the same chunk-ordered sums (chunks past a sequence's end add exactly
     zero). ``positions`` may be an int64 tensor on q's device ([S]; what a captured CUDA graph reads: no
     host value enters the computation), or a list.
+
+    ``chain`` (a pool's ``Decoder.attn_chain``, admitted by ``lathe.models.tiles.choose_attention_chain`` where it
+    gives these bits): the products run in Lathe's own fixed-order kernel with k-blocks of that size
+    (``lathe.kernels.chain.attention_scores`` and ``attention_values``), a few calls a layer instead of a few
+    small library products per kv head and chunk, each of which wakes the library's threads; the exponentials
+    and the per-chunk sums stay torch's.
     """
     s, hq, d = q.shape
     _, n, hkv, _ = k.shape
@@ -282,6 +289,11 @@ def decode_attention(
     if n % KEY_CHUNK:
         raise ValueError(f"decode_attention: N={n} keys must be whole chunks of {KEY_CHUNK}")
     wide, t, chunks = ops._wide(q.dtype), ATTN_ROW_TILE, n // KEY_CHUNK
+    if chain:
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        x = chain_kernel.attention_scores(q.to(wide), k.to(wide), pos, scale, chain)
+        p = torch.exp(x)
+        return chain_kernel.attention_values(p, p.sum(-1), v.to(wide), pos, chain).to(q.dtype)
     keys, values = k.to(wide), v.to(wide)  # [S, N, Hkv, D]: kv head h's chunks are strided views, never copied
     rows = ops._pad_rows((q.to(wide) * scale).reshape(s, hkv, g, d), t)  # [S, Hkv, G, D], G whole tiles
     tiles = rows.shape[2] // t

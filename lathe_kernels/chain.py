@@ -10,6 +10,16 @@ compiler on first use and loaded with ctypes.
       x: [M, K]; a: [R, K]; b: [N, R]; all fp32
       d = chain_matmul(chain_matmul(x, a.T) * scale, b.T), the scaling rounded to fp32   -> d: [M, N] fp32
 
+    attention_scores(q, k, positions, scale, block) -> x      (invariant decode attention, before its exponentials)
+      q: [S, Hq, D]; k: [S, N, Hkv, D]; positions: [S] int64; g = Hq // Hkv; C = N // KEY_CHUNK
+      x[s, h, c, r, j] = chain(scale * q[s, h * g + r], k[s, c * 64 + j, h]) - max over the row's visible keys,
+      -inf where c * 64 + j > positions[s]                                          -> x: [S, Hkv, C, g, 64] fp32
+    attention_values(p, den, v, positions, block) -> o        (and after them)
+      p: [S, Hkv, C, g, 64] (exp(x)); den: [S, Hkv, C, g] (p summed over its 64 keys); v: [S, N, Hkv, D]
+      o[s, h * g + r] = (sum over c in order of chain(p[s, h, c, r], v[s, chunk c, h])) / (sum over c of den)
+                                                                                     -> o: [S, Hq, D] fp32
+      Chunks wholly past positions[s] are not computed: they add exact zeros, as they do in the library's products.
+
 Why: an invariant ``linear`` gives a row the bits of its reference tile, and the kernel library computes a row of
 one or two rows with other bits, so a lone decode row was zero-padded to a tile of four, for which the library
 packs the whole weight again (a third of a single-sequence decode step, measured under MKL's AVX2 path). Where the
@@ -91,7 +101,9 @@ def _library() -> ctypes.CDLL | None:
                 os.replace(out, built)
         lib = ctypes.CDLL(str(built))
         ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        lib.lathe_chain_matmul.restype = lib.lathe_chain_lora.restype = None
+        for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_attention_scores,
+                   lib.lathe_chain_attention_values):
+            fn.restype = None
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("lathe.kernels.chain: building %s failed (%s %s); lone decode rows keep the padded tile",
@@ -100,6 +112,10 @@ def _library() -> ctypes.CDLL | None:
     lib.lathe_chain_matmul.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count]
     lib.lathe_chain_lora.argtypes = [ptr, stride, ptr, stride, stride, ptr, stride, stride, ctypes.c_float, ptr, ptr,
                                      count, count, count, count, count, count]
+    lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, stride, stride, stride, ptr, ctypes.c_float,
+                                                 ptr, *[count] * 7]
+    lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
+                                                 *[count] * 7]
     return lib
 
 
@@ -108,19 +124,23 @@ def available() -> bool:
     return _library() is not None
 
 
-def _checked(x: torch.Tensor, block: int, *weights: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
-    """The library and ``x`` with contiguous rows, after checking the block and that every operand is an fp32 CPU
-    tensor."""
+def _lib(block: int, dims: int, *operands: torch.Tensor) -> ctypes.CDLL:
+    """The library, after checking the block and that every operand is a ``dims``-d fp32 CPU tensor."""
     lib = _library()
     if lib is None:
         raise RuntimeError("lathe.kernels.chain is not available on this machine (see the log for why)")
     if not 0 < block <= BLOCKS[-1]:
         raise ValueError(f"lathe.kernels.chain: block must be in [1, {BLOCKS[-1]}], got {block}")
-    for t in (x, *weights):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
-            raise TypeError(f"lathe.kernels.chain takes 2-d fp32 CPU tensors, got {t.dtype} {list(t.shape)} "
-                            f"on {t.device}")
-    return lib, x if x.stride(1) == 1 else x.contiguous()
+    for t in operands:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dims:
+            raise TypeError(f"lathe.kernels.chain takes {dims}-d fp32 CPU tensors, got {t.dtype} "
+                            f"{list(t.shape)} on {t.device}")
+    return lib
+
+
+def _checked(x: torch.Tensor, block: int, *weights: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and ``x`` with contiguous rows, after ``_lib``'s checks of 2-d operands."""
+    return _lib(block, 2, x, *weights), x if x.stride(1) == 1 else x.contiguous()
 
 
 def _threads(flops: int) -> int:
@@ -152,3 +172,66 @@ def chain_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, 
                          b.stride(1), b.stride(0), scale, v.data_ptr(), y.data_ptr(), m, k, r, n, block,
                          _threads(m * r * n))
     return y
+
+
+KEY_CHUNK = 64
+"""Keys per chunk of the attention calls (``lathe.kernels.attention.KEY_CHUNK``, fixed in ``chain.c``)."""
+
+MAX_HEAD = 512
+"""Widest attention head the attention calls take (``chain.c``'s scratch)."""
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _attention_shapes(q_or_p: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, g: int) -> tuple[int, ...]:
+    s, n, hkv, d = kv.shape
+    if n % KEY_CHUNK or d > MAX_HEAD or q_or_p.shape[0] != s or positions.shape != (s,):
+        raise ValueError(f"lathe.kernels.chain attention: keys/values {list(kv.shape)} must be [S, N, Hkv, D] with N "
+                         f"whole chunks of {KEY_CHUNK} and D <= {MAX_HEAD}, for {s} sequences and positions "
+                         f"{list(positions.shape)}")
+    if positions.dtype != torch.long or not positions.is_contiguous() or positions.device.type != "cpu":
+        raise ValueError(f"lathe.kernels.chain attention: positions must be a contiguous int64 CPU tensor, got "
+                         f"{positions.dtype} on {positions.device}")
+    return s, hkv, g, d, n // KEY_CHUNK
+
+
+def _attention_threads(s: int, hkv: int, g: int, d: int, chunks: int) -> int:
+    return _threads(s * hkv * g * d * chunks * KEY_CHUNK)
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float, block: int
+                     ) -> torch.Tensor:
+    """Invariant decode attention's scores less each row's max (the module docstring); q [S, Hq, D], k [S, N, Hkv,
+    D], positions [S] int64 -> x [S, Hkv, C, g, 64]."""
+    lib = _lib(block, 3, q)
+    _lib(block, 4, k)
+    q, k = _rows(q), _rows(k)
+    s, hkv, g, d, chunks = _attention_shapes(q, k, positions, q.shape[1] // k.shape[2])
+    if q.shape[1] != g * hkv or q.shape[2] != d:
+        raise ValueError(f"attention_scores: q {list(q.shape)} does not fit keys {list(k.shape)}")
+    x = torch.empty(s, hkv, chunks, g, KEY_CHUNK, dtype=torch.float32)
+    lib.lathe_chain_attention_scores(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *k.stride()[:3],
+                                     positions.data_ptr(), scale, x.data_ptr(), s, hkv, g, d, chunks, block,
+                                     _attention_threads(s, hkv, g, d, chunks))
+    return x
+
+
+def attention_values(p: torch.Tensor, den: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, block: int
+                     ) -> torch.Tensor:
+    """Invariant decode attention's output from its probabilities (the module docstring); p [S, Hkv, C, g, 64],
+    den [S, Hkv, C, g], v [S, N, Hkv, D], positions [S] int64 -> o [S, Hq, D]."""
+    lib = _lib(block, 4, v, den)
+    _lib(block, 5, p)
+    v = _rows(v)
+    s, hkv, g, d, chunks = _attention_shapes(p, v, positions, p.shape[3])
+    if p.shape != (s, hkv, chunks, g, KEY_CHUNK) or den.shape != p.shape[:4]:
+        raise ValueError(f"attention_values: p {list(p.shape)} and den {list(den.shape)} do not fit values "
+                         f"{list(v.shape)}")
+    p, den = p.contiguous(), den.contiguous()
+    o = torch.empty(s, hkv * g, d, dtype=torch.float32)
+    lib.lathe_chain_attention_values(p.data_ptr(), den.data_ptr(), v.data_ptr(), *v.stride()[:3],
+                                     positions.data_ptr(), o.data_ptr(), o.stride(0), o.stride(1), s, hkv, g, d,
+                                     chunks, block, _attention_threads(s, hkv, g, d, chunks))
+    return o

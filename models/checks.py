@@ -157,13 +157,14 @@ def op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Chec
                         lambda x: ops.rms_norm(x, norm, cfg.rms_norm_eps, invariant=True), pool(cfg.hidden_size)))
     checks.append(rows_check(f"log_softmax {cfg.vocab_size}", lambda x: ops.log_softmax(x, invariant=True),
                         pool(cfg.vocab_size, scale=4.0)))
-    checks.append(_attention_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, dev, gen, model.attn_tiles))
+    checks.append(_attention_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, dev, gen, model.attn_tiles,
+                                   model.attn_chain))
     return checks
 
 
 def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.device, gen: torch.Generator,
-                     tiles: tuple[int, ...]) -> Check:
-    name = f"attention Hq={hq} Hkv={hkv} D={d} tiles {list(tiles)}"
+                     tiles: tuple[int, ...], chain: int) -> Check:
+    name = f"attention Hq={hq} Hkv={hkv} D={d} tiles {list(tiles)}{f', decode kernel block {chain}' if chain else ''}"
     n = ATTENTION_LENGTH
     q, k, v = (torch.randn(n, h, d, generator=gen).to(device=dev, dtype=dt) for h in (hq, hkv, hkv))
     scale = d**-0.5
@@ -194,7 +195,7 @@ def _attention_check(hq: int, hkv: int, d: int, dt: torch.dtype, dev: torch.devi
         ks[s, : p + 1], vs[s, : p + 1] = k[: p + 1], v[: p + 1]
     for count in (1, 3, len(positions)):
         batched = attn.decode_attention(q[positions[:count]], ks[:count], vs[:count], positions[:count], scale=scale,
-                                       invariant=True)
+                                       invariant=True, chain=chain)
         bad = differing(batched, prefill[positions[:count]])
         if bad:
             return Check(name, False, f"batched decode of {count} sequences: positions "

@@ -139,6 +139,7 @@ class Decoder(torch.nn.Module):
         self.grad_ladder = ops.REFERENCE  # the same for their backward, in a trainer pool
         self.lora_ladders: dict[int, ops.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
         self.attn_tiles = (attn.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
+        self.attn_chain = 0  # decode attention's products through Lathe's own kernel (its k-block), once admitted
         self.packed: dict[str, torch.Tensor] = {}  # layer weights prepacked for lone decode rows, once admitted
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
@@ -205,7 +206,8 @@ class Decoder(torch.nn.Module):
         decode = getattr(kv, "decode", None)
         if decode is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence
             ks, vs, positions = decode(i, k, v)
-            o = attn.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant)
+            o = attn.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant,
+                                      chain=self.attn_chain if q.device.type == "cpu" else 0)
             return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
         if kv is None:
             o = self._attention_by_length(q, k, v, cu)

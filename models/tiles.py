@@ -9,7 +9,8 @@ reference tile's for every base weight and the LM head, whole batch, shifted bat
 count; ``choose_lone`` then times the admitted ways of running a lone decode row and keeps the faster (the one
 choice made by time, as it cannot change a bit); ``choose_attention_tiles`` picks prefill attention's row tiles
 (``attn.ATTN_ROW_TILE``, the one decode uses, plus each of ``attn.ATTN_TILE_CANDIDATES`` whose prefill and chunked
-prefill have its bits). Every choice but the lone row's is made by bits, so one machine and library always choose
+prefill have its bits); ``choose_attention_chain`` admits Lathe's own kernel for decode attention's products where it
+has the library's bits. Every choice but the lone row's is made by bits, so one machine and library always choose
 the same.
 """
 
@@ -316,6 +317,40 @@ def choose_attention_tiles(heads: int, kv_heads: int, head_dim: int, dtype: torc
     return tuple(sorted({attn.ATTN_ROW_TILE, *chosen}))
 
 
+ATTENTION_CHAIN_POSITIONS = (0, 37, 64, 130, ATTENTION_LENGTH - 1)
+"""Positions of the sequences ``choose_attention_chain`` decodes: one chunk, a chunk's end, several chunks, and
+chunks wholly past a shorter sequence's end."""
+
+
+def choose_attention_chain(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                           threads: list[int], seed: int = 0) -> int:
+    """The first k-block of ``chain.BLOCKS`` whose fixed-order kernel gives invariant decode attention
+    (``attn.decode_attention(..., chain=block)``) the bits of its library products, for the model's head shapes,
+    one sequence alone and ``ATTENTION_CHAIN_POSITIONS`` together, at each thread count; 0 where none does, off the
+    CPU, or where the kernel cannot be built here. Decided by bits; the self-check then decodes with it."""
+    if device.type != "cpu" or not chain.available() or head_dim > chain.MAX_HEAD:
+        return 0
+    gen = torch.Generator().manual_seed(seed)
+    count, slots = len(ATTENTION_CHAIN_POSITIONS), -(-ATTENTION_LENGTH // attn.KEY_CHUNK) * attn.KEY_CHUNK
+    q = torch.randn(count, heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(count, slots, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    for s, p in enumerate(ATTENTION_CHAIN_POSITIONS):  # spare slots hold zeros, as a KV cache's do
+        k[s, p + 1:], v[s, p + 1:] = 0, 0
+    cases = [(q[-1:], k[-1:], v[-1:], [ATTENTION_CHAIN_POSITIONS[-1]]), (q, k, v, list(ATTENTION_CHAIN_POSITIONS))]
+
+    def agrees(block: int) -> bool:
+        for n in threads:
+            with at_threads(n):
+                for case in cases:
+                    ref = attn.decode_attention(*case, scale=head_dim**-0.5, invariant=True)
+                    if differing(attn.decode_attention(*case, scale=head_dim**-0.5, invariant=True, chain=block), ref):
+                        return False
+        return True
+
+    with torch.no_grad():
+        return next((block for block in chain.BLOCKS if agrees(block)), 0)
+
+
 @contextmanager
 def at_threads(n: int) -> Iterator[None]:
     """torch's intra-op thread count set to ``n`` inside, restored after."""
@@ -336,8 +371,8 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
 def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
     """Set ``model``'s tiles for this machine: the linears' ladder with its lone-row way, the LoRA products' ladder
     at ``lora_rank``, the backward products' ladder for a training pool (``backward``) or, for a sampling pool, the
-    prepacked layer weights of its lone decode rows, and prefill attention's tiles, each chosen at the thread
-    counts the pool may use."""
+    prepacked layer weights of its lone decode rows, prefill attention's tiles and decode attention's kernel, each
+    chosen at the thread counts the pool may use."""
     threads = default_threads(model)
     model.ladder = choose_lone(model, choose_ladder(model_weights(model), threads, tiles_too=True))
     if not backward:
@@ -347,4 +382,6 @@ def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
         model.grad_ladder = choose_ladder(backward_weights(model), threads)
     cfg = model.cfg
     model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                                              model.device, threads)
+    model.attn_chain = choose_attention_chain(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                               model.device, threads)

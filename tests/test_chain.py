@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from lathe.kernels import attention as attn
 from lathe.kernels import chain, ops
 from lathe.models import tiles
 from lathe.models.lora import LoraSpec, LoraWeights
@@ -140,6 +141,79 @@ def test_a_lone_rows_lora_correction_in_one_call_keeps_the_ladders_bits(gen: tor
     assert torch.equal(got, want)
 
 
+def _decode_case(gen: torch.Generator, positions: list[int], heads: int = 6, kv_heads: int = 2, d: int = 16,
+                 slots: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [S, Hq, D] and a KV cache [S, slots, Hkv, D] with zeros past each sequence's position."""
+    q = torch.randn(len(positions), heads, d, generator=gen)
+    k, v = (torch.randn(len(positions), slots, kv_heads, d, generator=gen) for _ in range(2))
+    for s, p in enumerate(positions):
+        k[s, p + 1:], v[s, p + 1:] = 0, 0
+    return q, k, v, torch.tensor(positions)
+
+
+def test_decode_attention_kernel_runs_the_documented_order(gen: torch.Generator) -> None:
+    positions, block, scale = [3, 64, 200], 8, 0.25  # a block under D: two chains a product
+    q, k, v, pos = _decode_case(gen, positions)
+    x = chain.attention_scores(q, k, pos, scale, block)
+    p = torch.exp(x)
+    o = chain.attention_values(p, p.sum(-1), v, pos, block)
+    g = q.shape[1] // k.shape[2]
+    for s, last in enumerate(positions):
+        for h in range(k.shape[2]):
+            rows = q[s, h * g:(h + 1) * g] * scale
+            raw = torch.cat([chain.chain_matmul(rows, k[s, c * 64:(c + 1) * 64, h].t(), block) for c in range(4)], 1)
+            raw[:, last + 1:] = float("-inf")
+            want = (raw - raw.amax(1, keepdim=True)).view(g, 4, 64).transpose(0, 1)
+            assert torch.equal(x[s, h], want), (s, h)
+            seen = last // 64 + 1
+            assert torch.isinf(x[s, h, seen:]).all()  # chunks past the end are -inf, never computed
+            num, den = (chain.chain_matmul(p[s, h, 0], v[s, :64, h], block), p[s, h, 0].sum(-1, keepdim=True))
+            for c in range(1, 4):  # chunk by chunk in order; a chunk past the end adds an exact zero
+                part = chain.chain_matmul(p[s, h, c], v[s, c * 64:(c + 1) * 64, h], block) if c < seen else 0.0
+                num, den = num + part, den + (p[s, h, c].sum(-1, keepdim=True) if c < seen else 0.0)
+            assert torch.equal(o[s, h * g:(h + 1) * g], num / den), (s, h)
+    reference = attn.decode_attention(q.double(), k.double(), v.double(), positions, scale=scale, invariant=False)
+    torch.testing.assert_close(o.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_kernel_bits_do_not_depend_on_the_batch_or_threads(gen: torch.Generator) -> None:
+    positions = [0, 63, 64, 130, 255]
+    q, k, v, pos = _decode_case(gen, positions)
+    together = attn.decode_attention(q, k, v, pos, scale=0.25, invariant=True, chain=64)
+    with tiles.at_threads(1):
+        for s, p in enumerate(positions):
+            alone = attn.decode_attention(q[s:s + 1], k[s:s + 1, :64 * (p // 64 + 1)], v[s:s + 1, :64 * (p // 64 + 1)],
+                                          [p], scale=0.25, invariant=True, chain=64)
+            assert torch.equal(alone, together[s:s + 1]), p
+
+
+def test_a_pool_admits_the_attention_kernel_only_where_it_has_the_librarys_bits(gen: torch.Generator) -> None:
+    block = tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1, 2])
+    q, k, v, pos = _decode_case(gen, [5, 70, 191], heads=9, kv_heads=3, d=64)
+    library = attn.decode_attention(q, k, v, pos, scale=0.125, invariant=True)
+    if not block:  # refused here: then no block gives those bits (or the kernel cannot be built)
+        assert not chain.available() or not any(
+            torch.equal(attn.decode_attention(q, k, v, pos, scale=0.125, invariant=True, chain=b), library)
+            for b in chain.BLOCKS)
+        return
+    assert torch.equal(attn.decode_attention(q, k, v, pos, scale=0.125, invariant=True, chain=block), library)
+    assert tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("meta"), [1]) == 0
+
+
+def test_bad_attention_operands_are_refused_with_what_was_wrong(gen: torch.Generator) -> None:
+    q, k, v, pos = _decode_case(gen, [3], slots=100)
+    with pytest.raises(ValueError, match=r"keys/values \[1, 100, 2, 16\] must be \[S, N, Hkv, D\] with N whole chunks"):
+        chain.attention_scores(q, k, pos, 1.0, 64)
+    q, k, v, pos = _decode_case(gen, [3])
+    with pytest.raises(ValueError, match="positions must be a contiguous int64 CPU tensor, got torch.int32"):
+        chain.attention_scores(q, k, pos.int(), 1.0, 64)
+    with pytest.raises(TypeError, match=r"4-d fp32 CPU tensors, got torch.float64"):
+        chain.attention_scores(q, k.double(), pos, 1.0, 64)
+    x = chain.attention_scores(q, k, pos, 1.0, 64)
+    with pytest.raises(ValueError, match=r"p \[1, 2, 3, 3, 64\] and den \[1, 2, 3, 3\] do not fit values"):
+        chain.attention_values(x[:, :, :3], x[:, :, :3].sum(-1), v, pos, 64)
+
+
 @pytest.fixture
 def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[None]:
     monkeypatch.setenv("CC", "no-such-compiler")
@@ -155,5 +229,6 @@ def test_without_a_compiler_pools_keep_the_padded_tile(no_compiler: None, gen: t
         assert not chain.available()
     assert "no C compiler" in caplog.text
     assert tiles.choose_ladder(_weights(gen), [1]).chain == 0
+    assert tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1]) == 0
     with pytest.raises(RuntimeError, match="not available on this machine"):
         chain.chain_matmul(torch.ones(1, 4), torch.ones(4, 2), 64)

@@ -230,7 +230,7 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
     assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
                           "direct_tiles": [], "grad_direct_tiles": [], "lone_tile": ops.ROW_TILE,
-                          "lone_packed": False, "lone_chain": 0, "lora_direct_tiles": {},
+                          "lone_packed": False, "lone_chain": 0, "attn_chain": 0, "lora_direct_tiles": {},
                           "attn_row_tile": attn.ATTN_ROW_TILE,
                           "attn_row_tiles": [attn.ATTN_ROW_TILE], "key_chunk": attn.KEY_CHUNK,
                           "col_block_bytes": ops.COL_BLOCK_BYTES}
