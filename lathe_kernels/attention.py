@@ -259,7 +259,7 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offs
 
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | list[int], *, scale: float,
-    invariant: bool, chain: int = 0,
+    invariant: bool, chain: int = 0, table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token for each of S sequences at once; q [S, Hq, D], k/v [S, N, Hkv, D] -> [S, Hq, D].
 
@@ -276,7 +276,18 @@ def decode_attention(
     (``lathe.kernels.chain.attention_scores`` and ``attention_values``), a few calls a layer instead of a few
     small library products per kv head and chunk, each of which wakes the library's threads; the exponentials
     and the per-chunk sums stay torch's.
+
+    ``table`` ([S, C] int64 block ids): k and v are a paged cache's blocks [B, KEY_CHUNK, Hkv, D] and sequence s's
+    keys are blocks table[s] in order, the same attention as over those blocks copied out. The kernel reads fp32
+    blocks in place; otherwise they are copied out first.
     """
+    if table is not None:
+        if chain and k.dtype == torch.float32 and q.device.type == "cpu":
+            pos = torch.as_tensor(positions, dtype=torch.long)
+            x = chain_kernel.attention_scores(q.to(torch.float32), k, pos, scale, chain, table)
+            p = torch.exp(x)
+            return chain_kernel.attention_values(p, p.sum(-1), v, pos, chain, table).to(q.dtype)
+        k, v = (x.index_select(0, table.reshape(-1)).view(table.shape[0], -1, *x.shape[2:]) for x in (k, v))
     s, hq, d = q.shape
     _, n, hkv, _ = k.shape
     g = hq // hkv

@@ -95,20 +95,28 @@ void lathe_chain_lora(const float *x, long ldx, const float *a, long ask, long a
 
 /* Invariant decode attention's products (lathe.kernels.attention.decode_attention states the attention; these are
    its two halves around the exponentials, which stay torch's). For each sequence s and kv head h, query rows
-   r < g are query heads h * g + r, keys sit in chunks of KEY of the absolute key grid, and sequence s sees keys
+   r < g are query heads h * g + r, keys sit in chunks of KEY on the absolute key grid, and sequence s sees keys
    0 .. pos[s]. Every [rows, D] @ [D, KEY] and [rows, KEY] @ [KEY, D] product is a row-by-columns product in the
    order above; chunks wholly past pos[s] are not computed (their scores are -inf, their products exactly zero).
    One thread computes a whole (s, h), so the bits do not depend on the thread count or on the other sequences.
 
-   scores: q [S, Hq, D] (strides qs, qh, 1), k [S, N, Hkv, D] (strides ks, kn, kh, 1) ->
-           x [S, Hkv, C, g, KEY] = scale * q . k - (the row's max over its visible keys), -inf past pos[s]
-   values: p [S, Hkv, C, g, KEY] (exp of x), den [S, Hkv, C, g] (p summed over its KEY keys), v like k ->
-           o [S, Hq, D] (strides os, oh, 1) = (sum over chunks, in order, of p @ v) / (den summed likewise) */
+   Keys and values are read in place: chunk c of sequence s starts at table[s * C + c] * ks (a paged cache's
+   block ids, ks its block stride) or, without a table, at s * ks + c * KEY * kn (one buffer per sequence); row j
+   of the chunk is kn further per row, kv head h kh further, and its D values are contiguous.
+
+   scores: q [S, Hq, D] (strides qs, qh, 1) -> x [S, Hkv, C, g, KEY] = scale * q . k - (the row's max over its
+           visible keys), -inf past pos[s]
+   values: p [S, Hkv, C, g, KEY] (exp of x), den [S, Hkv, C, g] (p summed over its KEY keys) -> o [S, Hq, D]
+           (strides os, oh, 1) = (sum over chunks, in order, of p @ v) / (den summed likewise) */
 
 enum { KEY = 64, MAX_HEAD = 512 };
 
-static void scores_of(const float *q, long qh, const float *k, long kn, long last, float scale, float *x,
-                      int g, int d, int chunks, int block) {
+static const float *chunk_of(const float *base, const long *table, long ks, long kn, int s, int c, int chunks) {
+    return base + (table ? table[(long)s * chunks + c] * ks : (long)s * ks + (long)c * KEY * kn);
+}
+
+static void scores_of(const float *q, long qh, const float *k, const long *table, long ks, long kn, int b,
+                      long last, float scale, float *x, int g, int d, int chunks, int block) {
     float rows[8 * MAX_HEAD], kt[MAX_HEAD * KEY];
     for (int r0 = 0; r0 < g; r0 += 8) {
         const int m = g - r0 < 8 ? g - r0 : 8;
@@ -120,8 +128,9 @@ static void scores_of(const float *q, long qh, const float *k, long kn, long las
                 for (int i = 0; i < m * KEY; i++) xc[i] = -INFINITY;
                 continue;
             }
+            const float *kc = chunk_of(k, table, ks, kn, b, c, chunks);
             for (int j = 0; j < KEY; j++)  /* the chunk's keys as [D, KEY]: each chain streams a row of it */
-                for (int i = 0; i < d; i++) kt[i * KEY + j] = k[((long)c * KEY + j) * kn + i];
+                for (int i = 0; i < d; i++) kt[i * KEY + j] = kc[(long)j * kn + i];
             rows_by_columns(rows, d, kt, KEY, xc, m, d, KEY, 0, KEY, block);
             for (int r = 0; r < m; r++)
                 for (int j = 0; j < KEY; j++)
@@ -137,33 +146,32 @@ static void scores_of(const float *q, long qh, const float *k, long kn, long las
     }
 }
 
-void lathe_chain_attention_scores(const float *q, long qs, long qh, const float *k, long ks, long kn, long kh,
-                                  const long *pos, float scale, float *x, int s, int hkv, int g, int d, int chunks,
-                                  int block, int threads) {
+void lathe_chain_attention_scores(const float *q, long qs, long qh, const float *k, const long *table, long ks,
+                                  long kn, long kh, const long *pos, float scale, float *x, int s, int hkv, int g,
+                                  int d, int chunks, int block, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && s * hkv > 1)
     for (int u = 0; u < s * hkv; u++) {
         const int b = u / hkv, h = u % hkv;
-        scores_of(q + b * qs + (long)h * g * qh, qh, k + b * ks + h * kh, kn, pos[b], scale,
+        scores_of(q + b * qs + (long)h * g * qh, qh, k + h * kh, table, ks, kn, b, pos[b], scale,
                   x + (long)u * chunks * g * KEY, g, d, chunks, block);
     }
 }
 
-void lathe_chain_attention_values(const float *p, const float *den, const float *v, long vs, long vn, long vh,
-                                  const long *pos, float *o, long os, long oh, int s, int hkv, int g, int d,
-                                  int chunks, int block, int threads) {
+void lathe_chain_attention_values(const float *p, const float *den, const float *v, const long *table, long vs,
+                                  long vn, long vh, const long *pos, float *o, long os, long oh, int s, int hkv,
+                                  int g, int d, int chunks, int block, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && s * hkv > 1)
     for (int u = 0; u < s * hkv; u++) {
         const int b = u / hkv, h = u % hkv;
         const float *pu = p + (long)u * chunks * g * KEY, *du = den + (long)u * chunks * g;
-        const float *vu = v + b * vs + h * vh;
         float num[8 * MAX_HEAD], acc[8 * MAX_HEAD], total[8];
         for (int r0 = 0; r0 < g; r0 += 8) {
             const int m = g - r0 < 8 ? g - r0 : 8;
             for (int c = 0; c < chunks; c++) {
                 const int seen = (long)c * KEY <= pos[b];
                 if (seen)
-                    rows_by_columns(pu + ((long)c * g + r0) * KEY, KEY, vu + (long)c * KEY * vn, vn, num, m, KEY, d, 0,
-                                    d, block);
+                    rows_by_columns(pu + ((long)c * g + r0) * KEY, KEY,
+                                    chunk_of(v + h * vh, table, vs, vn, b, c, chunks), vn, num, m, KEY, d, 0, d, block);
                 for (int r = 0; r < m; r++) {
                     const float part = seen ? du[(long)c * g + r0 + r] : 0.f;
                     total[r] = c == 0 ? part : total[r] + part;

@@ -10,11 +10,13 @@ compiler on first use and loaded with ctypes.
       x: [M, K]; a: [R, K]; b: [N, R]; all fp32
       d = chain_matmul(chain_matmul(x, a.T) * scale, b.T), the scaling rounded to fp32   -> d: [M, N] fp32
 
-    attention_scores(q, k, positions, scale, block) -> x      (invariant decode attention, before its exponentials)
+    attention_scores(q, k, positions, scale, block, table=None) -> x   (invariant decode attention, before its exp)
       q: [S, Hq, D]; k: [S, N, Hkv, D]; positions: [S] int64; g = Hq // Hkv; C = N // KEY_CHUNK
+      or k: a paged cache's blocks [B, 64, Hkv, D] and table: [S, C] int64 block ids (chunk c of s is block
+      table[s, c], read in place)
       x[s, h, c, r, j] = chain(scale * q[s, h * g + r], k[s, c * 64 + j, h]) - max over the row's visible keys,
       -inf where c * 64 + j > positions[s]                                          -> x: [S, Hkv, C, g, 64] fp32
-    attention_values(p, den, v, positions, block) -> o        (and after them)
+    attention_values(p, den, v, positions, block, table=None) -> o   (and after them; v laid out as k)
       p: [S, Hkv, C, g, 64] (exp(x)); den: [S, Hkv, C, g] (p summed over its 64 keys); v: [S, N, Hkv, D]
       o[s, h * g + r] = (sum over c in order of chain(p[s, h, c, r], v[s, chunk c, h])) / (sum over c of den)
                                                                                      -> o: [S, Hq, D] fp32
@@ -112,9 +114,9 @@ def _library() -> ctypes.CDLL | None:
     lib.lathe_chain_matmul.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count]
     lib.lathe_chain_lora.argtypes = [ptr, stride, ptr, stride, stride, ptr, stride, stride, ctypes.c_float, ptr, ptr,
                                      count, count, count, count, count, count]
-    lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, stride, stride, stride, ptr, ctypes.c_float,
-                                                 ptr, *[count] * 7]
-    lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
+    lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, ptr, stride, stride, stride, ptr,
+                                                 ctypes.c_float, ptr, *[count] * 7]
+    lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
                                                  *[count] * 7]
     return lib
 
@@ -185,53 +187,74 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _attention_shapes(q_or_p: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, g: int) -> tuple[int, ...]:
-    s, n, hkv, d = kv.shape
-    if n % KEY_CHUNK or d > MAX_HEAD or q_or_p.shape[0] != s or positions.shape != (s,):
+def _long(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.long or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"lathe.kernels.chain attention: {name} must be a contiguous int64 CPU tensor, got "
+                         f"{t.dtype} on {t.device}")
+    return t
+
+
+def _layout(kv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """(S, Hkv, D, C) of keys or values ``kv``: [S, N, Hkv, D] without a table, [blocks, 64, Hkv, D] with
+    ``table [S, C]``; and the checks that they fit ``positions [S]``."""
+    rows, hkv, d = kv.shape[1:]
+    s, chunks = (kv.shape[0], rows // KEY_CHUNK) if table is None else (table.shape[0], table.shape[-1])
+    if (rows % KEY_CHUNK if table is None else rows != KEY_CHUNK or table.dim() != 2) or d > MAX_HEAD:
         raise ValueError(f"lathe.kernels.chain attention: keys/values {list(kv.shape)} must be [S, N, Hkv, D] with N "
-                         f"whole chunks of {KEY_CHUNK} and D <= {MAX_HEAD}, for {s} sequences and positions "
-                         f"{list(positions.shape)}")
-    if positions.dtype != torch.long or not positions.is_contiguous() or positions.device.type != "cpu":
-        raise ValueError(f"lathe.kernels.chain attention: positions must be a contiguous int64 CPU tensor, got "
-                         f"{positions.dtype} on {positions.device}")
-    return s, hkv, g, d, n // KEY_CHUNK
+                         f"whole chunks of {KEY_CHUNK}, or blocks [B, {KEY_CHUNK}, Hkv, D] with a table [S, C], and "
+                         f"D <= {MAX_HEAD}")
+    if positions.shape != (s,):
+        raise ValueError(f"lathe.kernels.chain attention: positions {list(positions.shape)} for {s} sequences")
+    _long("positions", positions)
+    if table is not None:
+        _long("table", table)
+    return s, hkv, d, chunks
+
+
+def _in_place(kv: torch.Tensor, table: torch.Tensor | None) -> tuple[int | None, int, int, int]:
+    """The table pointer (None: one buffer per sequence) and the chunk, row and head strides of ``kv``."""
+    return (None if table is None else table.data_ptr()), kv.stride(0), kv.stride(1), kv.stride(2)
 
 
 def _attention_threads(s: int, hkv: int, g: int, d: int, chunks: int) -> int:
     return _threads(s * hkv * g * d * chunks * KEY_CHUNK)
 
 
-def attention_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float, block: int
-                     ) -> torch.Tensor:
+def attention_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float, block: int,
+                     table: torch.Tensor | None = None) -> torch.Tensor:
     """Invariant decode attention's scores less each row's max (the module docstring); q [S, Hq, D], k [S, N, Hkv,
-    D], positions [S] int64 -> x [S, Hkv, C, g, 64]."""
+    D] (or a paged cache's blocks [B, 64, Hkv, D] with ``table [S, C]`` of block ids), positions [S] int64 ->
+    x [S, Hkv, C, g, 64]."""
     lib = _lib(block, 3, q)
     _lib(block, 4, k)
     q, k = _rows(q), _rows(k)
-    s, hkv, g, d, chunks = _attention_shapes(q, k, positions, q.shape[1] // k.shape[2])
-    if q.shape[1] != g * hkv or q.shape[2] != d:
+    s, hkv, d, chunks = _layout(k, positions, table)
+    g = q.shape[1] // hkv
+    if q.shape != (s, g * hkv, d) or g == 0:
         raise ValueError(f"attention_scores: q {list(q.shape)} does not fit keys {list(k.shape)}")
     x = torch.empty(s, hkv, chunks, g, KEY_CHUNK, dtype=torch.float32)
-    lib.lathe_chain_attention_scores(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *k.stride()[:3],
+    lib.lathe_chain_attention_scores(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *_in_place(k, table),
                                      positions.data_ptr(), scale, x.data_ptr(), s, hkv, g, d, chunks, block,
                                      _attention_threads(s, hkv, g, d, chunks))
     return x
 
 
-def attention_values(p: torch.Tensor, den: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, block: int
-                     ) -> torch.Tensor:
+def attention_values(p: torch.Tensor, den: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, block: int,
+                     table: torch.Tensor | None = None) -> torch.Tensor:
     """Invariant decode attention's output from its probabilities (the module docstring); p [S, Hkv, C, g, 64],
-    den [S, Hkv, C, g], v [S, N, Hkv, D], positions [S] int64 -> o [S, Hq, D]."""
+    den [S, Hkv, C, g], v [S, N, Hkv, D] (or blocks and ``table`` as ``attention_scores``), positions [S] int64 ->
+    o [S, Hq, D]."""
     lib = _lib(block, 4, v, den)
     _lib(block, 5, p)
     v = _rows(v)
-    s, hkv, g, d, chunks = _attention_shapes(p, v, positions, p.shape[3])
+    s, hkv, d, chunks = _layout(v, positions, table)
+    g = p.shape[3]
     if p.shape != (s, hkv, chunks, g, KEY_CHUNK) or den.shape != p.shape[:4]:
         raise ValueError(f"attention_values: p {list(p.shape)} and den {list(den.shape)} do not fit values "
                          f"{list(v.shape)}")
     p, den = p.contiguous(), den.contiguous()
     o = torch.empty(s, hkv * g, d, dtype=torch.float32)
-    lib.lathe_chain_attention_values(p.data_ptr(), den.data_ptr(), v.data_ptr(), *v.stride()[:3],
+    lib.lathe_chain_attention_values(p.data_ptr(), den.data_ptr(), v.data_ptr(), *_in_place(v, table),
                                      positions.data_ptr(), o.data_ptr(), o.stride(0), o.stride(1), s, hkv, g, d,
                                      chunks, block, _attention_threads(s, hkv, g, d, chunks))
     return o

@@ -224,9 +224,10 @@ class _Cache:
         self.length[layer][seq] = end
         return self.k[layer, seq, :end], self.v[layer, seq, :end], start
 
-    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, list[int], None]:
         positions = [self.extend(layer, s, k[s:s + 1], v[s:s + 1])[2] for s in range(k.shape[0])]
-        return self.k[layer], self.v[layer], positions
+        return self.k[layer], self.v[layer], positions, None
 
 
 def logprobs(model: Decoder, seqs: list[list[int]], positions: list[list[int]], lora: LoraBatch,

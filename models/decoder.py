@@ -45,8 +45,9 @@ ExpertLoad = list[tuple[int, list[int]]]  # (sparse layer, tokens routed to each
 
 class KVCache(Protocol):
     """What the decoder needs from a KV cache (the sampler owns the storage). A cache that also has
-    ``decode(layer, k, v [S, Hkv, D]) -> (k, v [S, N, Hkv, D], positions [S])`` (append one row per
-    sequence, return every sequence's keys and values) gets pure decode steps as one batched attention."""
+    ``decode(layer, k, v [S, Hkv, D]) -> (k, v, positions [S], table)`` (append one row per sequence, return every
+    sequence's keys and values: [S, N, Hkv, D] with ``table`` None, or a paged cache's blocks [B, 64, Hkv, D] with
+    ``table [S, C]`` naming each sequence's blocks) gets pure decode steps as one batched attention."""
 
     def extend(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Append ``k, v [L, Hkv, D]`` of sequence ``seq``; return all its keys, values and the
@@ -205,9 +206,9 @@ class Decoder(torch.nn.Module):
         cu = batch.cu_seqlens
         decode = getattr(kv, "decode", None)
         if decode is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence
-            ks, vs, positions = decode(i, k, v)
+            ks, vs, positions, table = decode(i, k, v)
             o = attn.decode_attention(q, ks, vs, positions, scale=cfg.head_dim**-0.5, invariant=self.invariant,
-                                      chain=self.attn_chain if q.device.type == "cpu" else 0)
+                                      chain=self.attn_chain if q.device.type == "cpu" else 0, table=table)
             return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
         if kv is None:
             o = self._attention_by_length(q, k, v, cu)

@@ -187,6 +187,21 @@ def test_decode_attention_kernel_bits_do_not_depend_on_the_batch_or_threads(gen:
             assert torch.equal(alone, together[s:s + 1]), p
 
 
+def test_decode_attention_reads_a_paged_caches_blocks_in_place_with_the_same_bits(gen: torch.Generator) -> None:
+    positions = [3, 130, 64]
+    q, k, v, pos = _decode_case(gen, positions, slots=192)
+    blocks = [torch.zeros(7, 64, *k.shape[2:]) for _ in range(2)]  # block 0 stays zeros: a table's padding
+    table = torch.tensor([[5, 0, 0], [2, 6, 1], [4, 3, 0]])  # three sequences' blocks, scattered
+    for s in range(3):
+        for c in range(3):
+            if table[s, c]:
+                blocks[0][table[s, c]], blocks[1][table[s, c]] = k[s, c * 64:(c + 1) * 64], v[s, c * 64:(c + 1) * 64]
+    for block in (0, 64):
+        copied = attn.decode_attention(q, k, v, pos, scale=0.25, invariant=True, chain=block)
+        paged = attn.decode_attention(q, *blocks, pos, scale=0.25, invariant=True, chain=block, table=table)
+        assert torch.equal(paged, copied), block
+
+
 def test_a_pool_admits_the_attention_kernel_only_where_it_has_the_librarys_bits(gen: torch.Generator) -> None:
     block = tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1, 2])
     q, k, v, pos = _decode_case(gen, [5, 70, 191], heads=9, kv_heads=3, d=64)

@@ -123,8 +123,10 @@ def test_tables_gather_the_rows_a_contiguous_buffer_held() -> None:
     assert [c.length for c in caches] == lengths and [len(c.table) for c in caches] == [2, 1]
     step = StepKV(caches, [[1], [2]])
     new = torch.randn(2, 2, 4)
-    ks, vs, positions = step.decode(1, new, new + 1)
+    k_blocks, v_blocks, positions, table = step.decode(1, new, new + 1)
     step.commit()
+    assert k_blocks is p.k[1] and v_blocks is p.v[1]  # the pool's own blocks, read in place
+    ks, vs = p.gather(1, table)
     assert positions.tolist() == lengths and ks.shape == (2, 2 * BLOCK, 2, 4)
     for s, w in enumerate(want):
         n = lengths[s]

@@ -18,8 +18,9 @@
     StepKV(caches, tokens)     the decoder's ``KVCache`` for one packed step: cache ``s`` receives
       ``tokens[s]``; ``extend(layer, s, k [L, Hkv, D], v)`` writes its rows and returns (k_all
       [length + L, Hkv, D], v_all, length); ``decode(layer, k [S, Hkv, D], v)`` writes one row per
-      sequence and returns every sequence's keys and values as [S, N, Hkv, D] (N whole key chunks,
-      zeros past each length) with the positions written; ``commit()`` then advances every cache.
+      sequence and returns the layer's blocks, the positions written and every sequence's block table
+      (NULL-padded: zeros past each length), for the attention to read in place; ``commit()`` then advances
+      every cache.
 
     DecodeKV(pool, rows, grid, positions)   a pure decode step over device index tensors only (what a
       CUDA graph captures): rows [B] the flat pool row each new key and value goes to, grid [B, C] block
@@ -212,10 +213,11 @@ class StepKV:
         keys, values = pool.gather(layer, self.tables[seq])
         return keys[:end], values[:end], c.length
 
-    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One new row per sequence (k, v [S, Hkv, D]); returns keys and values [S, N, Hkv, D] of every
-        sequence (N = the longest table's blocks x BLOCK, zeros past each length) and the positions written
-        ([S] int64 on the pool's device)."""
+    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One new row per sequence (k, v [S, Hkv, D]); returns the layer's key and value blocks [blocks, BLOCK,
+        Hkv, D] (read in place), the positions written ([S] int64 on the pool's device) and the block tables
+        [S, C] (C = the longest table's blocks, shorter ones padded with NULL: zeros past each length)."""
         if self._decode is None or k.shape[0] != len(self.caches):
             raise ValueError(f"decode needs one new token per sequence: {len(self.caches)} sequences, "
                              f"{k.shape[0]} rows at layer {layer}")
@@ -241,10 +243,11 @@ class DecodeKV:
         raise ValueError(f"a decode step takes one token per row; layer {layer} fed {k.shape[0]} to row {seq}")
 
     @torch.inference_mode()
-    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write ``k, v [B, Hkv, D]`` at ``rows``; return every row's keys and values [B, C * BLOCK, Hkv, D]
-        gathered through ``grid``, and ``positions``."""
+    def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write ``k, v [B, Hkv, D]`` at ``rows``; return the layer's key and value blocks, ``positions`` and
+        ``grid`` (every row's blocks, which ``attention.decode_attention`` reads in place or copies out)."""
         kf, vf = self.pool.flat(layer)
         kf[self.rows] = k
         vf[self.rows] = v
-        return (*self.pool.gather(layer, self.grid), self.positions)
+        return self.pool.k[layer], self.pool.v[layer], self.positions, self.grid
