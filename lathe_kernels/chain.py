@@ -1,5 +1,5 @@
-"""Lathe's own fixed-order product for a decode step's few rows (CPU, fp32): ``chain.c``, built with the machine's C
-compiler on first use and loaded with ctypes.
+"""Lathe's own fixed-order products for a decode step's few rows and its attention (CPU, fp32): ``chain.c``, built
+with the machine's C compiler on first use and loaded with ctypes.
 
     chain_matmul(x, w, block) -> y
       x: [M, K] fp32 (rows contiguous); w: [K, N] fp32 (any strides)
@@ -30,8 +30,13 @@ gives the lone row the same bits reading each weight once. Whether it does on a 
 trial admits a block only where every row of every weight it runs comes out bitwise equal to the reference tile
 (``lathe.models.tiles.choose_chain``), and an unadmitted machine, or one without a C compiler, runs as before.
 
+Decode attention's products are as small, and each library call of them woke the library's threads (a third of a
+single-sequence decode token); the library computes them in the same order, so the attention calls run a layer's
+products in two calls, reading a paged cache's blocks in place.
+
 Who owns what: this module owns the build (a cache directory, one library per source, compiler flags and CPU) and
-the call; ``lathe.kernels.ops.direct_matmul`` decides which rows come here (``Ladder.chain``).
+the calls; ``lathe.kernels.ops.direct_matmul`` decides which rows come here (``Ladder.chain``), and
+``lathe.kernels.attention.decode_attention`` whether its products do (``Decoder.attn_chain``).
 """
 
 from __future__ import annotations
