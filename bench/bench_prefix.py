@@ -23,7 +23,8 @@ from machine import cpu_line
 
 from lathe.models.catalog import ModelCatalog
 from lathe.models.tiny import ensure_tiny_model
-from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.config import SamplerConfig
+from lathe.sampler.engine import SamplerEngine
 from lathe.v1 import lathe_pb2 as pb
 
 BASE = "lathe/tiny-llama"

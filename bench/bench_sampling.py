@@ -33,7 +33,8 @@ import torch
 from lathe.models.config import ModelConfig
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.pool import DTYPES, on_passing_thread
-from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.config import SamplerConfig
+from lathe.sampler.engine import SamplerEngine
 from lathe.trainer.bank import Adapter
 from lathe.trainer.optimizer import AdamState
 from lathe.v1 import lathe_pb2 as pb

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from lathe.models.catalog import ModelCatalog
-from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.config import SamplerConfig
+from lathe.sampler.engine import SamplerEngine
 from lathe.v1 import lathe_pb2 as pb
 
 torch.set_num_threads(1)

@@ -106,7 +106,7 @@ def sample(model: Decoder, prompts: list[list[int]], weights: list[LoraWeights],
 
 
 def test_pool_configs_and_flag_take_a_device() -> None:
-    from lathe.sampler.engine import SamplerConfig
+    from lathe.sampler.config import SamplerConfig
     from lathe.trainer.engine import TrainerConfig
 
     for config in (SamplerConfig, TrainerConfig):
@@ -129,7 +129,7 @@ def test_pool_configs_and_flag_take_a_device() -> None:
 def test_auto_dtype_is_bf16_only_where_the_device_multiplies_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--dtype auto`` (the flag's default) resolves in the pool's config: bf16 on a CPU with avx512_bf16 or AMX,
     fp32 on one without (bf16 is emulated there); an explicit dtype stays, a wrong one is refused naming it."""
-    from lathe.sampler.engine import SamplerConfig
+    from lathe.sampler.config import SamplerConfig
     from lathe.trainer.engine import TrainerConfig
 
     for bf16, amx, want in ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")):
@@ -242,7 +242,8 @@ def test_engines_keep_their_state_on_the_pool_device(model_cache: Path, tiny_dir
     """Through the engines (these need the generated protobuf code): a bf16 trainer pool's adapter, its
     gradients, moments and paged copies stay fp32 on the device; a sampler pool on the device samples."""
     pb = _protos()
-    from lathe.sampler.engine import SamplerConfig, SamplerEngine
+    from lathe.sampler.config import SamplerConfig
+    from lathe.sampler.engine import SamplerEngine
     from lathe.trainer import intake
     from lathe.trainer.engine import TrainerConfig, TrainerEngine
 

@@ -16,7 +16,7 @@ from lathe.gateway.config import DB_ENV, GatewayConfig
 from lathe.gateway.limits import DoorLimits, HttpLimits
 from lathe.gateway.store import StoreConfig
 from lathe.runtime.options import add_options, field_docs, options
-from lathe.sampler.engine import SamplerConfig
+from lathe.sampler.config import SamplerConfig
 from lathe.trainer.config import TrainerConfig
 
 

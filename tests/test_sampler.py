@@ -39,7 +39,8 @@ from lathe.models.pool import DTYPES
 from lathe.models.tiny import ensure_tiny_model
 from lathe.runtime.serving import READY_MARK
 from lathe.sampler.adapters import AdapterCache
-from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.config import SamplerConfig
+from lathe.sampler.engine import SamplerEngine
 from lathe.sampler.sampling import Rule, choose, generator
 from lathe.trainer.bank import Adapter
 from lathe.trainer.optimizer import AdamState

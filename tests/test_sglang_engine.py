@@ -302,7 +302,7 @@ def test_the_generate_body_carries_lathes_sampling_params_and_a_seed_per_sample(
 
 
 def test_the_sglang_engine_needs_a_server_url_and_a_shared_adapter_directory() -> None:
-    from lathe.sampler.engine import SamplerConfig
+    from lathe.sampler.config import SamplerConfig
 
     with pytest.raises(ValueError, match="--sglang-url"):
         SamplerConfig(device="cpu", engine="sglang")
@@ -315,7 +315,7 @@ def test_an_unreachable_server_answers_unavailable_naming_it(tmp_path: Path, mod
     import socket
 
     from lathe.models.catalog import ModelCatalog
-    from lathe.sampler.engine import SamplerConfig
+    from lathe.sampler.config import SamplerConfig
     from lathe.sampler.sglang import SGLangEngine
     from lathe.v1 import lathe_pb2 as pb
 

@@ -28,7 +28,8 @@ from lathe.kernels import lora
 from lathe.models.config import ModelConfig
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch
-from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.config import SamplerConfig
+from lathe.sampler.engine import SamplerEngine
 from lathe.sampler.slots import SlotBatch, SlotPool
 from tests.test_sampler import BASE, make_engine, ok, pump, request, source_for, wait_waiting
 

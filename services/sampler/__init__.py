@@ -21,7 +21,10 @@ Where a request's data lives, and who owns it:
   sglang_api               the native engine behind SGLang's HTTP API (its own process; tests and local runs)
   engine.SamplerEngine     native: admission queue, waiting line (``fair.FairQueue``: one FIFO per tenant, served
                            in turn), running sequences and their token reservations, the scheduler thread;
-                           base models (one ``lathe.models.decoder.Decoder`` each, CPU, pool dtype)
+                           base models (one ``lathe.models.decoder.Decoder`` each, CPU, pool dtype);
+                           ``config.SamplerConfig`` its options
+  requests.Request / Seq   one request from ``sample`` to its answer (base model, plan, adapter, reservation,
+                           samples), and each sample's RNG, KV cache and tokens while it decodes
   intake                   the only place protobuf is read or built: SampleRequest -> ``Ask`` (who, which
                            policy) at ``sample``; results -> SampleResult (``answer``, ``failure``)
   validate.check_sample    SampleRequest -> Plan (checked prompt, params, stop rule, seed), on the loader

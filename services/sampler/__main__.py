@@ -11,7 +11,7 @@ from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.runtime.options import add_options, options
 from lathe.runtime.probes import Probes, Warmup, add_metrics_port, serve_metrics
 from lathe.runtime.serving import run, setup_logging
-from lathe.sampler.engine import SamplerConfig
+from lathe.sampler.config import SamplerConfig
 from lathe.sampler.engines import make_engine
 from lathe.sampler.server import SamplerServicer
 from lathe.v1 import lathe_pb2_grpc as pb_grpc

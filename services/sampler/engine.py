@@ -46,176 +46,36 @@ import contextlib
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
-
-import torch
 
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
 from lathe.models.decoder import Decoder, ExpertLoad
 from lathe.models.exactness import PoolExactness
-from lathe.models.lora import LoraWeights
-from lathe.models.pool import DTYPES, OncePerName, PoolOptions, load_decoder
+from lathe.models.pool import DTYPES, OncePerName, load_decoder
 from lathe.sampler.adapters import AdapterCache, AdapterSource, adapter_dtype
-from lathe.sampler.blocks import BLOCK, blocks_needed, root_digest
+from lathe.sampler.blocks import BLOCK
+from lathe.sampler.config import Catalog, SamplerConfig
 from lathe.sampler.fair import FairQueue
-from lathe.sampler.graphs import BUCKETS, DecodeRunner, GraphConfig
-from lathe.sampler.intake import Ask, PromptScores, Sampled, answer, capabilities, failure
-from lathe.sampler.kv import KVPool, SeqCache
+from lathe.sampler.graphs import DecodeRunner, GraphConfig
+from lathe.sampler.intake import Ask, capabilities
+from lathe.sampler.kv import KVPool
 from lathe.sampler.metrics import SamplerMetrics
-from lathe.sampler.sampling import choose, generator
-from lathe.sampler.slots import BGMV, SlotPool
+from lathe.sampler.requests import Request, Seq
+from lathe.sampler.slots import SlotPool
 from lathe.sampler.step import Item, ItemOut, run_step
-from lathe.sampler.validate import ModelLimits, Plan, check_sample
-from lathe.types import Receipt
+from lathe.sampler.validate import ModelLimits, check_sample
 from lathe.v1 import lathe_pb2 as pb
 
 
-class CatalogEntry(Protocol):
-    name: str
-    path: Path
-    max_context_length: int
-
-
-class Catalog(Protocol):
-    """What the engine needs from ``lathe.models.catalog.ModelCatalog``."""
-
-    def resolve(self, name: str) -> CatalogEntry:
-        """The served model called ``name``; ``KeyError`` when there is none."""
-        ...
-
-    def entries(self) -> list[CatalogEntry]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SamplerConfig(PoolOptions):
-    """The sampler pool's configuration; ``python -m lathe.sampler`` has a flag for each field (``--max-running``
-    for ``max_running``; ``--no-prefix-cache`` for a field that defaults to True), its help the field's docstring."""
-
-    engine: Literal["native", "sglang"] = "native"
-    """what samples: native (Lathe's own engine, bitwise equal to the trainer when invariant) or sglang (an SGLang
-    server, --sglang-url: its throughput and LoRA batching, not bitwise equal to the trainer)"""
-    sglang_url: str = ""
-    """engine sglang: the base URL of the pool's SGLang server, e.g. http://127.0.0.1:30000"""
-    sglang_adapter_dir: str = ""
-    """engine sglang: where adapters are published as PEFT directories for the SGLang server to load; the same path
-    must hold the same files for the server (a volume the sampler and SGLang containers share)"""
-    sglang_timeout_s: float = 600.0
-    """engine sglang: the longest wait for one answer of the SGLang server"""
-    max_running: int = 64
-    """sequences decoding at once (each sample of a request is one)"""
-    max_queue: int = 1024
-    """requests accepted but not yet running"""
-    adapter_cache: int = 16
-    """adapters kept loaded (engine sglang: in the SGLang server, the least recently used unloaded past this; at most
-    the server's --max-loaded-loras)"""
-    max_prefill_tokens: int = 4096
-    """prompt tokens admitted per step (a lone request always fits)"""
-    max_running_tokens: int = 128 * 8192
-    """running budget: tokens (num_samples x (prompt + max_tokens)) the running requests reserve together (128
-    samples of 8k context); one request asking for more is refused"""
-    loaders: int = 2
-    """threads that load models and adapters and check requests"""
-    kv_blocks: int = 0
-    """KV cache blocks of 64 tokens per base model (0: enough for max_running_tokens)"""
-    prefix_cache: bool = True
-    """reuse cached KV blocks of a shared prompt prefix"""
-    bgmv: Literal["auto", "off", "torch", "triton"] = "auto"
-    """decode-step LoRA through the adapter slot pool by BGMV: off, torch (the reference), triton; auto: triton
-    with sgmv on cuda when not invariant (the throughput path: no bitwise equality with the trainer)"""
-    adapter_slots: int = 16
-    """adapters resident in the slot pool per base model (BGMV path)"""
-    slot_rank: int = 32
-    """largest LoRA rank a slot holds; a step with a larger one runs the per-segment path"""
-    cuda_graphs: bool = True
-    """replay decode steps from CUDA graphs (cuda only)"""
-    graph_buckets: tuple[int, ...] = field(default=BUCKETS, metadata={"cli": False})
-    """batch sizes decode steps are padded to and captured at"""
-
-    def __post_init__(self) -> None:
-        PoolOptions.__post_init__(self)  # (a slots dataclass has no zero-argument super())
-        for name in ("max_running", "max_queue", "adapter_cache", "max_prefill_tokens", "max_running_tokens",
-                     "loaders"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_blocks < 0 or self.kv_blocks == 1:
-            raise ValueError(f"kv_blocks must be 0 (derived) or >= 2 (one is the null block), got {self.kv_blocks}")
-        if self.bgmv not in ("auto", "off", *BGMV):
-            raise ValueError(f"bgmv {self.bgmv!r} is not one of {['auto', 'off', *sorted(BGMV)]}")
-        if self.bgmv in BGMV and self.invariant:
-            raise ValueError(f"bgmv {self.bgmv!r} is the throughput path; the invariant mode keeps the per-segment "
-                             "LoRA ops that match the trainer bit for bit (turn invariant off)")
-        if self.bgmv == "triton" and self.device != "cuda":
-            raise ValueError(f"bgmv 'triton' needs device 'cuda', got {self.device!r}")
-        for name in ("adapter_slots", "slot_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        GraphConfig(self.graph_buckets)  # checks the buckets
-        if self.engine not in ("native", "sglang"):
-            raise ValueError(f"engine {self.engine!r} is not one of ['native', 'sglang']")
-        if self.engine == "sglang":
-            if not self.sglang_url.startswith(("http://", "https://")):
-                raise ValueError(f"engine 'sglang' needs --sglang-url, the SGLang server's http(s):// base URL; got "
-                                 f"{self.sglang_url!r}")
-            if not self.sglang_adapter_dir:
-                raise ValueError("engine 'sglang' needs --sglang-adapter-dir, a directory the SGLang server reads too")
-            if self.sglang_timeout_s <= 0:
-                raise ValueError(f"sglang_timeout_s must be > 0, got {self.sglang_timeout_s}")
-
-    @property
-    def decode_bgmv(self) -> str:
-        """The BGMV implementation of decode steps' LoRA, or "off" (the per-segment path)."""
-        if self.bgmv != "auto":
-            return self.bgmv
-        return "triton" if self.sgmv and not self.invariant and self.device == "cuda" else "off"
-
-    @property
-    def pool_blocks(self) -> int:
-        """KV blocks per base model: ``kv_blocks``, or by default what ``max_running_tokens`` can fill (every
-        sequence may leave one block partly empty) plus the null block."""
-        return self.kv_blocks or self.max_running_tokens // BLOCK + self.max_running + 1
-
-
 @dataclass(slots=True)
-class _Base:
+class Base:
     model: Decoder
     limits: ModelLimits
     kv: KVPool
     slots: SlotPool | None  # the BGMV path's adapter slots
     runner: DecodeRunner | None  # pure decode steps: padded, CUDA graphs, slots
     kv_reserved: int = 0  # blocks reserved by admitted requests not finished yet
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    ask: Ask
-    request: pb.SampleRequest | None  # until the loader checks it into ``plan`` (intake), then None
-    future: Future[pb.SampleResult]
-    arrived: float
-    base: _Base | None = None
-    plan: Plan | None = None
-    adapter: LoraWeights | None = None
-    admitted: float = 0.0
-    reserved: int = 0  # tokens of the running budget held from admission until it finishes
-    blocks: int = 0  # KV blocks of its base model's pool held from admission until it finishes
-    step: int = 0
-    seqs: list[_Seq] = field(default_factory=list)
-    unfinished: int = 0
-    prompt: PromptScores | None = None  # what its prefill computed about the prompt, when asked
-
-
-@dataclass(slots=True, eq=False)
-class _Seq:
-    request: _Request
-    gen: torch.Generator
-    cache: SeqCache | None = None  # None once finished
-    out: Sampled = field(default_factory=Sampled)
-
-
-def _slot_key(r: _Request) -> tuple[str, str, str]:
-    """What names an adapter's weights in a slot pool: tenant, path and the version pinned."""
-    return r.ask.tenant, r.ask.model_path, repr(r.ask.model_version)
 
 
 class SamplerEngine:
@@ -230,23 +90,23 @@ class SamplerEngine:
                                        lambda name, exact: self.metrics.exactness.labels(model=name).set(exact))
         self._adapter_dtype = adapter_dtype(self.dtype, cfg.sgmv)
         self._cond = threading.Condition()
-        self._live: set[_Request] = set()
+        self._live: set[Request] = set()
         self._queued = 0  # accepted and not yet admitted (being checked or waiting)
-        self._waiting: FairQueue[_Request] = FairQueue(lambda r: r.ask.tenant)
+        self._waiting: FairQueue[Request] = FairQueue(lambda r: r.ask.tenant)
         self._reserved = 0  # tokens reserved by admitted requests not finished yet
-        self._running: list[_Seq] = []  # the scheduler thread's alone
+        self._running: list[Seq] = []  # the scheduler thread's alone
         self._loader = ThreadPoolExecutor(cfg.loaders, thread_name_prefix="sampler-load")
         self._thread: threading.Thread | None = None
         self._stopping = False
 
     # ---- models ----
 
-    def base(self, name: str) -> _Base:
+    def base(self, name: str) -> Base:
         """The served base model ``name`` and what decodes with it, made once (``OncePerName``; ``NotFound`` when
         not served)."""
         return self._bases.get(name)
 
-    def _load(self, name: str) -> _Base:
+    def _load(self, name: str) -> Base:
         try:
             entry = self.catalog.resolve(name)
         except KeyError:
@@ -263,7 +123,7 @@ class SamplerEngine:
                                                     model.dtype, model.device, bgmv)
         runner = DecodeRunner(model, kv, slots, GraphConfig(self.cfg.graph_buckets, capture=graphs)) \
             if slots is not None or graphs else None
-        return _Base(model, limits, kv, slots, runner)
+        return Base(model, limits, kv, slots, runner)
 
     def warm(self, name: str) -> None:
         """Readiness (``lathe.sampler.engines.Engine``): load and self-check the base model ``name``."""
@@ -310,19 +170,19 @@ class SamplerEngine:
                 raise ResourceExhausted(f"sampler queue is full ({self._queued} requests waiting); retry later",
                                         retry_after_s=1.0)
             self._queued += 1
-            r = _Request(Ask.of(req), req, Future(), time.monotonic())
+            r = Request(Ask.of(req), req, Future(), time.monotonic())
             self._live.add(r)
         self._loader.submit(self._prepare, r)
         return r.future
 
-    def _prepare(self, r: _Request) -> None:
+    def _prepare(self, r: Request) -> None:
         """Loader thread: resolve the model, check the request, fetch its adapter, then queue it."""
         try:
             if not r.ask.base_model:
                 raise InvalidArgument("base_model is empty: the gateway must name the model to sample")
             r.base = self.base(r.ask.base_model)
             r.plan, r.request = check_sample(r.request, r.base.limits, self.cfg.max_running_tokens), None
-            need, usable = self._blocks_needed(r), r.base.kv.blocks.usable
+            need, usable = r.blocks_needed(), r.base.kv.blocks.usable
             if need > usable:
                 raise InvalidArgument(f"num_samples ({r.plan.num_samples}) x (prompt ({len(r.plan.prompt)} tokens) + "
                                       f"max_tokens ({r.plan.max_tokens})) needs {need} KV blocks of {BLOCK} tokens; "
@@ -375,17 +235,17 @@ class SamplerEngine:
                     self._finish(r, error=err)
                 self._running = []
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[Request]:
         """Take requests off the waiting line, tenants in turn, while they fit (caller holds the lock).
 
         The first request that does not fit ends the admission, and its tenant keeps its turn: a large
         request waits for room instead of being overtaken for ever."""
-        out: list[_Request] = []
+        out: list[Request] = []
         seqs, tokens = len(self._running), 0
         while (r := self._waiting.peek()) is not None:
             if not r.future.cancelled():
                 n, length, cost = r.plan.num_samples, len(r.plan.prompt), r.plan.reserved_tokens
-                blocks = self._blocks_needed(r)
+                blocks = r.blocks_needed()
                 if (out or self._running) and (seqs + n > self.cfg.max_running
                                                or tokens + length > self.cfg.max_prefill_tokens
                                                or self._reserved + cost > self.cfg.max_running_tokens):
@@ -416,19 +276,19 @@ class SamplerEngine:
                 self._reserved -= r.reserved
                 r.base.kv_reserved -= r.blocks
         for r in cancelled:
-            self._release_caches(r)
+            r.release_caches()
         self._running = [s for s in self._running if s.request not in cancelled]
         if not admitted and not self._running:
             return 0
         self.steps += 1
         now = time.monotonic()
-        work: dict[int, tuple[_Base, list[_Request], list[_Seq]]] = {}
+        work: dict[int, tuple[Base, list[Request], list[Seq]]] = {}
         for r in admitted:
             r.admitted, r.step = now, self.steps
             work.setdefault(id(r.base), (r.base, [], []))[1].append(r)
         for s in self._running:
             work.setdefault(id(s.request.base), (s.request.base, [], []))[2].append(s)
-        advanced: list[_Seq] = []
+        advanced: list[Seq] = []
         for base, prefills, decodes in work.values():
             advanced += self._forward(base, prefills, decodes)
         self._running = [s for s in advanced if not s.out.stop_reason]
@@ -437,11 +297,11 @@ class SamplerEngine:
                                  budget=self.cfg.max_running_tokens, queued=self._queued)
         return len(advanced)
 
-    def _forward(self, base: _Base, prefills: list[_Request], decodes: list[_Seq]) -> list[_Seq]:
+    def _forward(self, base: Base, prefills: list[Request], decodes: list[Seq]) -> list[Seq]:
         """Run one base model's packed forward and draw every sequence's next token."""
         items = []
         for r in prefills:
-            cache = self._prompt_cache(base, r)
+            cache = r.prompt_cache(base.kv, self.cfg.prefix_cache)
             items.append(Item(list(r.plan.prompt[cache.length:]), cache, r.adapter, r.plan.ask))
         items += [Item([s.out.tokens[-1]], s.cache, s.request.adapter) for s in decodes]
         name = (prefills[0] if prefills else decodes[0].request).ask.base_model
@@ -455,12 +315,14 @@ class SamplerEngine:
             for r in {*prefills, *(s.request for s in decodes)}:
                 self._finish(r, error=err)
             return []
-        advanced: list[_Seq] = []
-        failed: set[_Request] = set()
+        advanced: list[Seq] = []
+        failed: set[Request] = set()
         k = len(prefills)
         for r, item, out in zip(prefills, items[:k], outs[:k], strict=True):
             try:
-                advanced += self._start_samples(r, item.cache, out)
+                if r.start(item.cache, out):
+                    self._finish(r)
+                advanced += r.seqs
             except Exception as e:  # noqa: BLE001 - e.g. non-finite logits: fail this request alone
                 failed.add(r)
                 if not any(s.cache is item.cache for s in r.seqs):
@@ -470,21 +332,22 @@ class SamplerEngine:
             if s.request in failed:
                 continue
             try:
-                self._advance(s, out)
+                if s.advance(out):
+                    self._finish(s.request)
             except Exception as e:  # noqa: BLE001
                 failed.add(s.request)
                 self._finish(s.request, error=Internal(f"sampling failed: {e}"))
             advanced.append(s)
         return [s for s in advanced if s.request not in failed]
 
-    def _run(self, base: _Base, items: list[Item], decodes: list[_Seq] | None) -> list[ItemOut]:
+    def _run(self, base: Base, items: list[Item], decodes: list[Seq] | None) -> list[ItemOut]:
         """The step's forward: a pure decode step (``decodes``: its sequences, in the order of ``items``)
         through the base's ``DecodeRunner`` where it has one, with the step's adapters placed in its slot
         pool; otherwise (prefills, or adapters that do not fit the slots) ``run_step``."""
         if decodes and base.runner is not None:
             idx = None
             if base.slots is not None:
-                idx = base.slots.place([None if s.request.adapter is None else (_slot_key(s.request), s.request.adapter)
+                idx = base.slots.place([None if s.request.adapter is None else (s.request.slot_key(), s.request.adapter)
                                         for s in decodes])
             if base.slots is None or idx is not None:
                 return base.runner.run(items, idx)
@@ -493,68 +356,9 @@ class SamplerEngine:
         self.metrics.experts.observe(base.limits.name, load)
         return out
 
-    def _blocks_needed(self, r: _Request) -> int:
-        return blocks_needed(len(r.plan.prompt), r.plan.max_tokens, r.plan.num_samples)
-
-    def _prompt_cache(self, base: _Base, r: _Request) -> SeqCache:
-        """A new sequence for ``r``'s prompt, holding the cached blocks of its longest reusable prefix: at
-        least the last prompt token is fed (its row gives the first token), and no prompt row an option
-        asks for is skipped."""
-        prompt = list(r.plan.prompt)
-        reuse = len(prompt) - 1 if self.cfg.prefix_cache else 0
-        if r.plan.ask is not None:
-            reuse = min(reuse, r.plan.ask.first_row())
-        seed = root_digest(r.ask.tenant, r.ask.base_model, r.ask.model_path, repr(r.ask.model_version))
-        return base.kv.sequence(seed, prompt, reuse)
-
-    def _release_caches(self, r: _Request) -> None:
-        """Give the KV blocks of ``r``'s sequences back (scheduler thread, or after it stopped)."""
-        for s in r.seqs:
-            if s.cache is not None:
-                s.cache.release()
-                s.cache = None
-
-    def _start_samples(self, r: _Request, cache: SeqCache, out: ItemOut) -> list[_Seq]:
-        """After a prefill: record the prompt options, draw each sample's first token, fork the cache."""
-        plan = r.plan
-        if plan.ask is not None:
-            r.prompt = PromptScores.of(out)
-        r.seqs = [_Seq(r, generator(plan.seed, i)) for i in range(plan.num_samples)]
-        r.unfinished = len(r.seqs)
-        for s in r.seqs:
-            self._advance(s, out)
-        alive = [s for s in r.seqs if not s.out.stop_reason]
-        for k, s in enumerate(alive):  # the last one takes the prefilled cache itself, the others forks
-            s.cache = cache if k == len(alive) - 1 else cache.fork()
-        if not alive:
-            cache.release()
-        return r.seqs
-
-    def _advance(self, s: _Seq, out: ItemOut) -> None:
-        """Draw the next token of ``s`` from its row; record its logprob; finish it if it stops."""
-        r, seq = s.request, s.out
-        token = choose(out.logits, r.plan.rule, s.gen)
-        seq.tokens.append(token)
-        seq.logprobs.append(float(out.logprobs[token]))
-        if r.plan.topk_sample:
-            top = torch.topk(out.logprobs, r.plan.topk_sample)
-            seq.topk.append((top.indices.tolist(), top.values.tolist()))
-        if r.plan.stop.hit(seq.tokens):
-            seq.stop_reason = "stop"
-        elif len(seq.tokens) >= r.plan.max_tokens:
-            seq.stop_reason = "length"
-        else:
-            return
-        if s.cache is not None:
-            s.cache.release()
-        s.cache = None
-        r.unfinished -= 1
-        if r.unfinished == 0:
-            self._finish(r)
-
     # ---- results ----
 
-    def _finish(self, r: _Request, error: LatheError | None = None) -> None:
+    def _finish(self, r: Request, error: LatheError | None = None) -> None:
         """Resolve ``r``'s future once (with its output, or ``error``) and forget the request."""
         with self._cond:
             if r not in self._live:
@@ -563,19 +367,9 @@ class SamplerEngine:
             self._reserved -= r.reserved
             if r.base is not None:
                 r.base.kv_reserved -= r.blocks
-        self._release_caches(r)
-        now = time.monotonic()
-        started = r.admitted or now
-        fingerprint, exact = self.exactness.stamp(r.ask.base_model)
-        receipt = Receipt(
-            request_id=r.ask.request_id, model_id="", seq_id=r.ask.seq_id, cycle=r.step,
-            tokens=(len(r.plan.prompt) + sum(len(s.out.tokens) for s in r.seqs)) if error is None else 0,
-            adapter_step=0, queued_s=started - r.arrived, run_s=now - started, dtype=self.cfg.dtype, op="sample",
-            fingerprint=fingerprint, exact=exact, policy=r.ask.policy)
-        self.metrics.record_request(queued_s=receipt.queued_s, total_s=now - r.arrived, failed=error is not None)
-        if error is not None:
-            result = failure(receipt, error)
-        else:
-            result = answer(receipt, r.ask, len(r.plan.prompt), r.prompt, [s.out for s in r.seqs])
+        r.release_caches()
+        receipt, result = r.result(self.cfg.dtype, self.exactness.stamp(r.ask.base_model), error)
+        self.metrics.record_request(queued_s=receipt.queued_s, total_s=receipt.queued_s + receipt.run_s,
+                                    failed=error is not None)
         with contextlib.suppress(InvalidStateError):  # the caller may have cancelled it meanwhile
             r.future.set_result(result)

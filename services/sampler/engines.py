@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from lathe.sampler.adapters import AdapterSource
-from lathe.sampler.engine import Catalog, SamplerConfig, SamplerEngine
+from lathe.sampler.config import Catalog, SamplerConfig
+from lathe.sampler.engine import SamplerEngine
 from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sglang import SGLangEngine
 from lathe.v1 import lathe_pb2 as pb

@@ -35,7 +35,7 @@ import httpx
 from lathe.errors import Internal, InvalidArgument, LatheError, NotFound, ResourceExhausted, Unavailable
 from lathe.models.config import ModelConfig
 from lathe.sampler.adapters import AdapterSource
-from lathe.sampler.engine import Catalog, SamplerConfig
+from lathe.sampler.config import Catalog, SamplerConfig
 from lathe.sampler.intake import Ask, answer, capabilities, failure
 from lathe.sampler.metrics import SamplerMetrics
 from lathe.sampler.sglang_adapters import ServerAdapters

@@ -44,7 +44,8 @@ from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.runtime.options import add_options, options
 from lathe.runtime.serving import READY_MARK, setup_logging
 from lathe.sampler.adapters import CONFIG_FILE, WEIGHTS_FILE, load_adapter
-from lathe.sampler.engine import SamplerConfig, SamplerEngine
+from lathe.sampler.config import SamplerConfig
+from lathe.sampler.engine import SamplerEngine
 from lathe.v1 import lathe_pb2 as pb
 from lathe.wire import error_from_proto
 
