@@ -14,12 +14,75 @@
    layout runs the chains of a few columns side by side), y [m, n] contiguous. fp32 only. */
 
 #include <math.h>
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
-enum { WIDEST = 2048, STEP = 16, COLUMNS = 8 };
+enum { WIDEST = 2048, STEP = 16, COLUMNS = 8, PANEL = 16, GROUP = 6, PACKED = 1 << 18 };
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* rows [0, mr) (mr <= GROUP) x the PANEL columns at w, y (row strides ldx, sk, ldy): the same chains, each row's
+   and column's accumulator in a register, so a panel of w read once from cache serves up to GROUP rows */
+static inline __attribute__((always_inline)) void panel(const float *x, long ldx, const float *w, long sk, float *y,
+                                                        long ldy, int k, int block, const int mr) {
+    __m256 s0[GROUP], s1[GROUP], a0[GROUP], a1[GROUP];
+    for (int k0 = 0; k0 < k; k0 += block) {
+        const int k1 = k0 + block < k ? k0 + block : k;
+        for (int r = 0; r < mr; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int kk = k0; kk < k1; kk++) {
+            const __m256 w0 = _mm256_loadu_ps(w + (long)kk * sk), w1 = _mm256_loadu_ps(w + (long)kk * sk + 8);
+            for (int r = 0; r < mr; r++) {
+                const __m256 xv = _mm256_broadcast_ss(x + (long)r * ldx + kk);
+                a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            s0[r] = k0 == 0 ? a0[r] : _mm256_add_ps(s0[r], a0[r]);
+            s1[r] = k0 == 0 ? a1[r] : _mm256_add_ps(s1[r], a1[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm256_storeu_ps(y + (long)r * ldy, k > 0 ? s0[r] : _mm256_setzero_ps());
+        _mm256_storeu_ps(y + (long)r * ldy + 8, k > 0 ? s1[r] : _mm256_setzero_ps());
+    }
+}
+
+static int panels(const float *x, long ldx, const float *w, long sk, float *y, int m, int k, int n, int j0,
+                  int width, int block) {
+    /* the whole PANELs of columns [j0, j0 + width) of every row; returns the columns done */
+    const int done = width / PANEL * PANEL;
+    for (int j = j0; j < j0 + done; j += PANEL) {
+        int i = 0;
+        for (; i + GROUP <= m; i += GROUP)
+            panel(x + (long)i * ldx, ldx, w + j, sk, y + (long)i * n + j, n, k, block, GROUP);
+        const float *xi = x + (long)i * ldx;
+        float *yi = y + (long)i * n + j;
+        switch (m - i) {
+            case 5: panel(xi, ldx, w + j, sk, yi, n, k, block, 5); break;
+            case 4: panel(xi, ldx, w + j, sk, yi, n, k, block, 4); break;
+            case 3: panel(xi, ldx, w + j, sk, yi, n, k, block, 3); break;
+            case 2: panel(xi, ldx, w + j, sk, yi, n, k, block, 2); break;
+            case 1: panel(xi, ldx, w + j, sk, yi, n, k, block, 1); break;
+            default: break;
+        }
+    }
+    return done;
+}
+#endif
 
 static void rows_by_columns(const float *x, long ldx, const float *w, long sk, float *y, int m, int k, int n,
                             int j0, int width, int block) {
-    /* columns [j0, j0 + width) of every row: each k streams `width` contiguous floats of w's row k */
+    /* columns [j0, j0 + width) of every row: each k streams `width` contiguous floats of w's row k. Several rows
+       go through register panels where the CPU has AVX2 and FMA (a lone row streams w from memory either way) */
+#if defined(__AVX2__) && defined(__FMA__)
+    if (m > 1) {
+        const int done = panels(x, ldx, w, sk, y, m, k, n, j0, width, block);
+        j0 += done;
+        width -= done;
+    }
+#endif
     for (int i = 0; i < m; i++) {
         const float *xi = x + (long)i * ldx;
         float sum[WIDEST], acc[WIDEST];
@@ -60,6 +123,21 @@ static void some_columns(const float *x, long ldx, const float *w, long sk, long
 
 static void matmul(const float *x, long ldx, const float *w, long sk, long sn, float *y, int m, int k, int n,
                    int block, int threads) {
+    if (sn != 1 && m > 1 && (long)k * n <= PACKED) {
+        /* several rows on a small strided w (a LoRA weight's transposed view): copied once into rows of n, which
+           every row then streams; the copy moves values only, so the chains are the same */
+        float *packed = malloc((size_t)k * n * sizeof(float));
+        if (packed != NULL) {
+            for (int k0 = 0; k0 < k; k0 += 16)  /* in 16 x 16 squares, so reads and writes both stay in cache */
+                for (int c0 = 0; c0 < n; c0 += 16)
+                    for (int j = c0; j < (c0 + 16 < n ? c0 + 16 : n); j++)
+                        for (int kk = k0; kk < (k0 + 16 < k ? k0 + 16 : k); kk++)
+                            packed[(long)kk * n + j] = w[(long)kk * sk + (long)j * sn];
+            matmul(x, ldx, packed, n, 1, y, m, k, n, block, threads);
+            free(packed);
+            return;
+        }
+    }
     if (sn == 1) {
         /* one run of columns per thread (a multiple of STEP, at most WIDEST wide) */
         int width = (n + threads - 1) / threads;

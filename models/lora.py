@@ -24,7 +24,7 @@ import bisect
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
@@ -146,11 +146,27 @@ def default_seed(model_id: str) -> int:
 
 @dataclass(slots=True)
 class LoraWeights:
-    """One adapter's trainable tensors (fp32, requires_grad, all on one device)."""
+    """One adapter's trainable tensors (fp32, requires_grad, all on one device).
+
+    ``frozen``: never updated again (a sampler's adapter, loaded from a checkpoint), so copies of its tensors stay
+    true and ``columns`` may keep them."""
 
     spec: LoraSpec
     a: dict[Key, torch.Tensor]
     b: dict[Key, torch.Tensor]
+    frozen: bool = False
+    _columns: dict[Key, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
+
+    def columns(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a[key]`` and ``b[key]`` stored column-major (the same matrices, each column contiguous), made once per
+        target on first use: the layout in which ``lathe.kernels.chain``'s products of a few rows stream each
+        weight as rows (a decode step's LoRA segments). A frozen adapter's only (``frozen``)."""
+        if not self.frozen:
+            raise ValueError("LoraWeights.columns keeps copies, so only a frozen adapter has them")
+        got = self._columns.get(key)
+        if got is None:
+            got = self._columns[key] = (self.a[key].t().contiguous().t(), self.b[key].t().contiguous().t())
+        return got
 
     @classmethod
     def init(cls, cfg: ModelConfig, spec: LoraSpec, seed: int, device: str | torch.device = "cpu") -> LoraWeights:

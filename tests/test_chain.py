@@ -141,6 +141,27 @@ def test_a_lone_rows_lora_correction_in_one_call_keeps_the_ladders_bits(gen: tor
     assert torch.equal(got, want)
 
 
+def test_a_frozen_adapters_decode_segments_run_through_the_kernel_with_the_grouped_bits(gen: torch.Generator) -> None:
+    rank, keys = 32, {(0, "up_proj"): (576, 1536), (0, "down_proj"): (1536, 576)}
+    ladder = tiles.choose_ladder([torch.randn(rank, k, generator=gen) for k in (576, 1536)]
+                                 + [torch.randn(n, rank, generator=gen) for n in (576, 1536)], [1, 2])
+    adapters = [LoraWeights(LoraSpec(rank=rank, alpha=16),
+                            {k: torch.randn(rank, i, generator=gen) for k, (i, _) in keys.items()},
+                            {k: torch.randn(o, rank, generator=gen) * 0.02 for k, (_, o) in keys.items()}, frozen=True)
+                for _ in range(3)]
+    thawed = [LoraWeights(w.spec, w.a, w.b) for w in adapters]  # the same tensors, run the grouped way
+    seg, ids = [0, 8, 16, 17, 50], [0, 1, 2, 0]  # two decode segments, a lone row, and one past CHAIN_SEGMENT_ROWS
+    with torch.no_grad():
+        for key, (width, _) in keys.items():
+            x = torch.randn(seg[-1], width, generator=gen)
+            got = LoraBatch(seg, ids, adapters).delta(key, x, {rank: ladder})
+            assert torch.equal(got, LoraBatch(seg, ids, thawed).delta(key, x, {rank: ladder}))
+            assert torch.equal(got, LoraBatch(seg, ids, thawed).delta_per_segment(key, x, {rank: ladder}))
+    assert bool(adapters[1]._columns) == bool(ladder.chain)  # copies made only where the kernel runs
+    with pytest.raises(ValueError, match="only a frozen adapter"):
+        thawed[0].columns((0, "up_proj"))
+
+
 def _decode_case(gen: torch.Generator, positions: list[int], heads: int = 6, kv_heads: int = 2, d: int = 16,
                  slots: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [S, Hq, D] and a KV cache [S, slots, Hkv, D] with zeros past each sequence's position."""

@@ -110,7 +110,7 @@ def load_adapter(files: dict[str, bytes], cfg: ModelConfig, dtype: torch.dtype, 
     except (ValueError, SafetensorError) as e:
         raise InvalidArgument(f"checkpoint tensors do not fit {base_model!r}: {e}") from None
     return LoraWeights(spec, {k: t.detach().to(device=device, dtype=dtype) for k, t in weights.a.items()},
-                       {k: t.detach().to(device=device, dtype=dtype) for k, t in weights.b.items()})
+                       {k: t.detach().to(device=device, dtype=dtype) for k, t in weights.b.items()}, frozen=True)
 
 
 class AdapterCache:
