@@ -193,6 +193,35 @@ static const float *chunk_of(const float *base, const long *table, long ks, long
     return base + (table ? table[(long)s * chunks + c] * ks : (long)s * ks + (long)c * KEY * kn);
 }
 
+static void transposed(const float *kc, long kn, float *kt, int d) {
+    /* the chunk's keys kc [KEY, d] (row stride kn) as kt [d, KEY]: each score chain then streams a row of it */
+    int i0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i0 + 8 <= d; i0 += 8)
+        for (int j0 = 0; j0 < KEY; j0 += 8) {  /* an 8 x 8 square in registers */
+            __m256 r[8], t[8];
+            for (int u = 0; u < 8; u++) r[u] = _mm256_loadu_ps(kc + (long)(j0 + u) * kn + i0);
+            for (int u = 0; u < 8; u += 2) {
+                t[u] = _mm256_unpacklo_ps(r[u], r[u + 1]);
+                t[u + 1] = _mm256_unpackhi_ps(r[u], r[u + 1]);
+            }
+            for (int u = 0; u < 8; u += 4) {
+                r[u] = _mm256_shuffle_ps(t[u], t[u + 2], 0x44);
+                r[u + 1] = _mm256_shuffle_ps(t[u], t[u + 2], 0xEE);
+                r[u + 2] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0x44);
+                r[u + 3] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0xEE);
+            }
+            for (int u = 0; u < 4; u++) {
+                t[u] = _mm256_permute2f128_ps(r[u], r[u + 4], 0x20);
+                t[u + 4] = _mm256_permute2f128_ps(r[u], r[u + 4], 0x31);
+            }
+            for (int u = 0; u < 8; u++) _mm256_storeu_ps(kt + (long)(i0 + u) * KEY + j0, t[u]);
+        }
+#endif
+    for (int i = i0; i < d; i++)
+        for (int j = 0; j < KEY; j++) kt[i * KEY + j] = kc[(long)j * kn + i];
+}
+
 static void scores_of(const float *q, long qh, const float *k, const long *table, long ks, long kn, int b,
                       long last, float scale, float *x, int g, int d, int chunks, int block) {
     float rows[8 * MAX_HEAD], kt[MAX_HEAD * KEY];
@@ -206,9 +235,7 @@ static void scores_of(const float *q, long qh, const float *k, const long *table
                 for (int i = 0; i < m * KEY; i++) xc[i] = -INFINITY;
                 continue;
             }
-            const float *kc = chunk_of(k, table, ks, kn, b, c, chunks);
-            for (int j = 0; j < KEY; j++)  /* the chunk's keys as [D, KEY]: each chain streams a row of it */
-                for (int i = 0; i < d; i++) kt[i * KEY + j] = kc[(long)j * kn + i];
+            transposed(chunk_of(k, table, ks, kn, b, c, chunks), kn, kt, d);
             rows_by_columns(rows, d, kt, KEY, xc, m, d, KEY, 0, KEY, block);
             for (int r = 0; r < m; r++)
                 for (int j = 0; j < KEY; j++)
