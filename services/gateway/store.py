@@ -355,22 +355,12 @@ class ControlStore:
                 sessions.c.tenant == tenant, sessions.c.finished == "")).one()
         return n, sampling
 
-    @staticmethod
-    def _run_row(r: Run) -> dict[str, object]:
-        return {"tenant": r.tenant, "session_id": r.session_id, "base_model": r.base_model,
-                "lora": r.lora.SerializeToString(), "user_metadata": json.dumps(r.user_metadata),
-                "create_request_id": r.create_request_id, "created_at": r.created_at,
-                "last_request_time": r.last_request_time, "last_checkpoint": r.last_checkpoint,
-                "last_checkpoint_time": r.last_checkpoint_time, "last_sampler_checkpoint": r.last_sampler_checkpoint,
-                "last_sampler_checkpoint_time": r.last_sampler_checkpoint_time, "recovery_seq": r.recovery_seq,
-                "optimizer": r.optimizer}
-
     def put_run(self, r: Run, create: Operation) -> str:
         """Register a run and its creation operation, both or neither. Returns the request id that creates the
         run: ``create``'s, or the first one's if the id is taken."""
         try:
             with self.engine.begin() as c:
-                c.execute(runs.insert().values(model_id=r.model_id, **self._run_row(r)))
+                c.execute(runs.insert().values(model_id=r.model_id, **_run_values(r)))
                 c.execute(_INSERT_OP, _op_row(create))
             return create.request_id
         except sa.exc.IntegrityError:
@@ -379,7 +369,7 @@ class ControlStore:
 
     def update_run(self, r: Run) -> None:
         with self.engine.begin() as c:
-            c.execute(runs.update().where(runs.c.model_id == r.model_id).values(**self._run_row(r)))
+            c.execute(runs.update().where(runs.c.model_id == r.model_id).values(**_run_values(r)))
 
     def delete_run(self, model_id: str) -> None:
         with self.engine.begin() as c:
@@ -554,6 +544,17 @@ def _run(r: sa.Row) -> Run:
                json.loads(r.user_metadata), r.create_request_id, r.created_at, r.last_request_time, r.last_checkpoint,
                r.last_checkpoint_time, r.last_sampler_checkpoint, r.last_sampler_checkpoint_time, r.recovery_seq,
                optimizer=r.optimizer or "adamw")
+
+
+def _run_values(r: Run) -> dict[str, object]:
+    """A ``runs`` row's columns but its key, from ``r``."""
+    return {"tenant": r.tenant, "session_id": r.session_id, "base_model": r.base_model,
+            "lora": r.lora.SerializeToString(), "user_metadata": json.dumps(r.user_metadata),
+            "create_request_id": r.create_request_id, "created_at": r.created_at,
+            "last_request_time": r.last_request_time, "last_checkpoint": r.last_checkpoint,
+            "last_checkpoint_time": r.last_checkpoint_time, "last_sampler_checkpoint": r.last_sampler_checkpoint,
+            "last_sampler_checkpoint_time": r.last_sampler_checkpoint_time, "recovery_seq": r.recovery_seq,
+            "optimizer": r.optimizer}
 
 
 def _sampling(r: sa.Row) -> SamplingSession:
