@@ -165,7 +165,7 @@ def test_a_second_rebuild_of_a_live_run_answers_its_live_state(restart: Restart)
     run(eng, of("live", OPS[4:6]))  # the first gateway's run goes on: fb 5, save 6
     live = weights(eng, "live")
     again = eng.create_adapter(rebuild("live"))
-    late = eng._create(rebuild("live"), snapshot, None)
+    late = eng.runs.make(rebuild("live"), snapshot, None)
     assert (again.next_seq_id, again.step) == (late.next_seq_id, late.step) == (7, 2)
     assert all(torch.equal(v, live[k]) for k, v in weights(eng, "live").items())
     assert run(eng, of("live", OPS[6:7]))[0].receipt.seq_id == 7

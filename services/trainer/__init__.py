@@ -7,8 +7,9 @@ AdamW hyperparameters; the save kind), so a bad request is refused alone before 
 carrying its error, answered at once, its seq_id passed over in order).
 
 What the engine owns (``engine.py``, no protobuf in its data path): the base models, the adapter bank
-(``bank.py``: LoRA weights, AdamW moments, step; paged to local scratch by ``pages.py``), one sequencer per run
-(``order.py``: strict ``seq_id`` order, exactly once), the cycle planner (``cycle.py``) and the packed
+(``bank.py``: LoRA weights, AdamW moments, step; paged to local scratch by ``pages.py``), the runs (``runs.py``:
+each run's sequencer, ``order.py``: strict ``seq_id`` order, exactly once; their creation, admission and recovery
+snapshots), the cycle planner (``cycle.py``) and the packed
 forward/backward (``step.py``, ``losses.py``), AdamW (``optimizer.py``), recovery snapshots (``recovery.py``)
 and the cycle metrics (``metrics.py``).
 

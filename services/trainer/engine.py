@@ -17,19 +17,14 @@ cycle thread. Should the thread end anyway, the operations still waiting get ``U
 later call (``alive`` reports it), so callers are told instead of waiting forever.
 
 A seq_id that never comes does not hold its run for ever: one refused at the gateway's door or at the intake
-is passed over (``Skip``), and operations that waited ``order_wait_s`` for a missing one fail, naming it
-(``order``).
+is passed over (``Skip``), and operations that waited ``order_wait_s`` for a missing one fail, naming it. One
+tenant's operations may fill at most ``max_queue_per_tenant`` places of the shared queue (``max_queue``); the
+operation a run is waiting for is always let in (``runs.Runs.admit``).
 
-Admission: one tenant's operations may fill at most ``max_queue_per_tenant`` places of the shared queue
-(``max_queue``); the operation a run is waiting for is always let in.
-
-Owns: the runs (their sequencers), the ``AdapterBank`` (which pages least recently used adapters out when more
-runs exist than ``max_resident_adapters``, and a tenant's own beyond its quota,
-``CreateAdapterRequest.max_resident_adapters``) and the cycle metrics. Base models are ``lifecycle.BaseModels``'
-(one ``Decoder`` per served base model, loaded on first use); adapters are made and recovery snapshots read and
-written by ``lifecycle.RunMaker``, through ``CheckpointStore`` (the checkpoints service), when the engine says a
-snapshot is due. Run creation and the capabilities still speak ``lathe.v1`` messages (``CreateAdapterRequest``,
-``AdapterInfo``).
+Owns: the lock, the cycle thread and the cycle metrics, the ``AdapterBank`` (it pages least recently used adapters
+out beyond ``max_resident_adapters`` and a tenant's own quota) and ``runs.Runs`` (the runs, their queues, their
+creation and recovery snapshots, through ``lifecycle.RunMaker`` and the checkpoints service). Base models are
+``lifecycle.BaseModels``' (one ``Decoder`` each, loaded on first use).
 
 A pool of several ranks (``group``, ``lathe.trainer.dist``): this engine on rank 0 is the cycle leader and the
 only one with queues, a store and callers. Each cycle it fetches what its loads read, broadcasts the cycle as a
@@ -52,15 +47,12 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from lathe.errors import (
-    FailedPrecondition,
     Internal,
     LatheError,
     NotFound,
-    ResourceExhausted,
     Unavailable,
 )
 from lathe.models.catalog import ModelCatalog
@@ -75,36 +67,18 @@ from lathe.trainer.dist import Group, RankLost
 from lathe.trainer.lifecycle import BaseModels, CheckpointStore, RunMaker
 from lathe.trainer.metrics import CycleMetrics
 from lathe.trainer.ops import Limits, Op, Result, Skip
-from lathe.trainer.order import Pending, Sequencer
+from lathe.trainer.order import Pending
 from lathe.trainer.pages import DirPages
-from lathe.trainer.plan import Create, Files, Plan, Step
-from lathe.trainer.recovery import Record
+from lathe.trainer.plan import Plan, Step
 from lathe.trainer.runner import CycleRunner
+from lathe.trainer.runs import Run, Runs
 from lathe.trainer.window import GatherWindow
 from lathe.types import (
     Receipt,
-    recovery_path,
 )
 from lathe.v1 import lathe_pb2 as pb
 
 log = logging.getLogger("lathe.trainer")
-
-
-@dataclass(slots=True)
-class _Model:
-    """A training run as the scheduler sees it; its adapter lives in the bank."""
-
-    model_id: str
-    tenant: str
-    seq: Sequencer = field(default_factory=Sequencer)
-    partial: Partial | None = None
-    snapshot_seq: int = 0  # the seq_id its latest recovery snapshot was taken after
-    snapshot_tried: int = 0  # the seq_id after which one was last due, written or not (``SnapshotPolicy.every_ops``)
-
-    @property
-    def ready(self) -> bool:
-        """Has it work for the next cycle (a request part-way through, or an operation at its queue's head)?"""
-        return self.partial is not None or self.seq.peek() is not None
 
 
 def _fail(item: Pending, err: LatheError) -> None:
@@ -123,6 +97,20 @@ def _step(w: Work) -> Step:
     return Step(w.run.model_id, control=w.control.op if w.control is not None else None, fetched=w.fetched,
                 begin=w.compute.item.op if w.compute is not None and w.part[0] == 0 else None,
                 part=w.part if w.compute is not None else None, optim=w.optim.op if w.optim is not None else None)
+
+
+def _fail_cycle(works: list[Work], err: LatheError, bank: AdapterBank) -> None:
+    """Answer every operation of ``works`` not answered yet with ``err``; their runs drop their request in progress
+    (restoring the gradients it had added to, when they were saved)."""
+    for w in works:
+        if w.compute is not None and not w.compute.item.future.done():
+            if w.compute.grad_backup is not None:
+                for n, param in bank.get(w.run.model_id).weights.named_parameters().items():
+                    param.grad = w.compute.grad_backup[n]
+            w.run.partial = None
+        for item in (w.control, w.compute.item if w.compute is not None else None, w.optim):
+            if item is not None:
+                _fail(item, err)
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:
@@ -145,19 +133,21 @@ class TrainerEngine:
                                        backward=True)
         self.bases = BaseModels(cfg, catalog, self.exactness)
         self.maker = RunMaker(cfg, self.bases, store)
-        self._models: dict[str, _Model] = {}
         pages = DirPages(Path(cfg.page_store) if cfg.page_store else cfg.cache_root / "paged")
         self.bank = AdapterBank(cfg.max_resident_adapters, pages, cfg.dtype, lambda name: self.bases.get(name).cfg,
                                 cfg.device)
         self.runner = CycleRunner(cfg, self.bank, self.bases, self.maker, self.metrics, group, self._finish)
         self._lock = threading.Condition()
+        leader = group is not None and group.leader  # a pool's followers write nothing and send no plans
+        self.runs = Runs(cfg, self.maker, self.bank, self._lock, writes=store is not None and (group is None or leader),
+                         leader=leader, evict=lambda: self._evict(self._pinned()))
+        self._models = self.runs.models  # the runs' records, read by the queues and the cycle under the lock
         self.answers = Answers(lambda run: self.window.write_done(run))  # answers, held behind snapshot writes
         self.window = GatherWindow(cfg, self._lock, self.answers.holds)  # when the next cycle starts
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop_died = False  # the cycle thread ended without being stopped
         self._in_cycle: set[str] = set()  # runs of the cycle computing now: their adapters stay resident
-        self._creates: list[Create] = []  # runs created since the last plan went out (a pool's leader only)
         self._lost: RankLost | None = None  # why the pool broke, once it did
         self._last_beat = time.monotonic()  # when the leader last broadcast a plan
 
@@ -175,11 +165,6 @@ class TrainerEngine:
     def alive(self) -> bool:
         """False once the cycle thread has ended without ``stop``: the pool is not ready and says so."""
         return not self._loop_died
-
-    @property
-    def _writes(self) -> bool:
-        """Does this engine write to the checkpoint store? A pool's followers never do: the leader writes."""
-        return self.group is None or self.group.leader
 
     def _check_alive(self) -> None:
         if self._lost is not None:
@@ -201,89 +186,7 @@ class TrainerEngine:
 
     def _create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
         self._check_alive()
-        with self._lock:
-            live = self._live(req.model_id)
-        if live is not None:
-            return live
-        snapshot = self.maker.snapshot_files(req) if req.recover_from else None
-        state = None
-        if snapshot is None and req.from_path:
-            state = self.maker.store().get(tenant=req.tenant, path=req.from_path)
-        return self._create(req, snapshot, state)
-
-    def _create(self, req: pb.CreateAdapterRequest, snapshot: Files | None, state: Files | None) -> pb.AdapterInfo:
-        """Build run ``req.model_id`` from its recovery ``snapshot``, else the training ``state`` it starts from,
-        else fresh; the same on every rank of a pool (the leader puts it in the followers' next plan). A new run's
-        first snapshot is written before it exists here (its creation fails if it cannot be): the state it starts
-        from, or a fresh run's record alone. A run that exists already is answered as it is."""
-        record = Record.read(snapshot) if snapshot is not None else Record(0, state=state is not None)
-        if snapshot is not None and record.state:  # a recovery: the run as its snapshot left it
-            adapter = self.maker.from_snapshot(req, snapshot)
-        elif state is not None:
-            adapter = self.maker.from_state(req, state)
-        else:
-            adapter = self.maker.fresh(req)
-        if snapshot is None and self._writes and self.store is not None:  # recovery never depends on anything else
-            self.maker.write_snapshot(self.maker.copy_snapshot(adapter, state=record.state), record)
-        with self._lock:
-            live = self._live(req.model_id)
-            if live is not None:
-                return live
-            seq = Sequencer.after(record.seq_id, record.answers)
-            self._models[req.model_id] = _Model(req.model_id, req.tenant, seq, snapshot_seq=record.seq_id,
-                                                snapshot_tried=record.seq_id)
-            self.bank.limit_tenant(req.tenant, req.max_resident_adapters)  # the tenant's quota, from the gateway
-            self.bank.add(adapter)
-            info = self._live(req.model_id)
-            self._evict(self._pinned())
-            if self.group is not None and self.group.leader:
-                self._creates.append(Create(req.SerializeToString(), snapshot, state))
-            return info
-
-    def _live(self, model_id: str) -> pb.AdapterInfo | None:
-        """Run ``model_id`` as it is here, with the seq_id it expects next; None if it is not here (caller holds
-        the lock)."""
-        m = self._models.get(model_id)
-        if m is None:
-            return None
-        info = self.maker.info(self.bank.get(model_id))
-        info.next_seq_id = m.seq.next_seq
-        return info
-
-    def _snapshot(self, m: _Model, item: Pending, result: Result) -> Callable[[], None] | None:
-        """The write of ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``, its receipt
-        made, not yet answered), its state copied now; None if none is due. ``result.recovery_path`` names it, and
-        is emptied again if the write fails.
-
-        The write runs on the writer thread (``Answers``), before ``item`` is answered: the snapshot records the
-        answers of ``item`` and of the operations answered since the run's previous snapshot, so should this
-        trainer stop before an answer reaches the gateway, the rebuilt run answers that seq_id's repeat from the
-        record (``Sequencer.after``), as applied. A snapshot that cannot be written is logged and skipped: the
-        operation stands, recovery replays from the previous snapshot instead, and the next try waits until one is
-        due again (``every_ops`` counts from this try, so a store that is down does not hold every later
-        operation for its retries)."""
-        adapter = self.bank.get(m.model_id)
-        if result.error is not None or not self.cfg.snapshots.due(item.op.body, adapter.step,
-                                                                   item.seq_id - m.snapshot_tried, m.model_id):
-            return None
-        result.recovery_path = recovery_path(m.model_id)  # as the record answers it
-        m.snapshot_tried = item.seq_id
-        snapshot = self.maker.copy_snapshot(adapter)
-
-        def write() -> None:
-            with self._lock:  # submit() may pass skips into ``answered`` meanwhile
-                answers = {s: f.result() for s, f in list(m.seq.answered.items())
-                           if m.snapshot_seq < s < item.seq_id and f.done()}
-            try:
-                self.maker.write_snapshot(snapshot, Record(item.seq_id, {**answers, item.seq_id: result}))
-            except Exception as e:  # noqa: BLE001 - the operation stands; only the snapshot is missing
-                result.recovery_path = ""
-                log.error("recovery snapshot of %s after seq_id %d failed: %s: %s", m.model_id, item.seq_id,
-                          type(e).__name__, e)
-                return
-            m.snapshot_seq = item.seq_id
-
-        return write
+        return self.runs.create(req)
 
     # ---- submission ----
 
@@ -308,7 +211,7 @@ class TrainerEngine:
             # the operation a run is waiting for is always let in (refusing it could block the run for good),
             # and so is a repeat, which takes no new place
             if op.seq_id != m.seq.next_seq and op.seq_id not in m.seq.waiting:
-                self._admit(op.tenant)
+                self.runs.admit(op.tenant)
             if isinstance(op.body, Skip):
                 fut, new = m.seq.skip(op.seq_id, Result(error=op.body.error), time.monotonic()), True
             else:
@@ -316,20 +219,6 @@ class TrainerEngine:
             if new:
                 self._lock.notify_all()
             return fut
-
-    def _admit(self, tenant: str) -> None:
-        """Refuse one more waiting operation of ``tenant`` when its share or the whole queue is full."""
-        queued = mine = 0
-        for x in self._models.values():
-            queued += len(x.seq)
-            mine += len(x.seq) if x.tenant == tenant else 0
-        if mine >= self.cfg.max_queue_per_tenant:
-            raise ResourceExhausted(f"this tenant has {mine} operations waiting in the trainer queue, its limit "
-                                    f"of {self.cfg.max_queue_per_tenant}; wait for results before sending more",
-                                    retry_after_s=1.0)
-        if queued >= self.cfg.max_queue:
-            raise ResourceExhausted(f"trainer queue is full ({queued} operations waiting); retry later",
-                                    retry_after_s=1.0)
 
     # ---- the cycle ----
 
@@ -349,10 +238,10 @@ class TrainerEngine:
         try:
             while True:
                 with self._lock:
-                    wait_s = self._expire(time.monotonic())
-                    while not self._stopping and not self._ready() and not self._beat_due():
+                    wait_s = self.runs.expire(time.monotonic(), _fail)
+                    while not self._stopping and not self.runs.ready() and not self._beat_due():
                         self._lock.wait(timeout=_sooner(wait_s, self._beat_left()))
-                        wait_s = self._expire(time.monotonic())
+                        wait_s = self.runs.expire(time.monotonic(), _fail)
                     self.window.wait(self._models, lambda: self._stopping, time.monotonic() + self.window.gather_s)
                     if self._stopping:
                         return
@@ -393,11 +282,7 @@ class TrainerEngine:
     def _fail_waiting(self, err: LatheError) -> None:
         """Answer every queued operation and request in progress with ``err``."""
         with self._lock:
-            items = [m.partial.item for m in self._models.values() if m.partial is not None]
-            for m in self._models.values():
-                m.partial = None
-                items += m.seq.waiting.values()
-                m.seq.waiting.clear()
+            items = self.runs.drain()
         for item in items:
             _fail(item, err)
 
@@ -406,31 +291,12 @@ class TrainerEngine:
         refuse new ones, and hand over to ``on_rank_lost``."""
         log.error("%s", err.message)
         self._lost = err
-        self._fail_cycle(works, err)
+        _fail_cycle(works, err, self.bank)
         self._fail_waiting(err)
         if self.on_rank_lost is not None:
             self.on_rank_lost()
 
-    def _expire(self, now: float) -> float | None:
-        """Fail the operations that waited ``order_wait_s`` for a seq_id that has not arrived (caller holds the
-        lock). Returns the seconds until the next run would reach that wait (None: no run waits for one)."""
-        soonest = None
-        for m in self._models.values():
-            since = m.seq.stalled_since()
-            if since is None:
-                continue
-            left = since + self.cfg.order_wait_s - now
-            if left > 0:
-                soonest = left if soonest is None else min(soonest, left)
-                continue
-            for item, reason in m.seq.give_up(now):
-                _fail(item, FailedPrecondition(reason))
-        return soonest
-
-    def _ready(self) -> bool:
-        return any(m.ready for m in self._models.values())
-
-    def _begin(self, m: _Model, item: Pending) -> Partial | None:
+    def _begin(self, m: Run, item: Pending) -> Partial | None:
         """Start a forward / forward_backward request (checked at the intake) as it reaches the head of its
         run's queue; one split over several cycles first keeps a copy of the gradients it will add to.
 
@@ -459,7 +325,7 @@ class TrainerEngine:
                 runs = runs[k:] + runs[:k]
             works = plan_cycle([(m, m.seq, m.partial) for m in runs], self.cfg.cycle_tokens, self._begin,
                                self.cfg.max_runs_per_cycle, self.cfg.loss_budget.elements)
-            creates, self._creates = self._creates, []
+            creates = self.runs.take_creates()
             self.cycle += bool(works)
             cycle = self.cycle
             queued = sum(len(m.seq) for m in self._models.values())
@@ -494,7 +360,7 @@ class TrainerEngine:
         except RankLost:
             raise
         except Exception as e:  # noqa: BLE001 - a bug fails this cycle's unanswered operations, not the thread
-            self._fail_cycle(works, Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}"))
+            _fail_cycle(works, Internal(f"cycle {cycle} failed: {type(e).__name__}: {e}"), self.bank)
         finally:
             with self._lock:
                 self._in_cycle = set()
@@ -506,7 +372,7 @@ class TrainerEngine:
         the same ``_execute`` as the leader. Raises ``RankLost`` if a collective fails, and RuntimeError if
         this rank's state no longer matches the plan (the pool must re-form)."""
         for c in plan.creates:
-            self._create(pb.CreateAdapterRequest.FromString(c.request), c.snapshot, c.state)
+            self.runs.make(pb.CreateAdapterRequest.FromString(c.request), c.snapshot, c.state)
         if not plan.steps:
             return
         with self._lock:
@@ -529,35 +395,22 @@ class TrainerEngine:
         w.compute, w.part = m.partial, s.part
         return w
 
-    def _fail_cycle(self, works: list[Work], err: LatheError) -> None:
-        """Answer every operation of ``works`` not answered yet with ``err``; their runs drop their
-        request in progress (restoring the gradients it had added to, when they were saved)."""
-        for w in works:
-            if w.compute is not None and not w.compute.item.future.done():
-                if w.compute.grad_backup is not None:
-                    for n, param in self.bank.get(w.run.model_id).weights.named_parameters().items():
-                        param.grad = w.compute.grad_backup[n]
-                w.run.partial = None
-            for item in (w.control, w.compute.item if w.compute is not None else None, w.optim):
-                if item is not None:
-                    _fail(item, err)
-
     def _pinned(self) -> set[str]:
         """Runs whose adapters must stay resident: the cycle computing now, and requests in progress."""
-        return self._in_cycle | {m.model_id for m in self._models.values() if m.partial is not None}
+        return self._in_cycle | self.runs.in_progress()
 
     def _evict(self, pinned: set[str]) -> None:
         self.bank.evict(pinned)
         self.metrics.resident_adapters.set(self.bank.resident)
         self.metrics.paged_adapters.set(self.bank.paged)
 
-    def _finish(self, m: _Model, item: Pending, cycle: int, start: float, result: Result, tokens: int = 0) -> None:
+    def _finish(self, m: Run, item: Pending, cycle: int, start: float, result: Result, tokens: int = 0) -> None:
         fingerprint, exact = self.exactness.stamp(self.bank.base_model(m.model_id))
         result.receipt = Receipt(
             request_id=item.op.request_id, model_id=item.op.model_id, seq_id=item.seq_id, cycle=cycle,
             tokens=tokens, adapter_step=self.bank.get(m.model_id).step, queued_s=start - item.arrived,
             run_s=time.monotonic() - start, dtype=self.cfg.dtype, op=item.op.kind, fingerprint=fingerprint,
             exact=exact)
-        write = self._snapshot(m, item, result) if self.store is not None else None
+        write = self.runs.snapshot(m, item, result) if self.store is not None else None
         self.metrics.wait_seconds.observe(max(0.0, start - item.arrived))
         self.answers.answer(m.model_id, item.future, result, write)  # after the snapshot, which records it
