@@ -281,13 +281,15 @@ def decode_attention(
     keys are blocks table[s] in order, the same attention as over those blocks copied out. The kernel reads fp32
     blocks in place; otherwise they are copied out first.
     """
-    if table is not None:
-        if chain and k.dtype == torch.float32 and q.device.type == "cpu":
-            pos = torch.as_tensor(positions, dtype=torch.long)
-            x = chain_kernel.attention_scores(q.to(torch.float32), k, pos, scale, chain, table)
-            p = torch.exp(x)
-            return chain_kernel.attention_values(p, p.sum(-1), v, pos, chain, table).to(q.dtype)
+    chain = chain if invariant else 0
+    if table is not None and not (chain and k.dtype == torch.float32):  # blocks copied out, in table order
         k, v = (x.index_select(0, table.reshape(-1)).view(table.shape[0], -1, *x.shape[2:]) for x in (k, v))
+        table = None
+    if chain:
+        wide, pos = ops._wide(q.dtype), torch.as_tensor(positions, dtype=torch.long)
+        x = chain_kernel.attention_scores(q.to(wide), k.to(wide), pos, scale, chain, table)
+        p = torch.exp(x)
+        return chain_kernel.attention_values(p, p.sum(-1), v.to(wide), pos, chain, table).to(q.dtype)
     s, hq, d = q.shape
     _, n, hkv, _ = k.shape
     g = hq // hkv
@@ -300,11 +302,6 @@ def decode_attention(
     if n % KEY_CHUNK:
         raise ValueError(f"decode_attention: N={n} keys must be whole chunks of {KEY_CHUNK}")
     wide, t, chunks = ops._wide(q.dtype), ATTN_ROW_TILE, n // KEY_CHUNK
-    if chain:
-        pos = torch.as_tensor(positions, dtype=torch.long)
-        x = chain_kernel.attention_scores(q.to(wide), k.to(wide), pos, scale, chain)
-        p = torch.exp(x)
-        return chain_kernel.attention_values(p, p.sum(-1), v.to(wide), pos, chain).to(q.dtype)
     keys, values = k.to(wide), v.to(wide)  # [S, N, Hkv, D]: kv head h's chunks are strided views, never copied
     rows = ops._pad_rows((q.to(wide) * scale).reshape(s, hkv, g, d), t)  # [S, Hkv, G, D], G whole tiles
     tiles = rows.shape[2] // t

@@ -327,8 +327,9 @@ def choose_attention_chain(heads: int, kv_heads: int, head_dim: int, dtype: torc
     """The first k-block of ``chain.BLOCKS`` whose fixed-order kernel gives invariant decode attention
     (``attn.decode_attention(..., chain=block)``) the bits of its library products, for the model's head shapes,
     one sequence alone and ``ATTENTION_CHAIN_POSITIONS`` together, at each thread count; 0 where none does, off the
-    CPU, or where the kernel cannot be built here. Decided by bits; the self-check then decodes with it."""
-    if device.type != "cpu" or not chain.available() or head_dim > chain.MAX_HEAD:
+    CPU, for fp64 (the kernel is fp32), or where the kernel cannot be built here. Decided by bits; the self-check
+    then decodes with it."""
+    if device.type != "cpu" or ops._wide(dtype) != torch.float32 or not chain.available() or head_dim > chain.MAX_HEAD:
         return 0
     gen = torch.Generator().manual_seed(seed)
     count, slots = len(ATTENTION_CHAIN_POSITIONS), -(-ATTENTION_LENGTH // attn.KEY_CHUNK) * attn.KEY_CHUNK
