@@ -171,6 +171,22 @@ void lathe_chain_lora(const float *x, long ldx, const float *a, long ask, long a
     matmul(v, r, b, bsk, bsn, y, m, r, n, block, threads);
 }
 
+/* Several segments' corrections in one call (a decode step's adapters): segment s is row r0 of x and the `rows`
+   after it, its A (a: [k, rank], strides ask, asn), B (b: [rank, n], strides bsk, bsn), scale and block, packed as
+   seg[s] = {r0, rows, rank, block, a, ask, asn, b, bsk, bsn} (pointers as integers); its rows of y (y [T, n],
+   contiguous) get lathe_chain_lora's result, with v (scratch, [T, widest rank]) as its scratch. Rows in no segment
+   are not written. A segment is one thread's, so the bits are each segment's own. */
+void lathe_chain_lora_segments(const float *x, long ldx, const long *seg, const float *scale, float *v, float *y,
+                               int segments, int k, int n, int widest, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && segments > 1)
+    for (int s = 0; s < segments; s++) {
+        const long *g = seg + 10L * s;
+        const long r0 = g[0];
+        lathe_chain_lora(x + r0 * ldx, ldx, (const float *)g[4], g[5], g[6], (const float *)g[7], g[8], g[9],
+                         scale[s], v + r0 * widest, y + r0 * n, (int)g[1], k, (int)g[2], n, (int)g[3], 1);
+    }
+}
+
 /* Invariant decode attention's products (lathe.kernels.attention.decode_attention states the attention; these are
    its two halves around the exponentials, which stay torch's). For each sequence s and kv head h, query rows
    r < g are query heads h * g + r, keys sit in chunks of KEY on the absolute key grid, and sequence s sees keys

@@ -9,6 +9,8 @@ with the machine's C compiler on first use and loaded with ctypes.
     chain_lora(x, a, b, scale, block) -> d             (a LoRA correction of a few rows in one call)
       x: [M, K]; a: [R, K]; b: [N, R]; all fp32
       d = chain_matmul(chain_matmul(x, a.T) * scale, b.T), the scaling rounded to fp32   -> d: [M, N] fp32
+    chain_lora_segments(x, [(r0, rows, a, b, scale, block), ...], N) -> d   (a decode step's adapters in one call)
+      d[r0:r0+rows] = chain_lora(x[r0:r0+rows], a, b, scale, block) per segment, 0 elsewhere  -> d: [T, N] fp32
 
     attention_scores(q, k, positions, scale, block, table=None) -> x   (invariant decode attention, before its exp)
       q: [S, Hq, D]; k: [S, N, Hkv, D]; positions: [S] int64; g = Hq // Hkv; C = N // KEY_CHUNK
@@ -108,8 +110,8 @@ def _library() -> ctypes.CDLL | None:
                 os.replace(out, built)
         lib = ctypes.CDLL(str(built))
         ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_attention_scores,
-                   lib.lathe_chain_attention_values):
+        for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_lora_segments,
+                   lib.lathe_chain_attention_scores, lib.lathe_chain_attention_values):
             fn.restype = None
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
@@ -119,6 +121,7 @@ def _library() -> ctypes.CDLL | None:
     lib.lathe_chain_matmul.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count]
     lib.lathe_chain_lora.argtypes = [ptr, stride, ptr, stride, stride, ptr, stride, stride, ctypes.c_float, ptr, ptr,
                                      count, count, count, count, count, count]
+    lib.lathe_chain_lora_segments.argtypes = [ptr, stride, ptr, ptr, ptr, ptr, count, count, count, count, count]
     lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, ptr, stride, stride, stride, ptr,
                                                  ctypes.c_float, ptr, *[count] * 7]
     lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
@@ -178,6 +181,30 @@ def chain_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, 
     lib.lathe_chain_lora(x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(),
                          b.stride(1), b.stride(0), scale, v.data_ptr(), y.data_ptr(), m, k, r, n, block,
                          _threads(m * r * n))
+    return y
+
+
+Segment = tuple[int, int, torch.Tensor, torch.Tensor, float, int]
+"""(first row, rows, a [R, K], b [N, R], scale, block): one adapter's rows of a ``chain_lora_segments`` call."""
+
+
+def chain_lora_segments(x: torch.Tensor, segments: list[Segment], n: int) -> torch.Tensor:
+    """Every segment's ``chain_lora`` in one call: y[r0:r0 + rows] = chain_lora(x[r0:r0 + rows], a, b, scale, block)
+    for each segment (the segments disjoint), zeros in rows of no segment; x [T, K] -> y [T, n]. A segment's bits
+    are ``chain_lora``'s for it alone (one thread computes it)."""
+    lib, x = _checked(x, max(blk for *_, blk in segments), *(t for s in segments for t in s[2:4]))
+    (t, k), widest = x.shape, max(a.shape[0] for _, _, a, _, _, _ in segments)
+    for r0, rows, a, b, _, block in segments:
+        if r0 < 0 or rows < 1 or r0 + rows > t or a.shape[1] != k or b.shape != (n, a.shape[0]) or block < 1:
+            raise ValueError(f"chain_lora_segments: segment at row {r0} of {rows} rows with a {list(a.shape)}, b "
+                             f"{list(b.shape)} does not fit x [{t}, {k}] -> [{t}, {n}]")
+    table = torch.tensor([[r0, rows, a.shape[0], block, a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(),
+                           b.stride(1), b.stride(0)] for r0, rows, a, b, _, block in segments], dtype=torch.long)
+    scales = torch.tensor([scale for *_, scale, _ in segments], dtype=torch.float32)
+    v, y = torch.empty(t, widest, dtype=torch.float32), torch.zeros(t, n, dtype=torch.float32)
+    lib.lathe_chain_lora_segments(x.data_ptr(), x.stride(0), table.data_ptr(), scales.data_ptr(), v.data_ptr(),
+                                  y.data_ptr(), len(segments), k, n, widest,
+                                  _threads(sum(rows for _, rows, *_ in segments) * widest * n))
     return y
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lathe.kernels import ops
-from lathe.kernels.chain import chain_lora
+from lathe.kernels import chain, ops
+from lathe.kernels.chain import chain_lora, chain_lora_segments
 from lathe.kernels.lora_grouped import TileLayout, lora_grouped, stacks
 from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments, take_rows
 from lathe.models.lora_sgmv import SgmvBatch
@@ -112,11 +112,17 @@ class LoraBatch:
         autograd (a decode step of one adapter) runs ``delta_per_segment`` itself: the same products in fewer
         ops, over the ladder the pool admitted for its rank (``ladders``, by rank: the decoder's
         ``lora_ladders``), which has the reference tile's bits. So does a batch out of autograd whose grouped
-        product could not stack its adapters' weights (``_per_segment``).
+        product could not stack its adapters' weights (``_per_segment``). A batch out of autograd whose every
+        segment runs through Lathe's kernel (``_chained``: a sampler's decode step) runs them all in one call
+        (``chain.chain_lora_segments``), each segment's rows with the bits it has alone.
         """
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
             return None
+        if self.invariant and not torch.is_grad_enabled():
+            chained = self._chained_segments(key, x, ladders)
+            if chained is not None:
+                return chain_lora_segments(_as(x, torch.float32), chained, holders[0].b[key].shape[0])
         if not self.invariant or (not torch.is_grad_enabled() and self._per_segment(key, x, holders, ladders)):
             return self.delta_per_segment(key, x, ladders)
         out = None
@@ -132,13 +138,8 @@ class LoraBatch:
         """Whether ``key`` runs faster per segment, over its ranks' ladders, than grouped: one segment, or an expand
         the grouped product cannot stack (``lora_grouped.stacks``: the LM head's over several adapters), which it
         would run one segment at a time anyway, in one-thread products (measured on a 2-core EPYC, 4 adapters x 8
-        decode rows at rank 32: 24 ms grouped, 7 ms per segment on the direct ladder), or segments that all run
-        through Lathe's kernel (``_chained``: a SmolLM2 layer's seven targets for 4 adapters x 8 decode rows at rank
-        32 in 1.2 ms instead of 3.0-3.8 grouped, AVX2 EPYC)."""
+        decode rows at rank 32: 24 ms grouped, 7 ms per segment on the direct ladder)."""
         if len(self._segments) == 1:
-            return True
-        if all(_chained(ladders.get(w.spec.rank, ops.REFERENCE), s1 - s0, x, w, key) is not None
-               for s0, s1, w in self._segments if key in w.a):  # every segment in one kernel call
             return True
         if any(not ladders.get(w.spec.rank, ops.REFERENCE).direct for w in holders):  # no direct products
             return False
@@ -149,6 +150,22 @@ class LoraBatch:
             if not stacks(layout, expand[c0:c1]):
                 return True
         return False
+
+    def _chained_segments(self, key: Key, x: torch.Tensor, ladders: Mapping[int, ops.Ladder]
+                          ) -> list[chain.Segment] | None:
+        """Every segment holding ``key`` as a ``chain.chain_lora_segments`` segment, if each runs through Lathe's
+        kernel (``_chained``: a SmolLM2 layer's seven targets for 4 adapters x 8 decode rows at rank 32 in 1.0-1.1 ms
+        instead of 2.8-3.2 grouped, AVX2 EPYC, ``bench/bench_decode_lora.py``); None if any does not."""
+        segments: list[chain.Segment] = []
+        for s0, s1, w in self._segments:
+            if key not in w.a:
+                continue
+            chained = _chained(ladders.get(w.spec.rank, ops.REFERENCE), s1 - s0, x, w, key)
+            if chained is None:
+                return None
+            block, a, b = chained
+            segments.append((s0, s1 - s0, a, b, w.spec.scale, block))
+        return segments
 
     def _layout(self, key: Key, rank: int, x: torch.Tensor) -> tuple[TileLayout, list[LoraWeights]]:
         """The tile layout of the segments whose adapter has ``key`` at ``rank``, and those adapters by slot."""

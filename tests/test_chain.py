@@ -82,6 +82,20 @@ def test_chain_lora_is_both_products_in_one_call(gen: torch.Generator) -> None:
                                rtol=1e-5, atol=1e-4)
 
 
+def test_segments_in_one_call_have_each_segments_own_bits(gen: torch.Generator, threads: int) -> None:
+    x = torch.randn(20, 96, generator=gen)
+    segments = [(0, 5, torch.randn(8, 96, generator=gen), torch.randn(40, 8, generator=gen), 0.5, 64),
+                (5, 1, torch.randn(16, 96, generator=gen), torch.randn(40, 16, generator=gen), 2.0, 32),
+                (9, 11, torch.randn(8, 96, generator=gen).t().contiguous().t(),  # column-major, as a frozen copy
+                 torch.randn(40, 8, generator=gen), 1.0, 64)]
+    got = chain.chain_lora_segments(x, segments, 40)
+    for r0, rows, a, b, scale, block in segments:
+        assert torch.equal(got[r0:r0 + rows], chain.chain_lora(x[r0:r0 + rows], a, b, scale, block)), r0
+    assert not got[6:9].any()  # rows of no segment stay zero
+    with pytest.raises(ValueError, match=r"segment at row 18 of 5 rows with a \[8, 96\], b \[40, 8\] does not fit"):
+        chain.chain_lora_segments(x, [(18, 5, *segments[0][2:])], 40)
+
+
 def test_bad_operands_are_refused_with_what_was_wrong() -> None:
     with pytest.raises(TypeError, match=r"fp32 CPU tensors, got torch.bfloat16 \[2, 4\]"):
         chain.chain_matmul(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 3), 64)
