@@ -175,7 +175,8 @@ void lathe_chain_lora(const float *x, long ldx, const float *a, long ask, long a
    after it, its A (a: [k, rank], strides ask, asn), B (b: [rank, n], strides bsk, bsn), scale and block, packed as
    seg[s] = {r0, rows, rank, block, a, ask, asn, b, bsk, bsn} (pointers as integers); its rows of y (y [T, n],
    contiguous) get lathe_chain_lora's result, with v (scratch, [T, widest rank]) as its scratch. Rows in no segment
-   are not written. A segment is one thread's, so the bits are each segment's own. */
+   are not written. Several segments run one a thread; a lone segment's expand gets the threads (a product's bits
+   never depend on how its columns are shared out). */
 void lathe_chain_lora_segments(const float *x, long ldx, const long *seg, const float *scale, float *v, float *y,
                                int segments, int k, int n, int widest, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && segments > 1)
@@ -183,7 +184,8 @@ void lathe_chain_lora_segments(const float *x, long ldx, const long *seg, const 
         const long *g = seg + 10L * s;
         const long r0 = g[0];
         lathe_chain_lora(x + r0 * ldx, ldx, (const float *)g[4], g[5], g[6], (const float *)g[7], g[8], g[9],
-                         scale[s], v + r0 * widest, y + r0 * n, (int)g[1], k, (int)g[2], n, (int)g[3], 1);
+                         scale[s], v + r0 * widest, y + r0 * n, (int)g[1], k, (int)g[2], n, (int)g[3],
+                         segments == 1 ? threads : 1);
     }
 }
 

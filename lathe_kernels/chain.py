@@ -191,7 +191,8 @@ Segment = tuple[int, int, torch.Tensor, torch.Tensor, float, int]
 def chain_lora_segments(x: torch.Tensor, segments: list[Segment], n: int) -> torch.Tensor:
     """Every segment's ``chain_lora`` in one call: y[r0:r0 + rows] = chain_lora(x[r0:r0 + rows], a, b, scale, block)
     for each segment (the segments disjoint), zeros in rows of no segment; x [T, K] -> y [T, n]. A segment's bits
-    are ``chain_lora``'s for it alone (one thread computes it)."""
+    are ``chain_lora``'s for it alone (several segments run one a thread; a lone one shares its expand's columns
+    over the threads, as ``chain_lora`` does)."""
     lib, x = _checked(x, max(blk for *_, blk in segments), *(t for s in segments for t in s[2:4]))
     (t, k), widest = x.shape, max(a.shape[0] for _, _, a, _, _, _ in segments)
     for r0, rows, a, b, _, block in segments:
