@@ -14,12 +14,11 @@
    layout runs the chains of a few columns side by side), y [m, n] contiguous. fp32 only. */
 
 #include <math.h>
-#include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-enum { WIDEST = 2048, STEP = 16, COLUMNS = 8, PANEL = 16, GROUP = 6, PACKED = 1 << 18 };
+enum { WIDEST = 2048, STEP = 16, COLUMNS = 8, PANEL = 16, GROUP = 6 };
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* rows [0, mr) (mr <= GROUP) x the PANEL columns at w, y (row strides ldx, sk, ldy): the same chains, each row's
@@ -123,21 +122,6 @@ static void some_columns(const float *x, long ldx, const float *w, long sk, long
 
 static void matmul(const float *x, long ldx, const float *w, long sk, long sn, float *y, int m, int k, int n,
                    int block, int threads) {
-    if (sn != 1 && m > 1 && (long)k * n <= PACKED) {
-        /* several rows on a small strided w (a LoRA weight's transposed view): copied once into rows of n, which
-           every row then streams; the copy moves values only, so the chains are the same */
-        float *packed = malloc((size_t)k * n * sizeof(float));
-        if (packed != NULL) {
-            for (int k0 = 0; k0 < k; k0 += 16)  /* in 16 x 16 squares, so reads and writes both stay in cache */
-                for (int c0 = 0; c0 < n; c0 += 16)
-                    for (int j = c0; j < (c0 + 16 < n ? c0 + 16 : n); j++)
-                        for (int kk = k0; kk < (k0 + 16 < k ? k0 + 16 : k); kk++)
-                            packed[(long)kk * n + j] = w[(long)kk * sk + (long)j * sn];
-            matmul(x, ldx, packed, n, 1, y, m, k, n, block, threads);
-            free(packed);
-            return;
-        }
-    }
     if (sn == 1) {
         /* one run of columns per thread (a multiple of STEP, at most WIDEST wide) */
         int width = (n + threads - 1) / threads;

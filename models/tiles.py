@@ -372,8 +372,8 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
 def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
     """Set ``model``'s tiles for this machine: the linears' ladder with its lone-row way, the LoRA products' ladder
     at ``lora_rank``, the backward products' ladder for a training pool (``backward``) or, for a sampling pool, the
-    prepacked layer weights of its lone decode rows, prefill attention's tiles and decode attention's kernel, each
-    chosen at the thread counts the pool may use."""
+    prepacked layer weights of its lone decode rows and decode attention's kernel, and prefill attention's tiles,
+    each chosen at the thread counts the pool may use."""
     threads = default_threads(model)
     model.ladder = choose_lone(model, choose_ladder(model_weights(model), threads, tiles_too=True))
     if not backward:
@@ -384,5 +384,6 @@ def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
     cfg = model.cfg
     model.attn_tiles = choose_attention_tiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                               model.device, threads)
-    model.attn_chain = choose_attention_chain(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
-                                              model.device, threads)
+    if not backward:  # decode attention runs in a sampling pool only
+        model.attn_chain = choose_attention_chain(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                                                  model.device, threads)
