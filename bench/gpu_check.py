@@ -51,7 +51,7 @@ SECTIONS = [
     ("exactness", "c. exactness self-check", 60),
     ("sgmv", "b. SGMV/BGMV kernels", 50),
     ("cycle", "d. 8-tenant clock cycle, 1B config", 70),
-    ("sampler", "e/f. sampler throughput and sampler-trainer KL, 1B config", 120),
+    ("sampler", "e/f. sampler throughput and sampler-trainer KL, 1B config", 240),
     ("ranks", "h. trainer pool collectives (NCCL), one rank", 40),
     ("bgmv", "i. BGMV at the decode shape", 40),
     ("decode", "j. paged-KV decode, CUDA graphs, slot pool vs invariant path, 1B config", 120),

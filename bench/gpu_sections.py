@@ -346,7 +346,7 @@ def ranks(ctx: Context) -> None:
 
     plain, sharded = random_adapters(ctx, model.cfg, s.tenants), random_adapters(ctx, model.cfg, s.tenants)
     expected = run_jobs(model, jobs_of(plain))
-    group = join(PoolConfig(world_size=1, rank=0, master_port=free_port(), timeout_s=120), ctx.device)
+    group = join(PoolConfig(world_size=1, rank=0, master_port=free_port(), timeout_s=120), ctx.device, ctx.dtype)
     try:
         plan = group.broadcast({"cycle": 1, "tenants": s.tenants})
         t0 = time.perf_counter()
@@ -519,8 +519,9 @@ def _paged_attention(ctx: Context) -> dict[str, object]:
                               "KV MB read": round(nbytes / 1e6, 2)}
     for invariant in (True, False):
         def run(invariant: bool = invariant) -> torch.Tensor:
-            ks, vs, positions = step.decode(0, k, k)
-            return attn.decode_attention(q, ks, vs, positions, scale=head_dim**-0.5, invariant=invariant)
+            ks, vs, positions, table = step.decode(0, k, k)
+            return attn.decode_attention(q, ks, vs, positions, scale=head_dim**-0.5, invariant=invariant,
+                                         table=table)
 
         seconds, _ = median_s(ctx, run)
         out["invariant" if invariant else "plain"] = {"ms": round(1e3 * seconds, 4),

@@ -40,8 +40,8 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def to_device(tensors: dict[str, torch.Tensor], device: str | torch.device) -> dict[str, torch.Tensor]:
-    """``tensors`` (on the CPU) on ``device``: pinned and non_blocking to CUDA, unchanged on the CPU."""
+    """``tensors`` on ``device``: host tensors pinned and non_blocking to CUDA; already there, unchanged."""
     if not pinned_paging(device):
         return {name: t.to(device) for name, t in tensors.items()}
-    return {name: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return {name: (t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory()).to(device, non_blocking=True)
             for name, t in tensors.items()}

