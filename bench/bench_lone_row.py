@@ -42,7 +42,7 @@ from lathe.models.smollm2 import import_smollm2
 def _chain_ways(model: Decoder) -> dict[str, Way]:
     with_chain = (model.ladder, dict(model.lora_ladders))
     without = (dataclasses.replace(model.ladder, chain=0, lone=tiles.choose_lone(
-                   model, dataclasses.replace(model.ladder, chain=0)).lone),
+                   model, dataclasses.replace(model.ladder, chain=0), tiles.default_threads(model)).lone),
                {rank: dataclasses.replace(ladder, chain=0) for rank, ladder in model.lora_ladders.items()})
     print(f"pool's ladder {model.ladder}; LoRA ladders {model.lora_ladders}")
 

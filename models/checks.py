@@ -22,7 +22,7 @@ from lathe.models import moe
 from lathe.models.decoder import Decoder, Packed, router_name, shape_weight_names
 from lathe.models.lora import REFERENCE_TILES, LoraSpec, LoraWeights, module_shape, shape_keys
 from lathe.models.lora_batch import LoraBatch
-from lathe.models.tiles import ATTENTION_LENGTH, ATTENTION_SPLITS, BATCH_ROWS, differing
+from lathe.models.tiles import ATTENTION_LENGTH, ATTENTION_SPLITS, BATCH_ROWS, differing, lone_row_failure
 
 SEQ_LENGTHS = (1, 3, 13, 17, 64)
 """Sequence lengths of the end-to-end check (packed together, then each alone)."""
@@ -146,6 +146,8 @@ def op_checks(model: Decoder, gen: torch.Generator, lora_rank: int) -> list[Chec
     head = model.lm_head
     checks.append(rows_check(f"linear lm_head {head.shape[1]}->{head.shape[0]}",
                         lambda x: ops.linear(x, head, invariant=True, ladder=model.ladder), pool(head.shape[1])))
+    lone = lone_row_failure(model, model.ladder, [torch.get_num_threads()], model.packed)
+    checks.append(Check("linear lone rows", lone is None, lone or ""))
     sparse = [i for i in range(cfg.num_layers) if cfg.sparse(i)]
     if sparse:
         router = w[router_name(sparse[0])]

@@ -6,8 +6,9 @@ Why per machine: batch invariance is a property of the kernel library's code pat
 run as direct products (``ops.DIRECT_TILE_CANDIDATES``) and the ladder of tile heights (the reference tile
 ``ops.ROW_TILE`` plus each of ``ops.ROW_TILE_CANDIDATES``), each admitted only where its rows are bitwise the
 reference tile's for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread
-count; ``choose_lone`` then times the admitted ways of running a lone decode row and keeps the faster (the one
-choice made by time, as it cannot change a bit); ``choose_attention_tiles`` picks prefill attention's row tiles
+count; ``choose_lone`` then holds each admitted way of running a lone decode row to those bits on many lone rows
+(``lone_row_failure``) and keeps the faster of those that hold (the one choice made by time, as it cannot change a
+bit); ``choose_attention_tiles`` picks prefill attention's row tiles
 (``attn.ATTN_ROW_TILE``, the one decode uses, plus each of ``attn.ATTN_TILE_CANDIDATES`` whose prefill and chunked
 prefill have its bits); ``choose_attention_chain`` admits Lathe's own kernel for decode attention's products where it
 has the library's bits. Every choice but the lone row's is made by bits, so one machine and library always choose
@@ -82,7 +83,8 @@ class _RowTrial:
     def __init__(self, weights: list[torch.Tensor], threads: list[int], seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.weights, self.threads = [w.t() for w in weights], threads
-        self.pools = [torch.randn(BATCH_ROWS[-1], w.shape[0], generator=gen).to(w.dtype) for w in self.weights]
+        self.pools = [torch.randn(max(BATCH_ROWS[-1], trial_rows(w.shape[1], w.dtype)), w.shape[0], generator=gen
+                                  ).to(w.dtype) for w in self.weights]
         self.refs: dict[int, list[torch.Tensor]] = {}
         for n in threads:
             with at_threads(n), torch.no_grad():
@@ -92,12 +94,12 @@ class _RowTrial:
     def agrees(self, product: Product) -> bool:
         """Whether ``product(x, w)`` gives every row the reference tile's bits, for every weight at every thread
         count: the whole pool, the pool shifted by one row (every row at the next position of its tile) and two
-        lone rows."""
-        starts_stops = ((0, BATCH_ROWS[-1]), (1, BATCH_ROWS[-1]), (0, 1), (1, 2))
+        lone rows. A pool has ``trial_rows`` rows, at least ``BATCH_ROWS[-1]``."""
         for n in self.threads:
             with at_threads(n):
                 for w, pool, ref in zip(self.weights, self.pools, self.refs[n], strict=True):
-                    if any(differing(product(pool[a:b], w), ref[a:b]) for a, b in starts_stops):
+                    cuts = ((0, pool.shape[0]), (1, pool.shape[0]), (0, 1), (1, 2))
+                    if any(differing(product(pool[a:b], w), ref[a:b]) for a, b in cuts):
                         return False
         return True
 
@@ -208,12 +210,13 @@ def _lora_ladder(ins: tuple[int, ...], outs: tuple[int, ...], rank: int, wide: t
     return dataclasses.replace(ladder, lone=0) if ladder.direct else ladder
 
 
-def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Ladder:
+def choose_lone(model: Decoder, ladder: ops.Ladder, threads: list[int], repeats: int = 3) -> ops.Ladder:
     """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
     sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
-    ladder, or through Lathe's own product where ``choose_chain`` admitted a block. All give the reference tile's
-    bits (the trial admitted each), so this choice, unlike the others, is timed: it changes speed, never bits, and
-    is not part of the fingerprint (``UNPRINTED``).
+    ladder, or through Lathe's own product where ``choose_chain`` admitted a block. Each way is first held to the
+    reference tile's bits on many lone rows (``lone_row_failure``), fastest first, and the first that keeps them is
+    chosen: the choice among them changes speed, never bits, and is not part of the fingerprint (``UNPRINTED``).
+    Where none keeps them, a lone row runs in the reference tile.
 
     Why timed: which is faster depends on the library. Measured on an AVX-512 EPYC, MKL runs a 4-row fp32
     product on one thread (the tiled way spreads a weight's column halves over two) while its bf16 products
@@ -224,7 +227,54 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, repeats: int = 3) -> ops.Lad
     ways = [dataclasses.replace(ladder, lone=lone, chain=0) for lone in (0, min(ladder.tiles))]
     if ladder.chain:
         ways.append(ladder)
-    return min(ways, key=lambda way: _lone_row_seconds(model, way, {}, repeats))
+    ways.sort(key=lambda way: _lone_row_seconds(model, way, {}, repeats))
+    return next((way for way in ways if lone_row_failure(model, way, threads) is None),
+                dataclasses.replace(ladder, tiles=(ops.ROW_TILE,), lone=ops.ROW_TILE, chain=0))
+
+
+LONE_OUTPUTS = 1 << 17
+"""Outputs of each weight that ``lone_row_failure`` computes as lone rows in a narrow dtype (bf16, fp16): one row a
+call, ``LONE_OUTPUTS // N`` rows of an ``[N, K]`` weight, between ``LONE_ROWS`` and 4096. A narrow output hides an
+accumulation that differs by an ulp of fp32 unless it lies next to a rounding boundary: measured on an AVX-512 EPYC
+with avx512_bf16, a one-row bf16 product (the library's matrix-vector kernel) rounded 3-10 of 131072-524288 outputs
+of the tiny Qwen3-MoE's weights otherwise than their tile, none of them in the first rows a smaller trial runs."""
+
+LONE_ROWS = 8
+"""Lone rows of each weight ``lone_row_failure`` runs in fp32 or wider, where an output shows every difference."""
+
+
+def trial_rows(outputs: int, dtype: torch.dtype) -> int:
+    """Rows a trial computes of a weight with ``outputs`` outputs a row: ``LONE_ROWS`` in fp32 or wider, enough for
+    ``LONE_OUTPUTS`` outputs (at most 4096 rows) in a narrow dtype."""
+    if dtype.itemsize >= 4:
+        return LONE_ROWS
+    return min(4096, max(LONE_ROWS, LONE_OUTPUTS // outputs))
+
+
+def lone_row_failure(model: Decoder, ladder: ops.Ladder, threads: list[int],
+                     packed: dict[str, torch.Tensor] | None = None) -> str | None:
+    """Where one row alone in its ``ops.linear`` call over ``ladder`` (a decode step of one sequence; through
+    ``packed``'s prepacked copy where it has one) differs from the same rows' reference products, for every distinct
+    layer weight shape and the LM head at every thread count, or None where none does. ``trial_rows`` rows a
+    weight, each in its own call; only on the CPU, where a ladder runs lone rows its own way."""
+    if model.device.type != "cpu":
+        return None
+    packed = packed or {}
+    names = {tuple(model.w[n].shape): n for n in layer_weight_names(model.cfg)}.values()
+    weights = [(n.removesuffix(".weight").rpartition(".")[2], model.w[n], packed.get(n)) for n in names]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for label, w, copy in [*weights, ("lm_head", model.lm_head, None)]:
+            rows = torch.randn(trial_rows(w.shape[0], w.dtype), w.shape[1], generator=gen).to(w.dtype)
+            for n in threads:
+                with at_threads(n):
+                    ref = ops.linear(rows, w, invariant=True)
+                    for i in range(rows.shape[0]):
+                        if differing(ops.linear(rows[i:i + 1], w, invariant=True, ladder=ladder, packed=copy),
+                                     ref[i:i + 1]):
+                            return (f"linear {label} {w.shape[1]}->{w.shape[0]}: lone row {i} of {rows.shape[0]} "
+                                    f"differs from its reference tile @{n} threads")
+    return None
 
 
 def _lone_row_seconds(model: Decoder, ladder: ops.Ladder, packed: dict[str, torch.Tensor], repeats: int) -> float:
@@ -271,10 +321,10 @@ def choose_packed(model: Decoder, threads: list[int], repeats: int = 3) -> dict[
     none. Where ``model.ladder`` zero-pads a lone row to a direct tile (``lone=0``), the library packs every weight
     again for each of those products; multiplying by a copy packed once is faster where it has the tile's bits.
 
-    Admitted by bits first (``packed_agrees``; measured on an AVX-512 EPYC: equal in bf16, not in fp32), then
-    timed, like ``choose_lone``, over every layer weight streamed as in decode, and kept only where faster. The
-    copies cost the layer weights' bytes again (a sampling pool only). Not part of the fingerprint
-    (``UNPRINTED``): it changes speed, never bits."""
+    Admitted by bits first (``packed_agrees``, then many lone rows through the copies: ``lone_row_failure``;
+    measured on an AVX-512 EPYC: equal in bf16, not in fp32), then timed, like ``choose_lone``, over every layer
+    weight streamed as in decode, and kept only where faster. The copies cost the layer weights' bytes again (a
+    sampling pool only). Not part of the fingerprint (``UNPRINTED``): it changes speed, never bits."""
     ladder = model.ladder
     if model.device.type != "cpu" or not ladder.direct or ladder.lone or ladder.chain \
             or not packed_agrees(model, threads):
@@ -282,6 +332,8 @@ def choose_packed(model: Decoder, threads: list[int], repeats: int = 3) -> dict[
     height = min(ladder.direct)
     with torch.no_grad():
         copies = {n: ops.prepack(model.w[n], height) for n in layer_weight_names(model.cfg)}
+    if lone_row_failure(model, ladder, threads, copies) is not None:
+        return {}
     faster = _lone_row_seconds(model, ladder, copies, repeats) < _lone_row_seconds(model, ladder, {}, repeats)
     return copies if faster else {}
 
@@ -375,7 +427,7 @@ def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
     prepacked layer weights of its lone decode rows and decode attention's kernel, and prefill attention's tiles,
     each chosen at the thread counts the pool may use."""
     threads = default_threads(model)
-    model.ladder = choose_lone(model, choose_ladder(model_weights(model), threads, tiles_too=True))
+    model.ladder = choose_lone(model, choose_ladder(model_weights(model), threads, tiles_too=True), threads)
     if not backward:
         model.packed = choose_packed(model, threads)
     model.lora_ladders = {lora_rank: choose_lora_ladder(model, lora_rank, threads)}
