@@ -232,12 +232,13 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, threads: list[int], repeats:
                 dataclasses.replace(ladder, tiles=(ops.ROW_TILE,), lone=ops.ROW_TILE, chain=0))
 
 
-LONE_OUTPUTS = 1 << 17
+LONE_OUTPUTS = 1 << 16
 """Outputs of each weight that ``lone_row_failure`` computes as lone rows in a narrow dtype (bf16, fp16): one row a
-call, ``LONE_OUTPUTS // N`` rows of an ``[N, K]`` weight, between ``LONE_ROWS`` and 4096. A narrow output hides an
-accumulation that differs by an ulp of fp32 unless it lies next to a rounding boundary: measured on an AVX-512 EPYC
-with avx512_bf16, a one-row bf16 product (the library's matrix-vector kernel) rounded 3-10 of 131072-524288 outputs
-of the tiny Qwen3-MoE's weights otherwise than their tile, none of them in the first rows a smaller trial runs."""
+call, ``LONE_OUTPUTS // N`` rows of an ``[N, K]`` weight, between ``LONE_ROWS`` and 2048 (and as many again in the
+self-check, on other rows). A narrow output hides an accumulation that differs by an ulp of fp32 unless it lies next
+to a rounding boundary: measured on an AVX-512 EPYC with avx512_bf16, a one-row bf16 product (the library's
+matrix-vector kernel) rounded 3-10 of 131072-524288 outputs of the tiny Qwen3-MoE's weights otherwise than their
+tile, none of them in the first rows a smaller trial runs."""
 
 LONE_ROWS = 8
 """Lone rows of each weight ``lone_row_failure`` runs in fp32 or wider, where an output shows every difference."""
@@ -245,35 +246,35 @@ LONE_ROWS = 8
 
 def trial_rows(outputs: int, dtype: torch.dtype) -> int:
     """Rows a trial computes of a weight with ``outputs`` outputs a row: ``LONE_ROWS`` in fp32 or wider, enough for
-    ``LONE_OUTPUTS`` outputs (at most 4096 rows) in a narrow dtype."""
+    ``LONE_OUTPUTS`` outputs (at most 2048 rows) in a narrow dtype."""
     if dtype.itemsize >= 4:
         return LONE_ROWS
-    return min(4096, max(LONE_ROWS, LONE_OUTPUTS // outputs))
+    return min(2048, max(LONE_ROWS, LONE_OUTPUTS // outputs))
 
 
 def lone_row_failure(model: Decoder, ladder: ops.Ladder, threads: list[int],
-                     packed: dict[str, torch.Tensor] | None = None) -> str | None:
+                     packed: dict[str, torch.Tensor] | None = None, seed: int = 0) -> str | None:
     """Where one row alone in its ``ops.linear`` call over ``ladder`` (a decode step of one sequence; through
     ``packed``'s prepacked copy where it has one) differs from the same rows' reference products, for every distinct
-    layer weight shape and the LM head at every thread count, or None where none does. ``trial_rows`` rows a
-    weight, each in its own call; only on the CPU, where a ladder runs lone rows its own way."""
+    layer weight shape and the LM head at every thread count, or None where none does. ``trial_rows`` rows of
+    ``seed`` a weight, each in its own call; only on the CPU, where a ladder runs lone rows its own way."""
     if model.device.type != "cpu":
         return None
     packed = packed or {}
     names = {tuple(model.w[n].shape): n for n in layer_weight_names(model.cfg)}.values()
     weights = [(n.removesuffix(".weight").rpartition(".")[2], model.w[n], packed.get(n)) for n in names]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for label, w, copy in [*weights, ("lm_head", model.lm_head, None)]:
             rows = torch.randn(trial_rows(w.shape[0], w.dtype), w.shape[1], generator=gen).to(w.dtype)
             for n in threads:
                 with at_threads(n):
-                    ref = ops.linear(rows, w, invariant=True)
-                    for i in range(rows.shape[0]):
-                        if differing(ops.linear(rows[i:i + 1], w, invariant=True, ladder=ladder, packed=copy),
-                                     ref[i:i + 1]):
-                            return (f"linear {label} {w.shape[1]}->{w.shape[0]}: lone row {i} of {rows.shape[0]} "
-                                    f"differs from its reference tile @{n} threads")
+                    lone = torch.cat([ops.linear(rows[i:i + 1], w, invariant=True, ladder=ladder, packed=copy)
+                                      for i in range(rows.shape[0])])
+                    bad = differing(lone, ops.linear(rows, w, invariant=True))
+                if bad:
+                    return (f"linear {label} {w.shape[1]}->{w.shape[0]}: lone row {bad[0]} of {rows.shape[0]} "
+                            f"differs from its reference tile @{n} threads")
     return None
 
 
