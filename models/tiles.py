@@ -233,12 +233,12 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, threads: list[int], repeats:
 
 
 LONE_OUTPUTS = 1 << 16
-"""Outputs of each weight that ``lone_row_failure`` computes as lone rows in a narrow dtype (bf16, fp16): one row a
-call, ``LONE_OUTPUTS // N`` rows of an ``[N, K]`` weight, between ``LONE_ROWS`` and 2048 (and as many again in the
-self-check, on other rows). A narrow output hides an accumulation that differs by an ulp of fp32 unless it lies next
-to a rounding boundary: measured on an AVX-512 EPYC with avx512_bf16, a one-row bf16 product (the library's
-matrix-vector kernel) rounded 3-10 of 131072-524288 outputs of the tiny Qwen3-MoE's weights otherwise than their
-tile, none of them in the first rows a smaller trial runs."""
+"""Outputs of each weight a trial computes in a narrow dtype (bf16, fp16; ``trial_rows``): ``LONE_OUTPUTS // N`` rows
+of an ``[N, K]`` weight, between ``LONE_ROWS`` and 2048, in ``_RowTrial``'s pools and as lone rows, one a call, in
+``lone_row_failure`` (and as many again in the self-check, on other rows). A narrow output hides an accumulation
+that differs by an ulp of fp32 unless it lies next to a rounding boundary: measured on an AVX-512 EPYC with
+avx512_bf16, a one-row bf16 product (the library's matrix-vector kernel) rounded 3-10 of 131072-524288 outputs of
+the tiny Qwen3-MoE's weights otherwise than their tile, none of them in the first rows a smaller trial runs."""
 
 LONE_ROWS = 8
 """Lone rows of each weight ``lone_row_failure`` runs in fp32 or wider, where an output shows every difference."""
