@@ -9,7 +9,7 @@ is made without running sdk/__init__.py (the gRPC client SDK); where the generat
 (``lathe.v1``) does not import (not generated, or another protobuf), a stub stands in that raises
 ImportError on use: no section needs it, and the tests that do skip.
 
-Sections (``bench/gpu_sections.py``), each in its own child process with its own time limit, so a crash,
+Sections (named in ``bench/gpu_sections.py``), each in its own child process with its own time limit, so a crash,
 a hung kernel or a timeout loses that section only (what it recorded before stays):
     env        g. versions, GPU, CPU model and flags
     tests      a. the ``gpu``-marked tests (tests/test_gpu_pools.py, tests/test_cuda_graphs.py)
@@ -117,15 +117,16 @@ def install_packages(*, stub_protos: bool) -> str:
 
 def run_section(args: argparse.Namespace) -> None:
     protos = install_packages(stub_protos=args.stub_protos)
-    import gpu_sections as gs
+    import gpu_context
     import torch  # after the environment is set up by the parent
+    from gpu_sections import SECTIONS
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     scratch = args.out / ".scratch"
-    ctx = gs.Context(scratch / f"{args.child}.json", scratch, device, args.dtype, gs.SMOKE if args.smoke else gs.FULL,
-                     protos)
+    ctx = gpu_context.Context(scratch / f"{args.child}.json", scratch, device, args.dtype,
+                              gpu_context.SMOKE if args.smoke else gpu_context.FULL, protos)
     try:
-        gs.SECTIONS[args.child](ctx)
+        SECTIONS[args.child](ctx)
         if ctx.data["status"] == "running":
             ctx.data["status"] = "ok"
         ctx.write()
