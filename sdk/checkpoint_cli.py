@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lathe.checkpoints.client import CheckpointsClient
-from lathe.checkpoints.service import CheckpointInfo
+from lathe.checkpoints.layout import CheckpointInfo
 
 
 def _client(args: argparse.Namespace) -> CheckpointsClient:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from lathe.checkpoints.layout import CheckpointInfo, tenant_segment
 from lathe.checkpoints.paths import CheckpointPath
-from lathe.checkpoints.service import CheckpointInfo, CheckpointService, tenant_segment
+from lathe.checkpoints.service import CheckpointService
 from lathe.checkpoints.store import LocalDirStore, ObjectStore, open_store
 from lathe.errors import AlreadyExists, Internal, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 

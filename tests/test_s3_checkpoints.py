@@ -17,9 +17,10 @@ import pytest
 import urllib3
 
 from lathe.checkpoints.client import CheckpointsClient
+from lathe.checkpoints.layout import tenant_segment
 from lathe.checkpoints.s3 import S3Config, S3Store
 from lathe.checkpoints.seaweed import LocalS3
-from lathe.checkpoints.service import CheckpointService, tenant_segment
+from lathe.checkpoints.service import CheckpointService
 from lathe.errors import (
     Internal,
     InvalidArgument,

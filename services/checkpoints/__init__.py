@@ -11,8 +11,9 @@ Out: checkpoint files, each verified against the sha256 its manifest recorded, a
 
 Owns: the object store (``store.py``: the ``ObjectStore`` Protocol, ``LocalDirStore``, backends by
 URL scheme) and everything in it: manifests (the commit point of each save; owner tenant, files
-with sizes and sha256, TTL), the immutable file generations they name, TTL expiry and the sweep of
-expired and orphaned files (``service.py``: ``CheckpointService``, the plain-Python core).
+with sizes and sha256, TTL), the immutable file generations they name (their keys and format: ``layout.py``),
+TTL expiry and the sweep of expired and orphaned files (``sweep.py``), all through ``CheckpointService``
+(``service.py``, the plain-Python core).
 
 Never touches: torch or tensors (files are opaque bytes; the trainer and the sampler encode and
 decode them), sessions, runs, API keys or quotas (the gateway's), nor any other room's state. It

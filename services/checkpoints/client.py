@@ -45,8 +45,8 @@ from lathe.runtime.internal_auth import internal_channel
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
+from .layout import CheckpointInfo, CheckpointList
 from .paths import CheckpointPath
-from .service import CheckpointInfo, CheckpointList
 from .store import CHUNK_BYTES
 
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Owns: the S3 connection (endpoint, credentials, timeouts, retries) and the translation of S3's
 answers into the store contract and Lathe's error model. Knows nothing of checkpoints: the key
-layout, hashes and the commit protocol are ``service.py``'s.
+layout and hashes are ``layout.py``'s, the commit protocol ``service.py``'s.
 
 Configuration never comes from argv (a secret there is visible to every user of the machine):
 ``S3Config.from_env`` reads ``LATHE_S3_ENDPOINT`` (``http://host:port`` or ``https://host``),

@@ -27,8 +27,9 @@ from lathe.runtime.probes import Probes
 from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 
+from .layout import CheckpointInfo
 from .metrics import CheckpointMetrics, store_kind
-from .service import CheckpointInfo, CheckpointService
+from .service import CheckpointService
 from .store import open_store
 
 log = logging.getLogger("lathe.checkpoints")

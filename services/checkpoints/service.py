@@ -1,14 +1,7 @@
 """The checkpoints core: put / get / stat / list / delete / sweep over an ``ObjectStore``. No gRPC here.
 
-Layout in the store (one checkpoint = one manifest + one generation of files), per tenant and run::
-
-    manifests/<tenant>/<run_id>/<kind>/<name>.json            the commit point: owner, times, metadata, files
-    blobs/<tenant>/<run_id>/<kind>/<name>/<generation>/<file>  the files of one save, never rewritten
-    runs/<run_id>.owner                                        the run's tenant segment, written by its first save
-
-where ``<tenant>`` is ``t-`` and 32 hex digits of the tenant name's sha256 (any tenant name is a safe
-key segment, and a tenant's objects share one prefix). A save streams every file, hashing it on the
-way, under a fresh ``generation`` (``<unix ms>-<random hex>``), then writes the manifest that names
+The store's key layout and the manifest format are ``layout.py``'s, the sweep's rule ``sweep.py``'s. A save
+streams every file, hashing it on the way, under a fresh generation, then writes the manifest that names
 it. The manifest write is atomic, so readers, which always start from the manifest, see the previous
 checkpoint or the new one, never a half-written one; a crash or store outage before it leaves only
 unreferenced files, which ``sweep_expired`` removes once they are older than ``staging_grace_s``. An
@@ -33,17 +26,14 @@ of the tenant's listed checkpoints that are still live count against it, so a de
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from lathe.errors import (
     AlreadyExists,
-    Internal,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -52,98 +42,33 @@ from lathe.errors import (
 )
 from lathe.types import MAX_TTL_S
 
+from .encryption import age_encrypter
+from .layout import (
+    CheckpointInfo,
+    CheckpointList,
+    FileEntry,
+    Manifest,
+    Replaced,
+    Tally,
+    blob_prefix,
+    delete_files,
+    manifest_key,
+    new_generation,
+    owner_key,
+    read_manifest,
+    scan_manifests,
+    stream_file,
+    stream_files,
+    tenant_segment,
+)
 from .paths import LISTED_KINDS, CheckpointPath, check_part
 from .store import ObjectStore, PresigningStore
+from .sweep import Sweep, sweep
 
-MANIFEST_FORMAT = 1
 READ_ATTEMPTS = 3  # whole-checkpoint reads that a concurrent overwrite may restart
 QUOTA_LOCKS = 64  # stripes of the per-tenant lock around a quota check and its commit
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what an external_weights export holds
 MAX_URL_S = 7 * 24 * 3600  # S3's longest presigned URL
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    """What a caller learns about a checkpoint (the fields of ``lathe.v1.CheckpointInfo``)."""
-
-    path: str
-    tenant: str
-    run_id: str
-    kind: str
-    name: str
-    size_bytes: int
-    created_at: float
-    expires_at: float  # 0.0 = never
-    metadata_json: str
-    public: bool = False  # published by its owner (a flag Tinker's listing shows; it grants no one access)
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointList:
-    checkpoints: list[CheckpointInfo]  # one page, oldest first
-    total_count: int  # before limit / offset
-
-
-@dataclass(frozen=True, slots=True)
-class Sweep:
-    """What one ``sweep_expired`` removed."""
-
-    expired: int  # checkpoints past their TTL
-    orphan_files: int  # files of saves that never committed (crashed) or were replaced
-
-
-@dataclass(frozen=True, slots=True)
-class _File:
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Manifest:
-    info: CheckpointInfo
-    generation: str
-    files: dict[str, _File]
-
-    @property
-    def path(self) -> CheckpointPath:
-        return CheckpointPath(self.info.run_id, self.info.kind, self.info.name)
-
-    def blob_prefix(self) -> str:
-        return _blob_prefix(self.info.tenant, self.path, self.generation)
-
-    def to_json(self) -> bytes:
-        doc = {"format": MANIFEST_FORMAT, "generation": self.generation, **asdict(self.info),
-               "files": {n: asdict(f) for n, f in self.files.items()}}
-        return json.dumps(doc, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, key: str, raw: bytes) -> _Manifest:
-        try:
-            doc = json.loads(raw)
-            if doc.pop("format") != MANIFEST_FORMAT:
-                raise ValueError("unknown manifest format")
-            files = {n: _File(**f) for n, f in doc.pop("files").items()}
-            generation = doc.pop("generation")
-            return cls(CheckpointInfo(**doc), generation, files)
-        except (ValueError, KeyError, TypeError) as e:
-            raise Internal(f"checkpoint manifest {key!r} is unreadable: {e}") from None
-
-
-def tenant_segment(tenant: str) -> str:
-    """The key segment of ``tenant``'s objects."""
-    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:32]
-
-
-def _manifest_key(tenant: str, p: CheckpointPath) -> str:
-    return f"manifests/{tenant_segment(tenant)}/{p.run_id}/{p.kind}/{p.name}.json"
-
-
-def _blob_prefix(tenant: str, p: CheckpointPath, generation: str) -> str:
-    return f"blobs/{tenant_segment(tenant)}/{p.run_id}/{p.kind}/{p.name}/{generation}/"
-
-
-def _owner_key(run_id: str) -> str:
-    return f"runs/{run_id}.owner"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,48 +78,6 @@ class StoredFile:
     size: int
     sha256: str
     url: str
-
-
-class _Replaced(Unavailable):
-    """A checkpoint was replaced or deleted while it was being read (reading it again may succeed)."""
-
-
-class _Tally:
-    """Size and sha256 of the chunks that pass through ``feed``."""
-
-    __slots__ = ("sha", "size")
-
-    def __init__(self) -> None:
-        self.sha, self.size = hashlib.sha256(), 0
-
-    def feed(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
-        for chunk in chunks:
-            self.sha.update(chunk)
-            self.size += len(chunk)
-            yield chunk
-
-    def file(self) -> _File:
-        return _File(self.size, self.sha.hexdigest())
-
-
-def _generation_time(generation: str) -> float | None:
-    """When the save that made ``generation`` started (unix seconds); None if it is not one of ours."""
-    ms, _, _ = generation.partition("-")
-    return int(ms) / 1000 if ms.isdigit() else None
-
-
-def _age_encrypter(recipients: Sequence[str]) -> Callable[[bytes], bytes]:
-    """Encrypt to every one of ``recipients`` (age "age1..." keys or SSH public keys) with ``pyrage``."""
-    import pyrage
-
-    parsed = []
-    for i, r in enumerate(recipients):
-        kind = pyrage.ssh if r.startswith(("ssh-", "ecdsa-")) else pyrage.x25519
-        try:
-            parsed.append(kind.Recipient.from_str(r))
-        except pyrage.RecipientError as e:
-            raise InvalidArgument(f"age_recipients[{i}] = {r[:24]!r}... is not an age or SSH public key: {e}") from None
-    return lambda data: pyrage.encrypt(data, parsed)
 
 
 def _check_tenant(tenant: str) -> None:
@@ -265,16 +148,16 @@ class CheckpointService:
 
         started = self.clock()
         self._check_writable(tenant, path, overwrite)  # fail fast, before uploading anything
-        generation = f"{int(started * 1000):013d}-{secrets.token_hex(4)}"
-        prefix = _blob_prefix(tenant, path, generation)
-        entries: dict[str, _File] = {}
+        generation = new_generation(started)
+        prefix = blob_prefix(tenant, path, generation)
+        entries: dict[str, FileEntry] = {}
         try:
             for file_name, chunks in files:
                 check_part("file name", file_name)
                 if file_name in entries:
                     raise InvalidArgument(f"file name {file_name!r} appears twice in checkpoint {path}")
-                tally = _Tally()
-                entries[file_name] = _File(-1, "")  # claimed: removed on failure even if half-written
+                tally = Tally()
+                entries[file_name] = FileEntry(-1, "")  # claimed: removed on failure even if half-written
                 self.store.put_stream(prefix + file_name, tally.feed(chunks))
                 entries[file_name] = tally.file()
         except BaseException:
@@ -304,21 +187,21 @@ class CheckpointService:
         """Refuse a save of ``size`` bytes to ``path`` that would take ``tenant`` over ``limit`` bytes of listed,
         live checkpoints. Reads every manifest of the tenant: a save with a quota costs that many small reads."""
         now = self.clock()
-        used = sum(m.info.size_bytes for m in self._manifests(tenant, "")
-                   if m.info.kind in LISTED_KINDS and self._live(m, now) and m.path != path)
+        used = sum(m.info.size_bytes for m in scan_manifests(self.store, tenant, "")
+                   if m.info.kind in LISTED_KINDS and m.live(now) and m.path != path)
         if used + size > limit:
             raise ResourceExhausted(f"quota max_checkpoint_bytes: tenant has {used} bytes in live checkpoints and "
                                     f"saving {path} would add {size}, the limit is {limit}; delete checkpoints to "
                                     "make room")
 
-    def _commit_manifest(self, tenant: str, path: CheckpointPath, generation: str, entries: dict[str, _File],
+    def _commit_manifest(self, tenant: str, path: CheckpointPath, generation: str, entries: dict[str, FileEntry],
                          started: float, metadata_json: str, ttl_seconds: int, overwrite: bool) -> CheckpointInfo:
         """Write the manifest naming ``generation`` (the commit point), then collect the one it replaced."""
         run_id, kind, name = path.run_id, path.kind, path.name
         with self._commit:
             old = self._check_writable(tenant, path, overwrite)
             if self._run_owner(run_id) is None:  # the run's first save claims it
-                self.store.put(_owner_key(run_id), tenant_segment(tenant).encode())
+                self.store.put(owner_key(run_id), tenant_segment(tenant).encode())
                 self._owners[run_id] = tenant_segment(tenant)
             now = self.clock()
             if now - started > self.staging_grace_s:
@@ -328,9 +211,9 @@ class CheckpointService:
                                   size_bytes=sum(f.size for f in entries.values()), created_at=now,
                                   expires_at=now + ttl_seconds if ttl_seconds else 0.0,
                                   metadata_json=metadata_json)
-            self.store.put(_manifest_key(tenant, path), _Manifest(info, generation, entries).to_json())
+            self.store.put(manifest_key(tenant, path), Manifest(info, generation, entries).to_json())
         if old is not None:
-            self._delete_files(old)
+            delete_files(self.store, old)
         return info
 
     def get(self, tenant: str, path: str) -> tuple[CheckpointInfo, dict[str, bytes]]:
@@ -342,7 +225,7 @@ class CheckpointService:
             try:
                 for file_name, chunk in chunks:
                     buffers[file_name] += chunk
-            except _Replaced:
+            except Replaced:
                 if attempt == READ_ATTEMPTS - 1:
                     raise
                 continue
@@ -357,7 +240,7 @@ class CheckpointService:
         naming its key, so a consumer must not use a file before the iterator has moved past it.
         """
         m = self._visible(tenant, self._parse(tenant, path))
-        return m.info, {n: f.size for n, f in sorted(m.files.items())}, self._stream_files(m)
+        return m.info, {n: f.size for n, f in sorted(m.files.items())}, stream_files(self.store, m)
 
     def stat(self, tenant: str, path: str) -> CheckpointInfo:
         return self._visible(tenant, self._parse(tenant, path)).info
@@ -366,8 +249,8 @@ class CheckpointService:
         p = self._parse(tenant, path)
         with self._commit:
             m = self._visible(tenant, p)
-            self.store.delete(_manifest_key(tenant, p))
-        self._delete_files(m)
+            self.store.delete(manifest_key(tenant, p))
+        delete_files(self.store, m)
 
     def set_ttl(self, tenant: str, path: str, ttl_seconds: int) -> CheckpointInfo:
         """Make the checkpoint expire ``ttl_seconds`` from now (0: never)."""
@@ -385,7 +268,7 @@ class CheckpointService:
         with self._commit:
             m = self._visible(tenant, p)
             info = replace(m.info, **changes)
-            self.store.put(_manifest_key(tenant, p), _Manifest(info, m.generation, m.files).to_json())
+            self.store.put(manifest_key(tenant, p), Manifest(info, m.generation, m.files).to_json())
         return info
 
     def locate(self, tenant: str, path: str, expires_in_s: int) -> tuple[CheckpointInfo, dict[str, StoredFile], float]:
@@ -416,11 +299,11 @@ class CheckpointService:
         missing = [n for n in PEFT_FILES if n not in src.files]
         if missing:
             raise InvalidArgument(f"checkpoint {source_path} has no {', '.join(missing)} to export")
-        encrypt = _age_encrypter(age_recipients) if age_recipients else None
+        encrypt = age_encrypter(age_recipients) if age_recipients else None
 
         def files() -> Iterator[tuple[str, Iterable[bytes]]]:
             for n in PEFT_FILES:
-                chunks = self._stream_file(src, n, src.files[n])
+                chunks = stream_file(self.store, src, n, src.files[n])
                 yield (n, chunks) if encrypt is None else (f"{n}.age", (encrypt(b"".join(chunks)),))
 
         meta = {**json.loads(src.info.metadata_json or "{}"), "exported_from": src.info.path}
@@ -435,39 +318,16 @@ class CheckpointService:
             check_part("run_id", run_id, run_id=True)
         if limit < 0 or offset < 0:
             raise InvalidArgument(f"limit and offset must be >= 0, got limit={limit} offset={offset}")
-        manifests = list(self._manifests(tenant, run_id))
+        manifests = list(scan_manifests(self.store, tenant, run_id))
         now = self.clock()
         mine = sorted((m.info for m in manifests
-                       if m.info.tenant == tenant and m.info.kind in LISTED_KINDS and self._live(m, now)),
+                       if m.info.tenant == tenant and m.info.kind in LISTED_KINDS and m.live(now)),
                       key=lambda i: (i.created_at, i.path))
         return CheckpointList(mine[offset:offset + limit] if limit else mine[offset:], len(mine))
 
     def sweep_expired(self) -> Sweep:
-        """Delete expired checkpoints, then files that no manifest names and older than the grace."""
-        now = self.clock()
-        expired = 0
-        referenced: set[str] = set()  # blob prefixes of the generations that live manifests name
-        for m in self._manifests("", ""):
-            if self._live(m, now):
-                referenced.add(m.blob_prefix())
-                continue
-            with self._commit:
-                latest = self._read_manifest(m.info.tenant, m.path)
-                if latest is not None and latest.generation != m.generation:  # replaced since listed
-                    referenced.add(latest.blob_prefix())
-                    continue
-                self.store.delete(_manifest_key(m.info.tenant, m.path))
-            self._delete_files(m)
-            expired += 1
-        orphans = 0
-        for key in self.store.keys("blobs/"):
-            prefix, _, _ = key.rpartition("/")
-            born = _generation_time(prefix.rpartition("/")[2])
-            # a save commits within the grace of its start, so one older than it at `now` never will
-            if prefix + "/" not in referenced and born is not None and born + self.staging_grace_s < now:
-                self.store.delete(key)
-                orphans += 1
-        return Sweep(expired, orphans)
+        """Delete expired checkpoints, then files that no manifest names and older than the grace (``sweep.py``)."""
+        return sweep(self.store, self._commit, self.clock(), self.staging_grace_s)
 
     # ---- helpers ----
 
@@ -475,45 +335,23 @@ class CheckpointService:
         _check_tenant(tenant)
         return CheckpointPath.parse(path)
 
-    def _live(self, m: _Manifest, now: float) -> bool:
-        return not m.info.expires_at or now < m.info.expires_at
-
-    def _read_manifest(self, tenant: str, p: CheckpointPath) -> _Manifest | None:
-        key = _manifest_key(tenant, p)
-        try:
-            m = _Manifest.from_json(key, self.store.get(key))
-        except KeyError:
-            return None
-        return m if m.info.tenant == tenant else None
-
-    def _manifests(self, tenant: str, run_id: str) -> Iterator[_Manifest]:
-        """Every manifest (live or expired) of ``tenant`` (all tenants when empty) in one run (all when empty)."""
-        prefix = "manifests/" + (f"{tenant_segment(tenant)}/" if tenant else "") + (f"{run_id}/" if run_id else "")
-        for key in self.store.keys(prefix):
-            try:
-                m = _Manifest.from_json(key, self.store.get(key))
-            except KeyError:  # deleted since it was listed
-                continue
-            if not tenant or m.info.tenant == tenant:
-                yield m
-
-    def _visible(self, tenant: str, p: CheckpointPath) -> _Manifest:
+    def _visible(self, tenant: str, p: CheckpointPath) -> Manifest:
         """The live manifest at ``p`` if ``tenant`` owns it; ``NotFound`` otherwise, the same for a missing
         checkpoint and for another tenant's (only its owner learns that it expired)."""
-        m = self._read_manifest(tenant, p)
+        m = read_manifest(self.store, tenant, p)
         if m is None:
             raise NotFound(f"checkpoint {p} not found")
-        if not self._live(m, self.clock()):
+        if not m.live(self.clock()):
             raise NotFound(f"checkpoint {p} expired at unix time {m.info.expires_at:.0f}")
         return m
 
-    def _check_writable(self, tenant: str, p: CheckpointPath, overwrite: bool) -> _Manifest | None:
+    def _check_writable(self, tenant: str, p: CheckpointPath, overwrite: bool) -> Manifest | None:
         """The manifest a save to ``p`` would replace (None if none), after the ownership and overwrite rules."""
         owner = self._run_owner(p.run_id)  # a run holds the checkpoints of one tenant only
         if owner is not None and owner != tenant_segment(tenant):
             raise PermissionDenied(f"run {p.run_id!r} belongs to another tenant; cannot save {p}")
-        old = self._read_manifest(tenant, p)
-        if old is not None and self._live(old, self.clock()) and not overwrite:
+        old = read_manifest(self.store, tenant, p)
+        if old is not None and old.live(self.clock()) and not overwrite:
             raise AlreadyExists(f"checkpoint {p} already exists; save with overwrite=true to replace it")
         return old
 
@@ -521,35 +359,7 @@ class CheckpointService:
         """The tenant segment that owns ``run_id`` (None: no save has claimed it yet)."""
         if run_id not in self._owners:
             try:
-                self._owners[run_id] = self.store.get(_owner_key(run_id)).decode()
+                self._owners[run_id] = self.store.get(owner_key(run_id)).decode()
             except KeyError:
                 return None
         return self._owners[run_id]
-
-    def _stream_files(self, m: _Manifest) -> Iterator[tuple[str, bytes]]:
-        for name, want in sorted(m.files.items()):
-            for chunk in self._stream_file(m, name, want):
-                yield name, chunk
-
-    def _stream_file(self, m: _Manifest, name: str, want: _File) -> Iterator[bytes]:
-        """The chunks of file ``name`` of ``m``, checked against ``want`` after the last one."""
-        key = m.blob_prefix() + name
-        tally = _Tally()
-        try:
-            yield from tally.feed(self.store.get_stream(key))
-        except KeyError:
-            latest = self._read_manifest(m.info.tenant, m.path)
-            if latest is None or latest.generation != m.generation:
-                raise _Replaced(f"checkpoint {m.info.path} was replaced or deleted while it was read; "
-                                "read it again") from None
-            raise Internal(f"checkpoint {m.info.path}: stored object {key!r} is missing") from None
-        got = tally.file()
-        if got != want:
-            raise Internal(f"checkpoint {m.info.path}: object {key!r} (file {name!r}) is corrupt ({got.size} "
-                           f"bytes, sha256 {got.sha256[:12]}..., the manifest says {want.size} bytes, "
-                           f"{want.sha256[:12]}...)")
-
-    def _delete_files(self, m: _Manifest) -> None:
-        prefix = m.blob_prefix()
-        for name in m.files:
-            self.store.delete(prefix + name)
