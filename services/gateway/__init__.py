@@ -1,9 +1,10 @@
 """lathe.gateway: the only public endpoint. Two front doors over one core, no torch.
 
 In: Lathe's SDK over gRPC (``server.py``, ``lathe.v1.Gateway``) and the official ``tinker`` SDK over HTTP
-under ``/api/v1`` (``tinker_http.py``, served by uvicorn in the same event loop: ``http_server.py``), both
-authenticated by ``auth.ApiKeys`` (API key -> tenant). Each door only translates: its requests become calls
-on the parts ``core.GatewayCore`` builds, and core errors (``lathe.errors``) become its status codes.
+under ``/api/v1`` (``tinker_http.py`` and its route groups ``tinker_*.py``, served by uvicorn in the same event
+loop: ``http_server.py``), both authenticated by ``auth.ApiKeys`` (API key -> tenant). Each door only translates:
+its requests become calls on the parts ``core.GatewayCore`` builds, and core errors (``lathe.errors``) become its
+status codes.
 
 State, each with one owner (``ledger.py``: requests and results; ``sessions.py``: sessions and sampling
 sessions; ``runs.py``: training runs), written through to the control-plane database of ``store.py`` (SQLite

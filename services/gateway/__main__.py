@@ -42,11 +42,12 @@ from .http_server import HttpServer
 from .limits import DecodeGate
 from .metrics import GatewayMetrics
 from .openai_http import PREFIX as OPENAI_PREFIX
-from .openai_http import OpenAiDoor
+from .openai_http import OpenAiApi
 from .quotas import QuotaConfig, Quotas
 from .server import GateDecodes, GatewayServicer, RequireApiKey
 from .store import ControlStore
-from .tinker_http import PREFIX, TinkerHttpDoor
+from .tinker_http import TinkerHttpApi
+from .tinker_io import PREFIX
 from .tls import TlsFiles
 
 log = logging.getLogger("lathe.gateway")
@@ -82,18 +83,18 @@ async def serve(cfg: GatewayConfig, args: argparse.Namespace) -> None:
         log.info("resumed %d operations pending in %r", resumed, store.engine.url)
     if args.metrics_port >= 0:
         serve_metrics("lathe.gateway", probes.registry, args.host, args.metrics_port)
-    http, door, files_url = None, None, ""
+    http, tinker, files_url = None, None, ""
     gate = DecodeGate(http_limits.max_concurrent_decodes)  # both doors' large requests, decoded a few at a time
     if cfg.http_port >= 0:
-        door = TinkerHttpDoor(core, keys, http_limits=http_limits, public_url=cfg.http_public_url, gate=gate)
-        openai = OpenAiDoor(core, keys, door.fields)
-        console = Console(core, keys, door.downloads.signer)
-        app = Starlette(routes=[Mount(OPENAI_PREFIX, app=openai.app()), *console.routes(), Mount("", app=door.app())])
+        tinker = TinkerHttpApi(core, keys, http_limits=http_limits, public_url=cfg.http_public_url, gate=gate)
+        openai = OpenAiApi(core, keys, tinker.bodies.fields)
+        console = Console(core, keys, tinker.downloads.signer)
+        app = Starlette(routes=[Mount(OPENAI_PREFIX, app=openai.app()), *console.routes(), Mount("", app=tinker.app())])
         http = await HttpServer.start(app, args.host, cfg.http_port, tls)
         print(f"lathe.gateway http{READY_MARK}{args.host}:{http.port}", flush=True)
         root = cfg.http_public_url.rstrip("/") or f"{'https' if tls else 'http'}://{args.host}:{http.port}"
         files_url = root + PREFIX
-    servicer = GatewayServicer(core, keys, door.downloads if door is not None else None, files_url,
+    servicer = GatewayServicer(core, keys, tinker.downloads if tinker is not None else None, files_url,
                                files_url.removesuffix(PREFIX))
 
     async def stop() -> None:

@@ -82,7 +82,7 @@ class Choice:
     finish_reason: str
 
 
-class OpenAiDoor:
+class OpenAiApi:
     """The ``/v1`` routes over one core; ``app()`` is their ASGI application. ``read_fields`` reads a request's JSON
     body under the gateway's limits (the Tinker door's reader)."""
 
