@@ -13,7 +13,7 @@ from typing import Literal
 import pytest
 
 from lathe.gateway.config import DB_ENV, GatewayConfig
-from lathe.gateway.limits import DoorLimits, HttpLimits
+from lathe.gateway.limits import HttpLimits, RequestLimits
 from lathe.gateway.store import StoreConfig
 from lathe.runtime.options import add_options, field_docs, options
 from lathe.sampler.config import SamplerConfig
@@ -87,7 +87,7 @@ def test_a_field_of_an_unflaggable_type_must_say_so() -> None:
         add_options(argparse.ArgumentParser(), Bad)
 
 
-@pytest.mark.parametrize("config", [TrainerConfig, SamplerConfig, DoorLimits, HttpLimits, GatewayConfig])
+@pytest.mark.parametrize("config", [TrainerConfig, SamplerConfig, RequestLimits, HttpLimits, GatewayConfig])
 def test_the_services_configs_document_every_field_and_flag_all_but_the_chosen(config: type) -> None:
     docs, ap = field_docs(config), argparse.ArgumentParser()
     add_options(ap, config)

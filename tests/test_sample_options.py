@@ -38,7 +38,7 @@ from test_sampler import (
 import lathe
 from lathe.errors import InvalidArgument
 from lathe.gateway.json_fields import Fields
-from lathe.gateway.limits import DoorLimits
+from lathe.gateway.limits import RequestLimits
 from lathe.gateway.tinker_json import sample_request
 from lathe.kernels import ops
 from lathe.models.decoder import Decoder, Packed
@@ -278,7 +278,7 @@ def _ids_tensor(ids: np.ndarray) -> pb.Tensor:
 
 
 def test_the_door_bounds_every_width_like_topk() -> None:
-    limits = DoorLimits()
+    limits = RequestLimits()
     width = limits.max_topk_prompt_logprobs
     for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         limits.check_sample(pb.SampleRequest(num_samples=1, **{name: width}))
@@ -292,7 +292,7 @@ def test_the_door_bounds_every_width_like_topk() -> None:
     with pytest.raises(InvalidArgument, match=f"names {width + 1} distinct token ids, over the limit of {width}"):
         limits.check_sample(pb.SampleRequest(num_samples=1, target_prompt_logprobs=_ids_tensor(ids)))
     with pytest.raises(InvalidArgument, match="target_prompt_logprobs has 12 cells, over the limit of 10"):
-        DoorLimits(max_tensor_elements=10).check_sample(
+        RequestLimits(max_tensor_elements=10).check_sample(
             pb.SampleRequest(num_samples=1, target_prompt_logprobs=_ids_tensor(np.zeros((3, 4)))))
 
 

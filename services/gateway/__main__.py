@@ -3,7 +3,7 @@
 Both doors serve one ``GatewayCore`` in one event loop. With ``--http-port`` the HTTP door starts first and
 prints ``lathe.gateway http listening on HOST:PORT``; then the gRPC door prints the gateway's ready line
 ``lathe.gateway listening on HOST:PORT``. The ``--max-*`` flags set what one request may ask for
-(``limits.DoorLimits``; a gRPC message and an HTTP body alike are capped at ``--max-message-bytes``) and what
+(``limits.RequestLimits``; a gRPC message and an HTTP body alike are capped at ``--max-message-bytes``) and what
 decoding one HTTP body may cost (``limits.HttpLimits``).
 API keys come from ``--api-keys-file`` (``auth.ApiKeys``; without one, open mode on loopback only, said on
 stderr at start); ``--tls-cert`` and ``--tls-key`` put both doors behind TLS (``tls.TlsFiles``). The internal

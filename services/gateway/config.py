@@ -11,7 +11,7 @@ from .auth import KEYS_FILE_ENV
 from .calls import CallPolicy
 from .discovery import DiscoveryConfig
 from .futures import KEEP_DONE_BYTES
-from .limits import DoorLimits, HttpLimits
+from .limits import HttpLimits, RequestLimits
 from .sessions import SESSION_IDLE_S
 from .store import StoreConfig
 from .tls import TlsFiles
@@ -68,7 +68,7 @@ class GatewayConfig:
     """name this many tenants in the usage metrics' tenant label (0: every tenant is 'other')"""
     quotas: str = ""
     """per-tenant quotas, a JSON or .toml file (quotas.QuotaConfig)"""
-    limits: DoorLimits = field(default_factory=DoorLimits)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     """what one request may ask for on either door"""
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     """what decoding one HTTP body may cost"""

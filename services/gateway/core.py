@@ -40,7 +40,7 @@ from .calls import RECONNECT_OPTIONS, Caller, CallPolicy
 from .discovery import PoolDirectory, StaticDirectory
 from .futures import KEEP_DONE_BYTES
 from .ledger import Ledger
-from .limits import DoorLimits
+from .limits import RequestLimits
 from .lookups import Lookups
 from .metrics import GatewayMetrics
 from .quotas import Quotas
@@ -56,7 +56,7 @@ from .store import ControlStore
 
 class GatewayCore:
     def __init__(self, trainer_target: str, checkpoints_target: str, sampler_target: str,
-                 limits: DoorLimits | None = None, quotas: Quotas | None = None, store: ControlStore | None = None,
+                 limits: RequestLimits | None = None, quotas: Quotas | None = None, store: ControlStore | None = None,
                  calls: CallPolicy | None = None, pools: PoolDirectory | None = None,
                  metrics: GatewayMetrics | None = None, keep_result_bytes: int = KEEP_DONE_BYTES,
                  session_idle_s: float = SESSION_IDLE_S, clock: Callable[[], float] = time.time) -> None:
@@ -67,7 +67,7 @@ class GatewayCore:
         long a session may go unheard (no heartbeat, no request naming it) before it is finished; ``clock`` reads
         the time for that."""
         self.metrics = metrics or GatewayMetrics()
-        self.limits = limits or DoorLimits()
+        self.limits = limits or RequestLimits()
         self.quotas = quotas or Quotas()
         self.backpressure = TrainerBackpressure()
         self.store = store or ControlStore()

@@ -8,7 +8,7 @@ reported in ``get_server_capabilities``.
 
 ``HttpLimits`` bound what decoding one HTTP body may cost the gateway before any of these checks can run: how far
 a compressed body may inflate, how many tokens a body may carry before they become Python lists, and how many
-large bodies are read and decoded at once (``tinker_http``). They are the HTTP door's own, not reported.
+large bodies are read and decoded at once (``tinker_io``). They are the HTTP door's own, not reported.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ SMALL_BODY_BYTES = 1 << 20  # an uncompressed body up to this size is decoded wi
 DECODE_WAIT_S = 5.0
 
 
-def _check_positive(limits: DoorLimits | HttpLimits) -> None:
+def _check_positive(limits: RequestLimits | HttpLimits) -> None:
     for name, value in asdict(limits).items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
-class DoorLimits:
+class RequestLimits:
     """What one request may ask for on either door (each field the gateway's flag of the same name)."""
 
     max_message_bytes: int = 64 << 20

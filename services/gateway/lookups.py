@@ -17,14 +17,14 @@ from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
 
 from .calls import Caller
-from .limits import DoorLimits
+from .limits import RequestLimits
 from .routing import PoolRouter
 
 CAPABILITIES_TTL_S = 30.0
 
 
 class Lookups:
-    def __init__(self, router: PoolRouter, limits: DoorLimits, caller: Caller,
+    def __init__(self, router: PoolRouter, limits: RequestLimits, caller: Caller,
                  checkpoints: cpb_grpc.CheckpointsStub) -> None:
         self.router, self.limits, self.caller, self.checkpoints = router, limits, caller, checkpoints
         self._caps: tuple[float, int, pb.ServerCapabilities] | None = None  # (when, router generation, caps)

@@ -19,7 +19,7 @@ from lathe.v1 import lathe_pb2 as pb
 from .calls import Caller
 from .completions import Completion, queue_key
 from .ledger import Ledger
-from .limits import DoorLimits
+from .limits import RequestLimits
 from .lookups import Lookups
 from .quotas import Charge, Quotas
 from .records import Operation, SamplingSession
@@ -30,7 +30,7 @@ from .stability import StabilityRecords
 
 class Sampling:
     def __init__(self, ledger: Ledger, lookups: Lookups, book: SessionBook, caller: Caller, router: PoolRouter,
-                 limits: DoorLimits, quotas: Quotas, stability: StabilityRecords) -> None:
+                 limits: RequestLimits, quotas: Quotas, stability: StabilityRecords) -> None:
         self.ledger, self.lookups, self.book, self.caller, self.router = ledger, lookups, book, caller, router
         self.limits, self.quotas, self.stability = limits, quotas, stability
         self._direct: dict[str, int] = {}  # tenant -> its samples in flight outside the ledger (sample_now)
