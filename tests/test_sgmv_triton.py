@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lathe.kernels import sgmv_triton as st
+from lathe.kernels import sgmm_triton
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ def test_kernel_compiles_for_sm90(kernel: str, dtype: str, constexprs: dict[str,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(st._kernels(), kernel)
+    fn = getattr(sgmm_triton._kernels(), kernel)
     pointers = dict.fromkeys(["x", "w", "out", "p", "q", "g"], dtype)
     pointers |= {"scale": "fp32", "alpha": "fp32", "seg": "i64", "ids": "i64", "idx": "i64"}
     signature = {
