@@ -16,6 +16,9 @@ is lost the whole pool exits and is restarted as one (docs/distributed.md).
 
 Each stack makes a fresh shared secret and hands it to its children in their environment (never argv), so
 trainer, sampler and checkpoints answer the stack's own services only (``lathe.runtime.internal_auth``).
+
+Its settings are a ``StackConfig`` (``lathe.stack_config``); each child's process and ports are its ``Service``
+(``lathe.stack_child``). The stack owns the order, the supervision and each child's environment.
 """
 
 from __future__ import annotations
@@ -27,18 +30,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lathe.runtime.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token
-from lathe.runtime.probes import METRICS_MARK
-from lathe.runtime.serving import READY_MARK
+from lathe.stack_child import Service
+from lathe.stack_config import StackConfig
 
 if TYPE_CHECKING:
     from lathe.checkpoints.seaweed import LocalS3
 
-READY_TIMEOUT_S = 180.0
 POOLS_READY_TIMEOUT_S = 900.0  # loading and self-checking the served models (SmolLM2: ~40 s on 2 cores)
 POOLS = ("trainer", "sampler")
 POOL_MALLOC = "glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=68719476736:glibc.malloc.mmap_threshold=4294967296"
@@ -49,82 +50,6 @@ steps (8 x 256 tokens, rank 32, 2 cores), the pass on a thread as in a pool: pea
 first step ~1.4 million, 22 s of kernel time) and ~20. The chart sets the same value (``poolDefaults.malloc``)."""
 SUPERVISE_POLL_S = 0.1  # how often the supervisor looks at its children
 LOCAL_S3 = "s3-local"
-
-
-@dataclass(slots=True)
-class StackConfig:
-    host: str = "127.0.0.1"
-    gateway_port: int = 0
-    http_port: int = 0  # the gateway's Tinker HTTP door (0: any free port, -1: off)
-    models: str = "lathe/tiny-llama"
-    # checkpoints: a directory, s3://bucket[/prefix] (endpoint and keys from LATHE_S3_* in the environment), or
-    # "s3-local": a SeaweedFS in cache_root/seaweed on loopback, started and stopped with the stack
-    store_root: Path | str = Path(".cache/lathe/store")
-    cache_root: Path = Path(".cache/lathe")
-    trainer_threads: int = 0
-    sampler_threads: int = 0
-    trainer_dtype: str = "float32"  # both pools' base weights: float32, bfloat16 or auto (lathe serve's default)
-    invariant: bool = True
-    api_keys_file: Path | None = None  # KEY=TENANT lines (None: open mode, every key its own tenant)
-    quotas_file: Path | None = None  # per-tenant quotas, JSON or .toml (None: the gateway's defaults)
-    tls_cert: Path | None = None  # PEM certificate and key: both public doors serve TLS
-    tls_key: Path | None = None
-    trainer_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.trainer`
-    sampler_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.sampler` (e.g. --engine sglang ...)
-    gateway_args: tuple[str, ...] = ()  # extra flags for `python -m lathe.gateway`
-    trainer_ranks: int = 1  # processes in the trainer pool: one service, whose rank 0 starts the others
-    log_dir: Path | None = None
-    # the gateway's control-plane database (sqlite:///FILE, postgresql+psycopg://...); "": a SQLite file of this
-    # stack's own under cache_root/control, so a restarted gateway finds its sessions, runs and futures
-    db_url: str = ""
-    gateways: int = 1  # gateway replicas over the one control-plane database (the first on the ports above)
-    supervise: bool = True  # restart a child that exits while the stack runs
-    wait_pools: bool = True  # start() returns once trainer and sampler have loaded and self-checked their models
-    metrics: bool = False  # every child serves Prometheus /metrics on a free loopback port (Stack.metrics_urls)
-    restart_budget: int = 3  # restarts per child within restart_window_s; one more exit stops the stack
-    restart_window_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.host not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError(f"the embedded stack listens on loopback only, not {self.host!r}")
-        if self.trainer_ranks < 1:
-            raise ValueError(f"trainer_ranks = {self.trainer_ranks} must be >= 1")
-        if self.gateways < 1:
-            raise ValueError(f"gateways = {self.gateways} must be >= 1")
-        if self.restart_budget < 0 or self.restart_window_s <= 0:
-            raise ValueError(f"restart_budget = {self.restart_budget} must be >= 0 and restart_window_s = "
-                             f"{self.restart_window_s} > 0")
-
-
-def _stop_turn(name: str) -> int:
-    """When ``Stack.stop`` stops a child: the gateways first, then the pools, then the checkpoints service."""
-    return 0 if name == "gateway" else 2 if name == "checkpoints" else 1
-
-
-@dataclass(slots=True)
-class Service:
-    """One child of the stack: the flags it runs with, its current process and what that process printed.
-
-    ``ports`` maps each port flag (``--port``, the gateway's ``--http-port``, ``--metrics-port``) to its port: 0
-    (any free port) until the first process binds one, then the bound port, so that a restart serves the same
-    address.
-    """
-
-    name: str
-    args: list[str]
-    ports: dict[str, int]
-    proc: subprocess.Popen | None = None
-    lines: list[str] = field(default_factory=list)
-    addresses: dict[str, str] = field(default_factory=dict)  # port flag -> HOST:PORT from the ready lines
-    restarts: list[float] = field(default_factory=list)  # monotonic times of the supervisor's restarts
-
-    @property
-    def address(self) -> str:
-        return self.addresses.get("--port", "")
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 class Stack:
@@ -280,61 +205,16 @@ class Stack:
                 for spec in specs]
         self.services += made
         for s, ready in [(s, self._start(s)) for s in made]:
-            self._await_ready(s, ready)
+            s.await_ready(ready)
         return made
 
     def _launch(self, s: Service) -> None:
         """Start ``s``'s process and wait (bounded) for its ready line; pins the ports it bound."""
-        self._await_ready(s, self._start(s))
+        s.await_ready(self._start(s))
 
     def _start(self, s: Service) -> threading.Event:
-        """Start ``s``'s process and the thread that reads its output; the event its ready line sets."""
-        cmd = [sys.executable, "-m", f"lathe.{s.name}", "--host", self.cfg.host, *s.args]
-        for flag, port in s.ports.items():
-            cmd += [flag, str(port)]
-        env = self.service_env(s.name)
-        if self.cfg.log_dir is None:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
-        else:
-            self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.cfg.log_dir / f"{s.name}.log", "ab") as log:
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env)
-        lines: list[str] = []
-        addresses: dict[str, str] = {}
-        s.proc, s.lines, s.addresses = proc, lines, addresses
-        ready = threading.Event()
-        flags = {f"lathe.{s.name}": "--port", f"lathe.{s.name} http": "--http-port"}
-
-        def drain() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line.rstrip("\n"))
-                name, metrics_mark, url = line.partition(METRICS_MARK)
-                if metrics_mark and name == f"lathe.{s.name}":
-                    addresses["--metrics-port"] = url.strip().removeprefix("http://").removesuffix("/metrics")
-                head, mark, address = line.partition(READY_MARK)
-                if mark and head in flags and not ready.is_set():
-                    addresses[flags[head]] = address.strip()
-                    if flags[head] == "--port":
-                        ready.set()
-
-        threading.Thread(target=drain, name=f"{s.name}-stdout", daemon=True).start()
-        return ready
-
-    def _await_ready(self, s: Service, ready: threading.Event) -> None:
-        """Wait (bounded) for ``s``'s ready line; pin the ports it bound."""
-        proc, addresses = s.proc, s.addresses
-        assert proc is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.wait(0.05):
-            if proc.poll() is not None:
-                raise RuntimeError(f"lathe.{s.name} exited with code {proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise TimeoutError(f"lathe.{s.name} was not ready within {READY_TIMEOUT_S:.0f} s")
-        for flag, address in addresses.items():
-            s.ports[flag] = int(address.rpartition(":")[2])
+        """Start ``s``'s process; the event its ready line sets."""
+        return s.start(self.cfg.host, self.service_env(s.name), self.cfg.log_dir)
 
     def _supervise(self) -> None:
         """Poll the children until the stack stops; start again each one that exited, or stop the stack."""
@@ -393,7 +273,7 @@ class Stack:
             self._supervisor.join()
         with self._lock:
             for turn in range(3):  # callers before what they call; each turn's children at once
-                group = [s.proc for s in self.services if _stop_turn(s.name) == turn and s.proc is not None]
+                group = [s.proc for s in self.services if s.stop_turn == turn and s.proc is not None]
                 for proc in group:
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)

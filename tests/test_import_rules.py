@@ -31,7 +31,8 @@ SHARED = ("lathe.errors", "lathe.types", "lathe.registry_types", "lathe.wire", "
 RUNTIME = ("lathe.runtime",)
 CLIENT = ("lathe.service_client", "lathe.training_client", "lathe.sampling_client", "lathe.rest_client",
           "lathe.registry_wire", "lathe.futures", "lathe.connect", "lathe.tokenizer", "lathe.loss_trace")
-TOOLS = ("lathe.cli", "lathe.checkpoint_cli", "lathe.export", "lathe.stack")
+TOOLS = ("lathe.cli", "lathe.checkpoint_cli", "lathe.export", "lathe.stack", "lathe.stack_config",
+         "lathe.stack_child")
 POOL = ("lathe.models", "lathe.kernels")
 STORAGE = ("minio", "boto3", "sqlalchemy")
 TORCH = ("torch", "safetensors.torch", "triton", "transformers")
