@@ -156,7 +156,7 @@ def test_the_grpc_door_reads_forward_backward_and_sample_only_with_a_place_of_th
     ForwardBackward waits for it and is refused RESOURCE_EXHAUSTED without its handler running (its message was not
     read); a stranger is refused at once without taking a place; other methods pass; with the place free the
     request reaches its handler whole."""
-    class Door(pb_grpc.GatewayServicer):
+    class Recorder(pb_grpc.GatewayServicer):
         def __init__(self) -> None:
             self.seen: list[pb.ForwardBackwardRequest] = []
 
@@ -168,10 +168,10 @@ def test_the_grpc_door_reads_forward_backward_and_sample_only_with_a_place_of_th
             return pb.WhoamiResponse(user_urn="alice")
 
     async def scenario() -> None:
-        gate, door = DecodeGate(1, wait_s=0.2), Door()
+        gate, recorder = DecodeGate(1, wait_s=0.2), Recorder()
         server = grpc.aio.server(interceptors=[RequireApiKey(ApiKeys.parse("tml-alice=alice\n")), GateDecodes(gate)],
                                  options=CHANNEL_OPTIONS)
-        pb_grpc.add_GatewayServicer_to_server(door, server)
+        pb_grpc.add_GatewayServicer_to_server(recorder, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         big = pb.ForwardBackwardRequest(model_id="m", seq_id=7, data=[_datum(TOKENS, weights=pb.Tensor(
@@ -188,9 +188,9 @@ def test_the_grpc_door_reads_forward_backward_and_sample_only_with_a_place_of_th
                     await stub.ForwardBackward(big, metadata=[("x-api-key", "tml-bob")], timeout=0.1)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert (await stub.Whoami(pb.WhoamiRequest(), metadata=keyed, timeout=WAIT_S)).user_urn == "alice"
-                assert door.seen == []
+                assert recorder.seen == []
             answer = await stub.ForwardBackward(big, metadata=keyed, timeout=WAIT_S)
-            assert answer.model_id == "m" and door.seen == [big]
+            assert answer.model_id == "m" and recorder.seen == [big]
         await server.stop(None)
 
     asyncio.run(scenario())

@@ -222,7 +222,7 @@ def _forward_backward_body(draw: st.DrawFn, t: Targets) -> bytes:
     return draw(st.one_of(st.just(body), st.just(body[:draw(st.integers(0, len(body)))]), st.binary(max_size=64)))
 
 
-class HttpDoor:
+class HttpFuzzer:
     def __init__(self, stack: Stack, t: Targets) -> None:
         self.http = httpx.Client(base_url=f"{stack.http_url}/api/v1", headers={"X-API-Key": KEY},
                                  timeout=TIMEOUT_S)
@@ -240,7 +240,7 @@ class HttpDoor:
 
 def test_http_door_answers_malformed_bodies_with_client_errors(stack: Stack, targets: Targets,
                                                                bystander: tuple) -> None:
-    door = HttpDoor(stack, targets)
+    fuzzer = HttpFuzzer(stack, targets)
 
     @settings(FUZZ, max_examples=250 * SCALE)
     @given(st.data())
@@ -249,14 +249,14 @@ def test_http_door_answers_malformed_bodies_with_client_errors(stack: Stack, tar
         headers = {"content-type": "application/json"}
         if path == "/retrieve_future":
             headers["x-stainless-read-timeout"] = "16"  # an accepted id long-polls 1 s at most
-        door.check(door.http.post(path, content=body, headers=headers), f"POST {path} {body[:200]!r}")
+        fuzzer.check(fuzzer.http.post(path, content=body, headers=headers), f"POST {path} {body[:200]!r}")
 
     @settings(FUZZ, max_examples=100 * SCALE)
     @given(st.data())
     def protobuf_bodies(data: st.DataObject) -> None:
         body = data.draw(_forward_backward_body(targets))
-        r = door.http.post("/forward_backward", content=body, headers={"content-type": "application/x-protobuf"})
-        door.check(r, f"POST /forward_backward {body[:200]!r}")
+        r = fuzzer.http.post("/forward_backward", content=body, headers={"content-type": "application/x-protobuf"})
+        fuzzer.check(r, f"POST /forward_backward {body[:200]!r}")
 
     @settings(FUZZ, max_examples=50 * SCALE)
     @given(st.sampled_from(GETS), st.text(max_size=12), st.dictionaries(st.sampled_from(["limit", "offset", "x"]),
@@ -265,7 +265,7 @@ def test_http_door_answers_malformed_bodies_with_client_errors(stack: Stack, tar
     def paths_and_queries(path: str, segment: str, query: dict[str, str]) -> None:
         url = path.format(m=targets.model_id, s=targets.sampling_session_id,
                           x=urllib.parse.quote(segment, safe="") or "x")
-        door.check(door.http.get(url, params=query), f"GET {url} {query}")
+        fuzzer.check(fuzzer.http.get(url, params=query), f"GET {url} {query}")
 
     json_bodies()
     protobuf_bodies()
