@@ -12,12 +12,12 @@ This package is the client SDK. Code written for the official ``tinker`` SDK nee
         opt = tc.optim_step(tinker.AdamParams(learning_rate=1e-4))
         print(fb.result().metrics["loss:sum"], opt.result().receipt)
 
-Rooms: ``types`` (the values, as Tinker names them), ``wire`` (types <-> ``lathe.v1`` messages), ``futures``
-(connection, retries, ``APIFuture``), ``connect`` (where the gateway is), ``service_client`` / ``training_client`` /
-``sampling_client`` / ``rest_client`` (the clients), ``tokenizer`` (a base model's tokenizer, found locally),
-``errors`` (one error model for client and server). The SDK talks gRPC to the gateway (``lathe.v1.Gateway``)
-and never imports torch at module level. The server side lives in ``lathe.gateway``, ``lathe.trainer``,
-``lathe.sampler`` and ``lathe.checkpoints``.
+Rooms: ``types`` (the values, as Tinker names them), ``wire`` / ``info_wire`` (types <-> ``lathe.v1`` messages),
+``futures`` (connection, retries, ``APIFuture``), ``connect`` (where the gateway is), ``service_client`` /
+``training_client`` / ``sampling_client`` / ``rest_client`` (the clients), ``tokenizer`` (a base model's
+tokenizer, found locally), ``errors`` (one error model for client and server). The SDK talks gRPC to the gateway
+(``lathe.v1.Gateway``) and never imports torch at module level. The server side lives in ``lathe.gateway``,
+``lathe.trainer``, ``lathe.sampler`` and ``lathe.checkpoints``.
 """
 
 from lathe import types

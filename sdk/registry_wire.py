@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from lathe.info_wire import optimizer_config_of
 from lathe.registry_types import (
     CurrentCheckpointStorageUsageItem,
     CurrentCheckpointStorageUsageResponse,
@@ -23,7 +24,6 @@ from lathe.registry_types import (
     WhoamiResponse,
 )
 from lathe.v1 import lathe_pb2 as pb
-from lathe.wire import optimizer_config_of
 
 
 def _time(seconds: float) -> datetime:

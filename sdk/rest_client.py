@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from google.protobuf.message import Message
 
-from lathe import registry_wire, wire
+from lathe import info_wire, registry_wire
 from lathe.connect import open_connection
 from lathe.errors import InvalidArgument
 from lathe.futures import APIFuture, Connection, call_future
@@ -91,7 +91,8 @@ class RestClient:
         return call_future(self._conn, run())
 
     def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
-        return self._query("GetServerCapabilities", pb.GetServerCapabilitiesRequest(), wire.capabilities_from_proto)
+        return self._query("GetServerCapabilities", pb.GetServerCapabilitiesRequest(),
+                           info_wire.capabilities_from_proto)
 
     def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned",
                            project_id: str | None = None) -> APIFuture[TrainingRunsResponse]:
@@ -99,12 +100,12 @@ class RestClient:
         _check_scope(access_scope)
         check_no_project("project_id", project_id)
         return self._query("ListTrainingRuns", pb.ListTrainingRunsRequest(limit=limit, offset=offset),
-                           lambda msg: wire.training_runs_from_proto(msg, limit, offset))
+                           lambda msg: info_wire.training_runs_from_proto(msg, limit, offset))
 
     def get_training_run(self, training_run_id: str, access_scope: AccessScope = "owned") -> APIFuture[TrainingRun]:
         _check_scope(access_scope)
         return self._query("GetTrainingRun", pb.GetTrainingRunRequest(training_run_id=training_run_id),
-                           wire.training_run_from_proto)
+                           info_wire.training_run_from_proto)
 
     def get_training_run_by_tinker_path(self, tinker_path: str, access_scope: AccessScope = "owned"
                                         ) -> APIFuture[TrainingRun]:
@@ -115,12 +116,12 @@ class RestClient:
     def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
         """Every live checkpoint (training and sampler) of one run; unpaged, so no cursor."""
         return self._query("ListCheckpoints", pb.ListRunCheckpointsRequest(training_run_id=training_run_id),
-                           wire.checkpoints_from_proto)
+                           info_wire.checkpoints_from_proto)
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
         """The caller's checkpoints across all runs, one page, with a cursor."""
         return self._query("ListCheckpoints", pb.ListRunCheckpointsRequest(limit=limit, offset=offset),
-                           lambda msg: wire.checkpoints_from_proto(msg, limit, offset))
+                           lambda msg: info_wire.checkpoints_from_proto(msg, limit, offset))
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
         """Delete checkpoint ``checkpoint_id`` (``"<kind>/<name>"``) of a run."""

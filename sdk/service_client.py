@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import quote
 
-from lathe import wire
+from lathe import info_wire, wire
 from lathe.connect import DEFAULT_BASE_URL, grpc_target, open_connection
 from lathe.errors import FailedPrecondition, InvalidArgument, LatheError
 from lathe.futures import APIFuture, RetryPolicy, call_future, poll
@@ -119,7 +119,7 @@ class ServiceClient:
         submitted = await self._conn.call(rpc, request)
         created = wire.result_from_proto(await poll(self._conn, submitted.request_id), CreateModelResponse)
         info = await self._conn.call("GetInfo", pb.GetInfoRequest(model_id=created.model_id))
-        return TrainingClient(self._conn, wire.get_info_from_proto(info), self._sampling_client, self._console)
+        return TrainingClient(self._conn, info_wire.get_info_from_proto(info), self._sampling_client, self._console)
 
     def _lora(self, base_model: str, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
               train_unembed: bool, user_metadata: dict[str, str] | None, optimizer: OptimizerConfig | None

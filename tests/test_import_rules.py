@@ -26,8 +26,8 @@ PACKAGES = {name: folder for name, folder in tomllib.loads((REPO / "pyproject.to
 
 # the lathe package (sdk/) holds three rooms: what every room shares, the client SDK, and the operator's tools;
 # lathe.runtime (runtime/) is how a service process runs, for the services and the tools that start them
-SHARED = ("lathe.errors", "lathe.types", "lathe.registry_types", "lathe.wire", "lathe.channels", "lathe.backoff",
-          "lathe.loss_graph", "lathe.loss_shapes", "lathe.v1")
+SHARED = ("lathe.errors", "lathe.types", "lathe.registry_types", "lathe.wire", "lathe.info_wire", "lathe.channels",
+          "lathe.backoff", "lathe.loss_graph", "lathe.loss_shapes", "lathe.v1")
 RUNTIME = ("lathe.runtime",)
 CLIENT = ("lathe.service_client", "lathe.training_client", "lathe.sampling_client", "lathe.rest_client",
           "lathe.registry_wire", "lathe.futures", "lathe.connect", "lathe.tokenizer", "lathe.loss_trace")

@@ -20,7 +20,7 @@ import pytest
 from google.protobuf.message import Message
 
 import lathe
-from lathe import service_client, wire
+from lathe import info_wire, service_client, wire
 from lathe.futures import RetryPolicy
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
@@ -92,7 +92,7 @@ class FakeGateway(pb_grpc.GatewayServicer):
 
     def GetServerCapabilities(self, request: pb.GetServerCapabilitiesRequest, context: Ctx) -> pb.ServerCapabilities:
         self._enter("GetServerCapabilities", request, context)
-        return wire.capabilities_to_proto(lathe.GetServerCapabilitiesResponse([lathe.SupportedModel(BASE, 2048)]))
+        return info_wire.capabilities_to_proto(lathe.GetServerCapabilitiesResponse([lathe.SupportedModel(BASE, 2048)]))
 
     def _create(self, rpc: str, request: Message, context: grpc.ServicerContext) -> pb.SubmitResponse:
         self._enter(rpc, request, context)
@@ -158,20 +158,20 @@ class FakeGateway(pb_grpc.GatewayServicer):
     def ListTrainingRuns(self, request: pb.ListTrainingRunsRequest, context: Ctx) -> pb.ListTrainingRunsResponse:
         self._enter("ListTrainingRuns", request, context)
         runs = [self._run(f"sess-1:train:{i}") for i in range(request.offset, request.offset + request.limit)]
-        return wire.training_runs_to_proto(lathe.TrainingRunsResponse(runs, lathe.Cursor(0, 0, 50)))
+        return info_wire.training_runs_to_proto(lathe.TrainingRunsResponse(runs, lathe.Cursor(0, 0, 50)))
 
     def GetTrainingRun(self, request: pb.GetTrainingRunRequest, context: Ctx) -> pb.TrainingRun:
         self._enter("GetTrainingRun", request, context)
         if not request.training_run_id.startswith("sess-"):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model_id {request.training_run_id!r}")
-        return wire.training_run_to_proto(self._run(request.training_run_id))
+        return info_wire.training_run_to_proto(self._run(request.training_run_id))
 
     def ListCheckpoints(self, request: pb.ListRunCheckpointsRequest, context: Ctx) -> pb.ListRunCheckpointsResponse:
         self._enter("ListCheckpoints", request, context)
         run = request.training_run_id or "sess-1:train:0"
         ckpts = [lathe.Checkpoint(f"weights/c{i}", "training", f"tinker://{run}/weights/c{i}",
                                   datetime.fromtimestamp(1000 + i, UTC), 10 * i) for i in range(3)]
-        return wire.checkpoints_to_proto(lathe.CheckpointsListResponse(ckpts, lathe.Cursor(0, 0, 9)))
+        return info_wire.checkpoints_to_proto(lathe.CheckpointsListResponse(ckpts, lathe.Cursor(0, 0, 9)))
 
     def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest, context: Ctx) -> pb.Empty:
         self._enter("DeleteCheckpoint", request, context)
@@ -230,15 +230,16 @@ ROUND_TRIPS = [
     (lathe.AdamParams(3e-4, 0.8, 0.99, 1e-8, 0.01, 1.0), wire.adam_params_to_proto, wire.adam_params_from_proto),
     (RECEIPT, wire.receipt_to_proto, wire.receipt_from_proto),
     (lathe.GetInfoResponse("m:train:0", lathe.ModelData(model_name=BASE, tokenizer_id="tok"),
-                           lathe.LoraConfig(rank=16, seed=2), 4096), wire.get_info_to_proto, wire.get_info_from_proto),
+                           lathe.LoraConfig(rank=16, seed=2), 4096),
+     info_wire.get_info_to_proto, info_wire.get_info_from_proto),
     (lathe.GetServerCapabilitiesResponse([lathe.SupportedModel("a", 1), lathe.SupportedModel("b", 2)]),
-     wire.capabilities_to_proto, wire.capabilities_from_proto),
+     info_wire.capabilities_to_proto, info_wire.capabilities_from_proto),
     (lathe.Checkpoint("weights/x", "training", "tinker://r/weights/x", WHEN, 123, WHEN),
-     wire.checkpoint_to_proto, wire.checkpoint_from_proto),
+     info_wire.checkpoint_to_proto, info_wire.checkpoint_from_proto),
     (lathe.TrainingRun("r", BASE, lathe.LoraConfig(rank=2), WHEN, WHEN, {"k": "v"},
                        lathe.Checkpoint.from_tinker_path("tinker://r/weights/a"),
                        lathe.Checkpoint.from_tinker_path("tinker://r/sampler_weights/b")),
-     wire.training_run_to_proto, wire.training_run_from_proto),
+     info_wire.training_run_to_proto, info_wire.training_run_from_proto),
 ]
 
 
