@@ -19,7 +19,9 @@ from lathe.errors import NotFound, ResourceExhausted, Unavailable
 from lathe.gateway.calls import Caller, CallPolicy
 from lathe.gateway.core import GatewayCore
 from lathe.gateway.records import Operation, Run, SamplingSession, SequenceRecord, Session
-from lathe.gateway.store import ControlStore, StoreConfig, metadata, upgrade
+from lathe.gateway.store import ControlStore, StoreConfig
+from lathe.gateway.store_engine import upgrade
+from lathe.gateway.store_tables import metadata
 from lathe.v1 import lathe_pb2 as pb
 
 

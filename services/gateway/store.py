@@ -1,159 +1,40 @@
-"""The control plane's database: the only gateway code that speaks SQL (SQLAlchemy Core, no ORM).
-
-Tables (created and changed only by the alembic scripts in ``migrations/``, which ``upgrade`` runs; alembic's
-``alembic_version`` table says which ran):
-- ``sessions``: session id -> tenant, metadata, the next model and sampler numbers, why it finished, when it
-  was created (listings are newest first), its display name (NULL: none), when it was last heard from (NULL: not
-  since it was created);
-- ``runs``: model id -> tenant (its owner), session, base model, LoRA config (``pb.LoraConfig`` bytes),
-  optimizer family, metadata, creation and last-request times, the last checkpoints, the request id of its
-  creation;
-- ``sampling_sessions``: sampling session id -> tenant, base model, pinned checkpoint and version, how many
-  clients joined it (``join_sampling``), and for an inflight session the run whose inflight weights it follows;
-- ``inflight_targets``: model id -> tenant, the sampler checkpoint its latest inflight save published and its
-  version (``set_inflight``: what its inflight sessions sample from);
-- ``sequence_records``: sequence id -> tenant, the prompt, sampled tokens and their sampling-time logprobs (int32 /
-  float32 bytes), the policy that sampled them, when it was recorded and when it expires (``lathe.gateway.stability``:
-  a tenant keeps its newest ``TenantQuotas.max_sequence_records``; each use renews one);
-- ``custom_losses``: loss id -> tenant, the checked loss (``pb.CustomLoss`` bytes), when it was created (a
-  tenant keeps its newest ``TenantQuotas.max_custom_losses``);
-- ``run_points``: one row per finished forward_backward or optim_step of a run -> its tenant, ``seq_id``, the
-  adapter's step, the operation, its metrics (JSON) and when it finished: the curves the console draws, kept for the
-  run's life (written with the operation's result, ``finish_op``);
-- ``operations``, the ledger: request id -> tenant, key (model id or sampling session id), ``seq_id``, kind,
-  the serialized request sent on, state (``pending``/``done``), the serialized ``pb.FutureResult`` and times.
-  ``(key, seq_id)`` is unique (NULL while an operation answers no ``seq_id``), so the database, not a
-  process, decides which request a ``seq_id`` names; a finished operation's row (its ``seq_id`` with it)
-  is deleted after ``retention_s`` or when more than ``keep_done`` finished rows exist (``purge``).
-
-Engines: a SQLite file (WAL, ``synchronous=NORMAL``: a commit survives kill -9 of the process, not a power cut;
-a busy timeout lets two processes share it), in-memory SQLite (``sqlite://``: nothing survives the process),
-or PostgreSQL (``postgresql+psycopg://``). Every method is one short transaction, called inline from the
-gateway's event loop.
+"""The control plane's database: ``ControlStore`` reads and writes it (SQLAlchemy Core, no ORM). With its tables
+and their rows (``store_tables``) and the opening and migrating of the database (``store_engine``), the only gateway
+code that speaks SQL. Every method is one short transaction, called inline from the gateway's event loop.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from dataclasses import dataclass
-from pathlib import Path
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.pool import StaticPool
 
 from lathe.v1 import lathe_pb2 as pb
 
 from .records import Operation, Run, SamplingSession, SequenceRecord, Session
+from .store_engine import create_engine, upgrade
+from .store_tables import (
+    custom_losses,
+    inflight_targets,
+    insert_new,
+    op_values,
+    operations,
+    point_values,
+    run_from_row,
+    run_points,
+    run_values,
+    runs,
+    sampling_from_row,
+    sampling_sessions,
+    sequence_records,
+    session_from_row,
+    sessions,
+)
 
-MIGRATIONS = Path(__file__).with_name("migrations")
 MEMORY_URL = "sqlite://"
 REPLAYED = ("forward_backward", "optim_step", "save", "load")  # the ordered operations of a training run
 MAX_SEQ = 2**62
-PG_LOCK_ID = 0x6C617468  # the advisory lock two gateways take to migrate one PostgreSQL database in turn
-
-metadata = sa.MetaData()
-sessions = sa.Table(
-    "sessions", metadata,
-    sa.Column("session_id", sa.String(64), primary_key=True),
-    sa.Column("tenant", sa.String(256), nullable=False),
-    sa.Column("user_metadata", sa.Text, nullable=False),
-    sa.Column("next_model", sa.Integer, nullable=False),
-    sa.Column("next_sampler", sa.Integer, nullable=False),
-    sa.Column("finished", sa.String(64), nullable=False),
-    sa.Column("created_at", sa.Float, nullable=False, server_default="0"),
-    sa.Column("display_name", sa.String(256), nullable=True),
-    sa.Column("last_seen", sa.Float, nullable=True),
-    sa.Index("ix_sessions_tenant_created", "tenant", "created_at"),
-)
-runs = sa.Table(
-    "runs", metadata,
-    sa.Column("model_id", sa.String(128), primary_key=True),
-    sa.Column("tenant", sa.String(256), nullable=False, index=True),
-    sa.Column("session_id", sa.String(64), nullable=False),
-    sa.Column("base_model", sa.String(256), nullable=False),
-    sa.Column("lora", sa.LargeBinary, nullable=False),
-    sa.Column("user_metadata", sa.Text, nullable=False),
-    sa.Column("create_request_id", sa.String(64), nullable=False),
-    sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("last_request_time", sa.Float, nullable=False),
-    sa.Column("last_checkpoint", sa.Text, nullable=False),
-    sa.Column("last_checkpoint_time", sa.Float, nullable=False),
-    sa.Column("last_sampler_checkpoint", sa.Text, nullable=False),
-    sa.Column("last_sampler_checkpoint_time", sa.Float, nullable=False),
-    sa.Column("recovery_seq", sa.BigInteger, nullable=False),
-    sa.Column("optimizer", sa.String(16), nullable=True),  # NULL: recorded before families existed, AdamW
-)
-sampling_sessions = sa.Table(
-    "sampling_sessions", metadata,
-    sa.Column("sampling_session_id", sa.String(128), primary_key=True),
-    sa.Column("tenant", sa.String(256), nullable=False),
-    sa.Column("base_model", sa.String(256), nullable=False),
-    sa.Column("model_path", sa.Text, nullable=False),
-    sa.Column("version", sa.Float, nullable=False),
-    sa.Column("clients", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("follows", sa.String(128), nullable=False, server_default=""),
-)
-sequence_records = sa.Table(
-    "sequence_records", metadata,
-    sa.Column("sequence_id", sa.String(160), primary_key=True),
-    sa.Column("tenant", sa.String(256), nullable=False),
-    sa.Column("prompt", sa.LargeBinary, nullable=False),
-    sa.Column("tokens", sa.LargeBinary, nullable=False),
-    sa.Column("logprobs", sa.LargeBinary, nullable=False),
-    sa.Column("policy", sa.Text, nullable=False),
-    sa.Column("created", sa.Float, nullable=False),
-    sa.Column("expires", sa.Float, nullable=False),
-    sa.Index("ix_sequence_records_tenant_created", "tenant", "created"),
-    sa.Index("ix_sequence_records_expires", "expires"),
-)
-inflight_targets = sa.Table(
-    "inflight_targets", metadata,
-    sa.Column("model_id", sa.String(128), primary_key=True),
-    sa.Column("tenant", sa.String(256), nullable=False),
-    sa.Column("model_path", sa.Text, nullable=False),
-    sa.Column("version", sa.Float, nullable=False),
-)
-custom_losses = sa.Table(
-    "custom_losses", metadata,
-    sa.Column("loss_id", sa.String(128), primary_key=True),
-    sa.Column("tenant", sa.String(256), nullable=False),
-    sa.Column("loss", sa.LargeBinary, nullable=False),
-    sa.Column("created", sa.Float, nullable=False),
-    sa.Index("ix_custom_losses_tenant_created", "tenant", "created"),
-)
-run_points = sa.Table(
-    "run_points", metadata,
-    sa.Column("model_id", sa.String(128), nullable=False),
-    sa.Column("tenant", sa.String(256), nullable=False),
-    sa.Column("seq_id", sa.BigInteger, nullable=False),
-    sa.Column("step", sa.BigInteger, nullable=False),
-    sa.Column("op", sa.String(32), nullable=False),
-    sa.Column("metrics", sa.Text, nullable=False),
-    sa.Column("finished", sa.Float, nullable=False),
-    sa.PrimaryKeyConstraint("model_id", "seq_id", "op"),
-)
-operations = sa.Table(
-    "operations", metadata,
-    sa.Column("request_id", sa.String(64), primary_key=True),
-    sa.Column("tenant", sa.String(256), nullable=False),
-    sa.Column("key", sa.String(128), nullable=False),
-    sa.Column("seq_id", sa.BigInteger, nullable=True),
-    sa.Column("kind", sa.String(32), nullable=False),
-    sa.Column("request", sa.LargeBinary, nullable=False),
-    sa.Column("sampling_seq_id", sa.BigInteger, nullable=True),
-    sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("result", sa.LargeBinary, nullable=True),
-    sa.Column("created", sa.Float, nullable=False),
-    sa.Column("finished", sa.Float, nullable=True),
-    sa.UniqueConstraint("key", "seq_id", name="uq_operations_key_seq"),
-    sa.Index("ix_operations_state_finished", "state", "finished"),
-)
 
 # the ledger's statements, built once (building a statement per call costs more than SQLite's commit)
 _INSERT_OP = operations.insert()
@@ -196,46 +77,10 @@ class Loaded:
     pending: list[Operation]
 
 
-def create_engine(cfg: StoreConfig) -> Engine:
-    url = sa.make_url(cfg.url)
-    if url.get_backend_name() != "sqlite":
-        return sa.create_engine(url, pool_pre_ping=True)
-    memory = url.database in (None, "", ":memory:")
-    if not memory:
-        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, poolclass=StaticPool if memory else None,
-                              connect_args={"check_same_thread": False})
-
-    @sa.event.listens_for(engine, "connect")
-    def _on_connect(dbapi: sqlite3.Connection, record: object) -> None:
-        dbapi.isolation_level = None  # SQLAlchemy emits BEGIN itself (below), so DDL is transactional too
-        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", f"busy_timeout={cfg.busy_timeout_ms}"):
-            dbapi.execute(f"PRAGMA {pragma}")
-
-    @sa.event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        immediate = conn.get_execution_options().get("sqlite_immediate", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-    return engine
-
-
-def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Run the migrations not yet applied up to ``revision``, holding the database's write lock so two gateways
-    migrate in turn."""
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.connect().execution_options(sqlite_immediate=True) as conn, conn.begin():
-        if engine.dialect.name == "postgresql":
-            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": PG_LOCK_ID})
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
-
-
 class ControlStore:
     def __init__(self, cfg: StoreConfig | None = None) -> None:
         self.cfg = cfg or StoreConfig()
-        self.engine = create_engine(self.cfg)
+        self.engine = create_engine(self.cfg.url, self.cfg.busy_timeout_ms)
         upgrade(self.engine)
 
     def close(self) -> None:
@@ -259,18 +104,18 @@ class ControlStore:
     def get_session(self, session_id: str) -> Session | None:
         with self.engine.begin() as c:
             r = c.execute(sa.select(sessions).where(sessions.c.session_id == session_id)).first()
-        return None if r is None else _session(r)
+        return None if r is None else session_from_row(r)
 
     def get_run(self, model_id: str) -> Run | None:
         with self.engine.begin() as c:
             r = c.execute(sa.select(runs).where(runs.c.model_id == model_id)).first()
-        return None if r is None else _run(r)
+        return None if r is None else run_from_row(r)
 
     def get_sampling(self, sampling_session_id: str) -> SamplingSession | None:
         with self.engine.begin() as c:
             r = c.execute(sa.select(sampling_sessions).where(
                 sampling_sessions.c.sampling_session_id == sampling_session_id)).first()
-        return None if r is None else _sampling(r)
+        return None if r is None else sampling_from_row(r)
 
     def put_session(self, s: Session) -> None:
         with self.engine.begin() as c:
@@ -294,7 +139,7 @@ class ControlStore:
             query = query.where(sa.or_(sessions.c.created_at < after[0], sa.and_(
                 sessions.c.created_at == after[0], sessions.c.session_id > after[1])))
         with self.engine.begin() as c:
-            return [_session(r) for r in c.execute(
+            return [session_from_row(r) for r in c.execute(
                 query.order_by(sessions.c.created_at.desc(), sessions.c.session_id).limit(n))]
 
     def session_members(self, session_id: str) -> tuple[list[str], list[str]]:
@@ -360,8 +205,8 @@ class ControlStore:
         run: ``create``'s, or the first one's if the id is taken."""
         try:
             with self.engine.begin() as c:
-                c.execute(runs.insert().values(model_id=r.model_id, **_run_values(r)))
-                c.execute(_INSERT_OP, _op_row(create))
+                c.execute(runs.insert().values(model_id=r.model_id, **run_values(r)))
+                c.execute(_INSERT_OP, op_values(create))
             return create.request_id
         except sa.exc.IntegrityError:
             with self.engine.begin() as c:
@@ -369,7 +214,7 @@ class ControlStore:
 
     def update_run(self, r: Run) -> None:
         with self.engine.begin() as c:
-            c.execute(runs.update().where(runs.c.model_id == r.model_id).values(**_run_values(r)))
+            c.execute(runs.update().where(runs.c.model_id == r.model_id).values(**run_values(r)))
 
     def delete_run(self, model_id: str) -> None:
         with self.engine.begin() as c:
@@ -379,10 +224,9 @@ class ControlStore:
     def put_sampling(self, rec: SamplingSession) -> None:
         """Register a sampling session (a repeat of its id changes nothing)."""
         with self.engine.begin() as c:
-            insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(sampling_sessions)
-            c.execute(insert.values(sampling_session_id=rec.sampling_session_id, tenant=rec.tenant,
-                                    base_model=rec.base_model, model_path=rec.model_path, version=rec.version,
-                                    follows=rec.follows).on_conflict_do_nothing())
+            c.execute(insert_new(self.engine, sampling_sessions).values(
+                sampling_session_id=rec.sampling_session_id, tenant=rec.tenant, base_model=rec.base_model,
+                model_path=rec.model_path, version=rec.version, follows=rec.follows).on_conflict_do_nothing())
 
     def set_inflight(self, tenant: str, model_id: str, model_path: str, version: float) -> None:
         """Publish ``model_path`` (saved at ``version``) as run ``model_id``'s inflight weights; an older version
@@ -402,7 +246,7 @@ class ControlStore:
         ``keep``: no tenant's records push out another's."""
         mine = sequence_records.c.tenant == tenant
         with self.engine.begin() as c:
-            insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(sequence_records)
+            insert = insert_new(self.engine, sequence_records)
             for r in rows:
                 c.execute(insert.values(sequence_id=r.sequence_id, tenant=tenant, prompt=r.prompt, tokens=r.tokens,
                                         logprobs=r.logprobs, policy=r.policy, created=r.created, expires=r.expires
@@ -439,9 +283,9 @@ class ControlStore:
         tenant's oldest losses beyond its newest ``keep``: no tenant's losses push out another's."""
         mine = custom_losses.c.tenant == tenant
         with self.engine.begin() as c:
-            insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(custom_losses)
-            c.execute(insert.values(loss_id=loss.loss_id, tenant=tenant, loss=loss.SerializeToString(),
-                                    created=created).on_conflict_do_nothing())
+            c.execute(insert_new(self.engine, custom_losses).values(
+                loss_id=loss.loss_id, tenant=tenant, loss=loss.SerializeToString(), created=created
+            ).on_conflict_do_nothing())
             older = sa.select(custom_losses.c.loss_id).where(mine).order_by(
                 custom_losses.c.created.desc(), custom_losses.c.loss_id.desc()).offset(keep)
             c.execute(custom_losses.delete().where(mine, custom_losses.c.loss_id.in_(older)))
@@ -460,7 +304,7 @@ class ControlStore:
         ``op``'s, or the one recorded first when that key is taken already."""
         try:
             with self.engine.begin() as c:
-                c.execute(_INSERT_OP, _op_row(op))
+                c.execute(_INSERT_OP, op_values(op))
                 if run is not None:
                     c.execute(_TOUCH_RUN, {"m": run.model_id, "t": run.last_request_time})
             return op.request_id
@@ -475,13 +319,12 @@ class ControlStore:
                   tenant: str = "") -> None:
         """Record the result; ``release_key``: it answers no ``seq_id`` (a submit that failed on its way in). A
         training step's metrics become a point of its run's curves (``run_points``)."""
-        point = _point(result, tenant, finished)
+        point = point_values(result, tenant, finished)
         with self.engine.begin() as c:
             c.execute(_RELEASE if release_key else _FINISH,
                       {"r": request_id, "result": result.SerializeToString(), "finished": finished})
             if point is not None:
-                insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(run_points)
-                c.execute(insert.values(**point).on_conflict_do_nothing())
+                c.execute(insert_new(self.engine, run_points).values(**point).on_conflict_do_nothing())
 
     def run_points(self, tenant: str, model_id: str, after_seq: int = -1, limit: int = 5000) -> list[dict]:
         """The tenant's run ``model_id``'s first ``limit`` curve points after ``seq_id`` ``after_seq``, in order:
@@ -525,55 +368,10 @@ class ControlStore:
     def load(self) -> Loaded:
         with self.engine.begin() as c:
             found = Loaded(
-                sessions=[_session(r) for r in c.execute(sa.select(sessions))],
-                runs=[_run(r) for r in c.execute(sa.select(runs))],
-                sampling=[_sampling(r) for r in c.execute(sa.select(sampling_sessions))],
+                sessions=[session_from_row(r) for r in c.execute(sa.select(sessions))],
+                runs=[run_from_row(r) for r in c.execute(sa.select(runs))],
+                sampling=[sampling_from_row(r) for r in c.execute(sa.select(sampling_sessions))],
                 pending=[Operation(**r._mapping) for r in c.execute(
                     sa.select(operations).where(operations.c.state == "pending").order_by(operations.c.created))],
             )
         return found
-
-
-def _session(r: sa.Row) -> Session:
-    return Session(r.session_id, r.tenant, json.loads(r.user_metadata), r.next_model, r.next_sampler,
-                   finished=r.finished, created_at=r.created_at, display_name=r.display_name)
-
-
-def _run(r: sa.Row) -> Run:
-    return Run(r.model_id, r.tenant, r.session_id, r.base_model, pb.LoraConfig.FromString(r.lora),
-               json.loads(r.user_metadata), r.create_request_id, r.created_at, r.last_request_time, r.last_checkpoint,
-               r.last_checkpoint_time, r.last_sampler_checkpoint, r.last_sampler_checkpoint_time, r.recovery_seq,
-               optimizer=r.optimizer or "adamw")
-
-
-def _run_values(r: Run) -> dict[str, object]:
-    """A ``runs`` row's columns but its key, from ``r``."""
-    return {"tenant": r.tenant, "session_id": r.session_id, "base_model": r.base_model,
-            "lora": r.lora.SerializeToString(), "user_metadata": json.dumps(r.user_metadata),
-            "create_request_id": r.create_request_id, "created_at": r.created_at,
-            "last_request_time": r.last_request_time, "last_checkpoint": r.last_checkpoint,
-            "last_checkpoint_time": r.last_checkpoint_time, "last_sampler_checkpoint": r.last_sampler_checkpoint,
-            "last_sampler_checkpoint_time": r.last_sampler_checkpoint_time, "recovery_seq": r.recovery_seq,
-            "optimizer": r.optimizer}
-
-
-def _sampling(r: sa.Row) -> SamplingSession:
-    return SamplingSession(r.sampling_session_id, r.tenant, r.base_model, r.model_path, r.version, r.follows)
-
-
-def _op_row(op: Operation) -> dict[str, object]:
-    return {"request_id": op.request_id, "tenant": op.tenant, "key": op.key, "seq_id": op.seq_id, "kind": op.kind,
-            "request": op.request, "sampling_seq_id": op.sampling_seq_id, "state": op.state, "result": op.result,
-            "created": op.created, "finished": op.finished}
-
-
-def _point(result: pb.FutureResult, tenant: str, finished: float) -> dict | None:
-    """A ``run_points`` row for a training step's result (None for any other result, an error, or no metrics)."""
-    kind = result.WhichOneof("result")
-    if kind not in ("forward_backward", "optim_step") or not result.receipt.model_id:
-        return None
-    metrics = dict(getattr(result, kind).metrics)
-    if not metrics:
-        return None
-    return {"model_id": result.receipt.model_id, "tenant": tenant, "seq_id": result.receipt.seq_id,
-            "step": result.receipt.adapter_step, "op": kind, "metrics": json.dumps(metrics), "finished": finished}

@@ -1,4 +1,4 @@
-"""Alembic's entry for the control plane's migrations: runs them on the connection ``store.upgrade`` passes,
+"""Alembic's entry for the control plane's migrations: runs them on the connection ``store_engine.upgrade`` passes,
 inside the transaction it holds (never from a URL of its own, never offline)."""
 
 from alembic import context
