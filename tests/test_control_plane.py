@@ -64,19 +64,20 @@ def test_the_migrated_schema_is_the_stores_and_migrations_run_once(db_url: str) 
     second = ControlStore(StoreConfig(db_url))  # a restart (or a second gateway): nothing runs again, nothing lost
     with second.engine.connect() as c:
         assert compare_metadata(MigrationContext.configure(c), metadata) == []
-        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0003"]  # the head
+        assert c.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0001"]  # the head
     upgrade(second.engine)
     assert [s.session_id for s in second.load().sessions] == ["s1"]
     first.close()
     second.close()
 
 
-def test_a_database_of_the_first_revision_upgrades_in_place_and_publishes_inflight_weights(tmp_path: Path) -> None:
-    """A control database made before inflight sampling (revision 0001) keeps its sampling sessions (each a snapshot
-    session: it follows no run) and gains the inflight targets, which only move forward and stay per tenant."""
+def test_a_sampling_session_row_without_follows_is_a_snapshot_session_and_inflight_weights_move_forward(
+        tmp_path: Path) -> None:
+    """A sampling session written without ``follows`` (the column's default) is a snapshot session: it follows no
+    run. Inflight targets only move forward and stay per tenant."""
     url = f"sqlite:///{tmp_path}/old.db"
     engine = sa.create_engine(url)
-    upgrade(engine, "0001")
+    upgrade(engine)
     with engine.begin() as c:
         c.execute(sa.text("INSERT INTO sampling_sessions (sampling_session_id, tenant, base_model, model_path, version,"
                           " clients) VALUES ('s:sample:0', 't', 'b', 'tinker://p', 1.5, 0)"))

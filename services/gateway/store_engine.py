@@ -1,5 +1,5 @@
 """How the control plane's database is opened and migrated: ``create_engine`` (SQLite's pragmas and transactions, or
-PostgreSQL) and ``upgrade`` (the alembic scripts in ``migrations/``, under the database's write lock).
+PostgreSQL) and ``upgrade`` (the alembic migration in ``migrations/``, under the database's write lock).
 
 Engines: a SQLite file (WAL, ``synchronous=NORMAL``: a commit survives kill -9 of the process, not a power cut;
 a busy timeout lets two processes share it), in-memory SQLite (``sqlite://``: nothing survives the process),

@@ -1,8 +1,8 @@
 """The control plane's tables (SQLAlchemy Core) and the conversion between their rows and the gateway's records
 (``records.py``); ``store.ControlStore`` is the only reader and writer.
 
-Tables (created and changed only by the alembic scripts in ``migrations/``, which ``store_engine.upgrade`` runs;
-alembic's ``alembic_version`` table says which ran; ``metadata`` is the schema they make, checked by a test):
+Tables (created only by the alembic migration in ``migrations/``, which ``store_engine.upgrade`` runs; alembic's
+``alembic_version`` table says it ran; ``metadata`` is the schema it makes, checked by a test):
 - ``sessions``: session id -> tenant, metadata, the next model and sampler numbers, why it finished, when it
   was created (listings are newest first), its display name (NULL: none), when it was last heard from (NULL: not
   since it was created);

@@ -1,5 +1,6 @@
-"""The control plane: sessions, training runs, sampling sessions, custom losses and the operations ledger
-(``lathe.gateway.store`` reads and writes them; its ``metadata`` is this schema, checked by a test).
+"""The control plane's schema: sessions, training runs, sampling sessions, inflight targets, sequence records, custom
+losses, run points and the operations ledger (``lathe.gateway.store`` reads and writes them;
+``lathe.gateway.store_tables.metadata`` is this schema, checked by a test).
 
 Revision ID: 0001
 Revises:
@@ -55,6 +56,7 @@ def upgrade() -> None:
         sa.Column("model_path", sa.Text, nullable=False),
         sa.Column("version", sa.Float, nullable=False),
         sa.Column("clients", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("follows", sa.String(128), nullable=False, server_default=""),
     )
     op.create_table(
         "custom_losses",
@@ -80,8 +82,40 @@ def upgrade() -> None:
         sa.UniqueConstraint("key", "seq_id", name="uq_operations_key_seq"),
     )
     op.create_index("ix_operations_state_finished", "operations", ["state", "finished"])
+    op.create_table(
+        "inflight_targets",
+        sa.Column("model_id", sa.String(128), primary_key=True),
+        sa.Column("tenant", sa.String(256), nullable=False),
+        sa.Column("model_path", sa.Text, nullable=False),
+        sa.Column("version", sa.Float, nullable=False),
+    )
+    op.create_table(
+        "sequence_records",
+        sa.Column("sequence_id", sa.String(160), primary_key=True),
+        sa.Column("tenant", sa.String(256), nullable=False),
+        sa.Column("prompt", sa.LargeBinary, nullable=False),
+        sa.Column("tokens", sa.LargeBinary, nullable=False),
+        sa.Column("logprobs", sa.LargeBinary, nullable=False),
+        sa.Column("policy", sa.Text, nullable=False),
+        sa.Column("created", sa.Float, nullable=False),
+        sa.Column("expires", sa.Float, nullable=False),
+    )
+    op.create_index("ix_sequence_records_tenant_created", "sequence_records", ["tenant", "created"])
+    op.create_index("ix_sequence_records_expires", "sequence_records", ["expires"])
+    op.create_table(
+        "run_points",
+        sa.Column("model_id", sa.String(128), nullable=False),
+        sa.Column("tenant", sa.String(256), nullable=False),
+        sa.Column("seq_id", sa.BigInteger, nullable=False),
+        sa.Column("step", sa.BigInteger, nullable=False),
+        sa.Column("op", sa.String(32), nullable=False),
+        sa.Column("metrics", sa.Text, nullable=False),
+        sa.Column("finished", sa.Float, nullable=False),
+        sa.PrimaryKeyConstraint("model_id", "seq_id", "op"),
+    )
 
 
 def downgrade() -> None:
-    for table in ("operations", "custom_losses", "sampling_sessions", "runs", "sessions"):
+    for table in ("run_points", "sequence_records", "inflight_targets", "operations", "custom_losses",
+                  "sampling_sessions", "runs", "sessions"):
         op.drop_table(table)
