@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from machine import cpu_line
 
 from lathe.kernels import attention as attn
-from lathe.kernels import ops
+from lathe.kernels import ops, tiling
 from lathe.models.tiles import choose_attention_tiles, choose_row_tiles, head_block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -107,7 +107,7 @@ class Layer:
         s, (invariant, tiles, _) = self.s, mode
 
         def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return ops.linear(h, w, invariant=invariant, ladder=ops.Ladder(tiles))
+            return ops.linear(h, w, invariant=invariant, ladder=tiling.Ladder(tiles))
 
         h = ops.rms_norm(x, self.norm1, s.eps, invariant=invariant)
         q = linear(h, self.q).view(-1, s.heads, s.head_dim)
@@ -122,7 +122,7 @@ class Layer:
         (invariant, tiles, _), out = mode, []
         for rows in x.split(self.s.logit_chunk):
             h = ops.rms_norm(rows, self.final_norm, self.s.eps, invariant=invariant)
-            out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant, ladder=ops.Ladder(tiles)),
+            out.append(ops.log_softmax(ops.linear(h, self.head, invariant=invariant, ladder=tiling.Ladder(tiles)),
                                        invariant=invariant))
         return out
 
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         ladder = choose_row_tiles(layer.weights(), threads)
         attn = choose_attention_tiles(SMOLLM2.heads, SMOLLM2.kv_heads, SMOLLM2.head_dim, DTYPES[name],
                                       torch.device("cpu"), threads)
-        reference = ((ops.ROW_TILE,), (attn.ATTN_ROW_TILE,))
+        reference = ((tiling.ROW_TILE,), (attn.ATTN_ROW_TILE,))
         modes: list[Mode] = [(False, *reference), (True, *reference), (True, ladder, attn)]
         print(f"{name}: tile ladders chosen by the self-check on this machine: linear {ladder}, attention {attn}")
         print(f"{'dtype':5}  {'case':48}  {'plain ms':>9}  {'ref ms':>9}  {'ratio':>6}  {'ladder ms':>9}  "

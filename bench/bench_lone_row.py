@@ -33,7 +33,7 @@ from bench_prepacked import CACHE, Way, best_ms, decode_ab
 from machine import cpu_line, read_gbps
 
 from lathe.kernels import attention as attn
-from lathe.kernels import chain, ops
+from lathe.kernels import chain, ops, tiling
 from lathe.models import tiles
 from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.smollm2 import import_smollm2
@@ -46,7 +46,7 @@ def _chain_ways(model: Decoder) -> dict[str, Way]:
                {rank: dataclasses.replace(ladder, chain=0) for rank, ladder in model.lora_ladders.items()})
     print(f"pool's ladder {model.ladder}; LoRA ladders {model.lora_ladders}")
 
-    def use(ladders: tuple[ops.Ladder, dict[int, ops.Ladder]]) -> Way:
+    def use(ladders: tuple[tiling.Ladder, dict[int, tiling.Ladder]]) -> Way:
         def set_way(m: Decoder) -> None:
             m.ladder, m.lora_ladders = ladders[0], dict(ladders[1])
         return set_way

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lathe.kernels import ops
+from lathe.kernels import ops, tiling
 
 STACK_BYTES = 8 << 20
 """Most bytes of per-tile weight copies one grouped product makes; above it, one product per segment."""
@@ -185,7 +185,7 @@ class _GroupedLora(torch.autograd.Function):
                              device=x.device).view(-1, 1, 1)
         vs = _products(xt, a, layout, transpose=True).mul_(scale)  # [tiles, tile, r]: the scaled shrink
         rank, out_features = a[0].shape[0], b[0].shape[0]
-        blocks = ops.col_blocks(rank, out_features, b[0].element_size())
+        blocks = tiling.col_blocks(rank, out_features, b[0].element_size())
         parts = [_products(vs, _columns(b, c0, c1), layout, transpose=True) for c0, c1 in blocks]
         yt = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         ctx.save_for_backward(x, vs, scale, *a, *b)  # x, not its padded wide copy: backward rebuilds that

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import ops
+from lathe.kernels import ops, tiling
 from lathe.models import moe
 from lathe.models.decoder import Decoder, Packed, router_name, shape_weight_names
 from lathe.models.lora import REFERENCE_TILES, LoraSpec, LoraWeights, module_shape, shape_keys
@@ -51,7 +51,7 @@ def rows_check(name: str, op: Callable[[torch.Tensor], torch.Tensor], pool: torc
     if bad:
         return Check(name, False, f"rows {[i + 1 for i in bad[:4]]} differ when the batch is shifted by one row "
                                   f"(a row's position inside a tile changes its bits)")
-    for i in (0, 1, attn.ATTN_ROW_TILE - 1, ops.ROW_TILE - 1):
+    for i in (0, 1, attn.ATTN_ROW_TILE - 1, tiling.ROW_TILE - 1):
         if differing(op(pool[i : i + 1]), full[i : i + 1]):
             return Check(name, False, f"row {i} alone differs from the same row in a {len(pool)}-row batch")
     for m, offset in zip(BATCH_ROWS[1:-1], (1, 5, 11, 2), strict=True):
@@ -81,7 +81,7 @@ def lora_checks(model: Decoder, gen: torch.Generator, rank: int) -> list[Check]:
 
     targets = [t for _, t in shape_keys(cfg)]
     checks = []
-    ladder = model.lora_ladders.get(rank, ops.REFERENCE)
+    ladder = model.lora_ladders.get(rank, tiling.REFERENCE)
     for width in sorted({module_shape(cfg, t)[0] for t in targets}):
         a = rand(rank, width)
         checks.append(rows_check(f"lora shrink {width}->{rank}",

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
-from lathe.kernels import activations, ops
+from lathe.kernels import activations, ops, tiling
 from lathe.kernels import attention as attn
 from lathe.models import moe
 from lathe.models.config import ModelConfig
@@ -136,9 +136,9 @@ class Decoder(torch.nn.Module):
         self.invariant = invariant
         self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: memory for time
         self.sgmv = False  # LoRA through the Triton SGMV kernels (GPU pools) instead of the per-segment path
-        self.ladder = ops.REFERENCE  # how invariant linears cut rows; the pool's self-check may widen it
-        self.grad_ladder = ops.REFERENCE  # the same for their backward, in a trainer pool
-        self.lora_ladders: dict[int, ops.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
+        self.ladder = tiling.REFERENCE  # how invariant linears cut rows; the pool's self-check may widen it
+        self.grad_ladder = tiling.REFERENCE  # the same for their backward, in a trainer pool
+        self.lora_ladders: dict[int, tiling.Ladder] = {}  # by adapter rank: its LoRA products' ladder, once admitted
         self.attn_tiles = (attn.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
         self.attn_chain = 0  # decode attention's products through Lathe's own kernel (its k-block), once admitted
         self.packed: dict[str, torch.Tensor] = {}  # layer weights prepacked for lone decode rows, once admitted

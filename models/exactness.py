@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import ops
+from lathe.kernels import tiling
 from lathe.models.checks import Check, lora_checks, model_checks, op_checks
 from lathe.models.decoder import Decoder
 from lathe.models.pool import on_passing_thread
@@ -158,14 +158,14 @@ fingerprint is taken)."""
 
 def tiles(model: Decoder) -> dict[str, object]:
     """The tile sizes the invariant ops use on ``model`` (but for ``UNPRINTED``, part of the fingerprint)."""
-    return {"row_tile": ops.ROW_TILE, "row_tiles": list(model.ladder.tiles),
+    return {"row_tile": tiling.ROW_TILE, "row_tiles": list(model.ladder.tiles),
             "grad_row_tiles": list(model.grad_ladder.tiles), "direct_tiles": list(model.ladder.direct),
             "grad_direct_tiles": list(model.grad_ladder.direct), "lone_tile": model.ladder.lone,
             "lone_packed": bool(model.packed), "lone_chain": model.ladder.chain, "attn_chain": model.attn_chain,
             "lora_direct_tiles": {rank: list(ladder.direct) for rank, ladder in sorted(model.lora_ladders.items())},
             "attn_row_tile": attn.ATTN_ROW_TILE,
             "attn_row_tiles": list(model.attn_tiles), "key_chunk": attn.KEY_CHUNK,
-            "col_block_bytes": ops.COL_BLOCK_BYTES}
+            "col_block_bytes": tiling.COL_BLOCK_BYTES}
 
 
 def _fingerprint(model: Decoder, packed: torch.Tensor) -> str:

@@ -30,14 +30,14 @@ from typing import Protocol
 
 import torch
 
-from lathe.kernels import ops
+from lathe.kernels import tiling
 from lathe.models.config import ModelConfig
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = "lm_head"
 MAX_RANK = 256
-REFERENCE_TILES: Mapping[int, ops.Ladder] = MappingProxyType({})
+REFERENCE_TILES: Mapping[int, tiling.Ladder] = MappingProxyType({})
 """No ladder for any rank: every LoRA product in the reference tile (``LoraBatch.delta``'s ``ladders``)."""
 
 Key = tuple[int, str]  # (layer index, target); the unembedding is (-1, "lm_head"); an expert's: "experts.3.up_proj"
@@ -222,7 +222,7 @@ class LoraDeltas(Protocol):
     plain ops' decode throughput path). ``lora_batch.lora_batch`` picks the first two for a pool."""
 
     def delta(self, key: Key, x: torch.Tensor,
-              ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
+              ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The correction ``[T, O]`` of target ``key`` for activations ``x [T, I]``, or None where no adapter of the
         batch has the target; ``ladders``: the pool's LoRA ladders by rank (``Decoder.lora_ladders``), for a backend
         that runs segments on them."""

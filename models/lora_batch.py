@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lathe.kernels import chain, ops
+from lathe.kernels import chain, ops, tiling
 from lathe.kernels.chain import chain_lora, chain_lora_segments
 from lathe.kernels.lora_grouped import TileLayout, lora_grouped, stacks
 from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments, take_rows
@@ -36,11 +36,11 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _lone_tile(ladder: ops.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) -> int:
-    """``ops.lone_height`` out of autograd (under it, ``ops.linear``'s differentiable products run); 0 in it."""
+def _lone_tile(ladder: tiling.Ladder, rows: int, x: torch.Tensor, a: torch.Tensor) -> int:
+    """``tiling.lone_height`` out of autograd (under it, ``ops.linear``'s differentiable products run); 0 in it."""
     if _autograd(x, a):
         return 0
-    return ops.lone_height(ladder, rows, x.device)
+    return tiling.lone_height(ladder, rows, x.device)
 
 
 CHAIN_SEGMENT_ROWS = 32
@@ -48,12 +48,12 @@ CHAIN_SEGMENT_ROWS = 32
 batch; a prefill's longer segments keep the library's products."""
 
 
-def _chained(ladder: ops.Ladder, rows: int, x: torch.Tensor, w: LoraWeights, key: Key
+def _chained(ladder: tiling.Ladder, rows: int, x: torch.Tensor, w: LoraWeights, key: Key
              ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """(block, A, B) where a segment of ``rows`` rows of ``w`` runs both products of its correction in one call of
     Lathe's fixed-order kernel (``chain.chain_lora``), with the bits ``ops.linear`` gives its rows on ``ladder``
     (which admitted the kernel's block for the rank): out of autograd, fp32, and either lone rows on the ladder
-    (``ops.lone_rows``) or a frozen adapter's segment of at most ``CHAIN_SEGMENT_ROWS`` rows, which reads the
+    (``tiling.lone_rows``) or a frozen adapter's segment of at most ``CHAIN_SEGMENT_ROWS`` rows, which reads the
     adapter's column-major copies (``LoraWeights.columns``: each weight streamed as rows, for several rows at a
     time). None otherwise."""
     a = w.a[key]
@@ -61,7 +61,7 @@ def _chained(ladder: ops.Ladder, rows: int, x: torch.Tensor, w: LoraWeights, key
         return None
     if w.frozen and rows <= CHAIN_SEGMENT_ROWS:
         return ladder.chain, *w.columns(key)
-    if ops.lone_rows(ladder, rows, x.device):
+    if tiling.lone_rows(ladder, rows, x.device):
         return ladder.chain, a, w.b[key]
     return None
 
@@ -102,7 +102,7 @@ class LoraBatch:
         return parameters_of(self._segments, key)
 
     def delta(self, key: Key, x: torch.Tensor,
-              ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
+              ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The LoRA correction of target ``key`` for activations ``x [T, I]`` -> ``[T, O]`` or None.
 
         Computed in fp32 (fp64 for fp64 activations) whatever the base dtype: the precision policy keeps
@@ -134,24 +134,24 @@ class LoraBatch:
         return out
 
     def _per_segment(self, key: Key, x: torch.Tensor, holders: list[LoraWeights],
-                     ladders: Mapping[int, ops.Ladder]) -> bool:
+                     ladders: Mapping[int, tiling.Ladder]) -> bool:
         """Whether ``key`` runs faster per segment, over its ranks' ladders, than grouped: one segment, or an expand
         the grouped product cannot stack (``lora_grouped.stacks``: the LM head's over several adapters), which it
         would run one segment at a time anyway, in one-thread products (measured on a 2-core EPYC, 4 adapters x 8
         decode rows at rank 32: 24 ms grouped, 7 ms per segment on the direct ladder)."""
         if len(self._segments) == 1:
             return True
-        if any(not ladders.get(w.spec.rank, ops.REFERENCE).direct for w in holders):  # no direct products
+        if any(not ladders.get(w.spec.rank, tiling.REFERENCE).direct for w in holders):  # no direct products
             return False
         for rank in {w.spec.rank for w in holders}:
             layout, members = self._layout(key, rank, x)
             expand = members[0].b[key]
-            c0, c1 = ops.col_blocks(rank, expand.shape[0], expand.element_size())[0]  # the expand's first block
+            c0, c1 = tiling.col_blocks(rank, expand.shape[0], expand.element_size())[0]  # the expand's first block
             if not stacks(layout, expand[c0:c1]):
                 return True
         return False
 
-    def _chained_segments(self, key: Key, x: torch.Tensor, ladders: Mapping[int, ops.Ladder]
+    def _chained_segments(self, key: Key, x: torch.Tensor, ladders: Mapping[int, tiling.Ladder]
                           ) -> list[chain.Segment] | None:
         """Every segment holding ``key`` as a ``chain.chain_lora_segments`` segment, if each runs through Lathe's
         kernel (``_chained``: a SmolLM2 layer's seven targets for 4 adapters x 8 decode rows at rank 32 in 1.0-1.1 ms
@@ -160,7 +160,7 @@ class LoraBatch:
         for s0, s1, w in self._segments:
             if key not in w.a:
                 continue
-            chained = _chained(ladders.get(w.spec.rank, ops.REFERENCE), s1 - s0, x, w, key)
+            chained = _chained(ladders.get(w.spec.rank, tiling.REFERENCE), s1 - s0, x, w, key)
             if chained is None:
                 return None
             block, a, b = chained
@@ -180,11 +180,11 @@ class LoraBatch:
         cache_key = tuple(spans)
         layout = self._layouts.get(cache_key)
         if layout is None:
-            layout = self._layouts[cache_key] = TileLayout.build(x.shape[0], spans, ops.ROW_TILE, x.device)
+            layout = self._layouts[cache_key] = TileLayout.build(x.shape[0], spans, tiling.ROW_TILE, x.device)
         return layout, members
 
     def delta_per_segment(self, key: Key, x: torch.Tensor,
-                          ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
+                          ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The reference: each segment through its own ``ops.linear`` pair (the plain mode, and the oracle
         the self-check holds the grouped path to), over the reference tile or the ladder of its rank in
         ``ladders``."""
@@ -199,7 +199,7 @@ class LoraBatch:
             if key not in w.a:
                 parts.append(xs.new_zeros(s1 - s0, out_features))
                 continue
-            a, b, ladder = _as(w.a[key], wide), _as(w.b[key], wide), ladders.get(w.spec.rank, ops.REFERENCE)
+            a, b, ladder = _as(w.a[key], wide), _as(w.b[key], wide), ladders.get(w.spec.rank, tiling.REFERENCE)
             chained = _chained(ladder, s1 - s0, xs, w, key)
             if chained is not None:  # one call for both products
                 block, ca, cb = chained

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lathe.kernels import ops
+from lathe.kernels import tiling
 from lathe.models.lora import REFERENCE_TILES, Key, LoraWeights, clip_rows, parameters_of, row_segments, take_rows
 
 
@@ -40,7 +40,7 @@ class SgmvBatch:
         return parameters_of(self._segments, key)
 
     def delta(self, key: Key, x: torch.Tensor,
-              ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
+              ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The correction ``[T, O]`` of target ``key`` (None where no adapter with rows has it); ``ladders`` is
         the protocol's and unused: the kernels choose their own tiles."""
         from lathe.kernels.sgmv_triton import lora_delta_triton  # Triton only where a pool runs this backend

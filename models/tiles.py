@@ -2,9 +2,9 @@
 (``Decoder.ladder``, ``grad_ladder``, ``lora_ladders``, ``attn_tiles``), which ``lathe.models.exactness`` then checks.
 
 Why per machine: batch invariance is a property of the kernel library's code paths here, not of Lathe's code alone
-(``lathe.kernels.ops`` explains the tiles). ``choose_ladder`` picks an ``ops.Ladder`` for the linears: the heights
-run as direct products (``ops.DIRECT_TILE_CANDIDATES``) and the ladder of tile heights (the reference tile
-``ops.ROW_TILE`` plus each of ``ops.ROW_TILE_CANDIDATES``), each admitted only where its rows are bitwise the
+(``lathe.kernels.ops`` explains the tiles). ``choose_ladder`` picks an ``tiling.Ladder`` for the linears: the heights
+run as direct products (``tiling.DIRECT_TILE_CANDIDATES``) and the ladder of tile heights (the reference tile
+``tiling.ROW_TILE`` plus each of ``tiling.ROW_TILE_CANDIDATES``), each admitted only where its rows are bitwise the
 reference tile's for every base weight and the LM head, whole batch, shifted batch and lone rows, at every thread
 count; ``choose_lone`` then holds each admitted way of running a lone decode row to those bits on many lone rows
 (``lone_row_failure``) and keeps the faster of those that hold (the one choice made by time, as it cannot change a
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import chain, ops
+from lathe.kernels import chain, ops, tiling
 from lathe.models.decoder import Decoder, layer_weight_names, shape_weight_names
 from lathe.models.lora import module_shape, shape_keys
 
@@ -49,10 +49,10 @@ def default_threads(model: Decoder) -> list[int]:
 
 
 def head_block(head: torch.Tensor) -> torch.Tensor:
-    """The LM head's ``[V, K]`` weight cut to its first column block of products (its first ``ops.col_cap`` rows,
+    """The LM head's ``[V, K]`` weight cut to its first column block of products (its first ``tiling.col_cap`` rows,
     or all of a head narrower than that): a slice whose products have the whole head's shapes, which
     ``choose_row_tiles`` tries instead of the whole vocabulary."""
-    return head[:ops.col_cap(head.shape[1], head.element_size())]
+    return head[:tiling.col_cap(head.shape[1], head.element_size())]
 
 
 def model_weights(model: Decoder) -> list[torch.Tensor]:
@@ -89,7 +89,7 @@ class _RowTrial:
         for n in threads:
             with at_threads(n), torch.no_grad():
                 pairs = zip(self.weights, self.pools, strict=True)
-                self.refs[n] = [ops.tiled_matmul(p, w, tile=ops.ROW_TILE) for w, p in pairs]
+                self.refs[n] = [ops.tiled_matmul(p, w, tile=tiling.ROW_TILE) for w, p in pairs]
 
     def agrees(self, product: Product) -> bool:
         """Whether ``product(x, w)`` gives every row the reference tile's bits, for every weight at every thread
@@ -105,27 +105,27 @@ class _RowTrial:
 
 
 def choose_row_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
-    """The tile ladder for ``linear`` on this machine: ``ops.ROW_TILE`` and every ``ops.ROW_TILE_CANDIDATES``
+    """The tile ladder for ``linear`` on this machine: ``tiling.ROW_TILE`` and every ``tiling.ROW_TILE_CANDIDATES``
     height whose rows are bitwise the reference tile's for each ``[N, K]`` weight at each thread count.
 
     Decided by bits, not by timing, so the same machine and library always choose the same ladder. Off
     the CPU the products do not use row tiles, so the ladder is the reference tile alone.
     """
     if any(w.device.type != "cpu" for w in weights):
-        return (ops.ROW_TILE,)
+        return (tiling.ROW_TILE,)
     return _tile_ladder(_RowTrial(weights, threads, seed))
 
 
 def _tile_ladder(trial: _RowTrial, below: int | None = None) -> tuple[int, ...]:
     """The reference tile and each admitted candidate height (only those under ``below`` when given)."""
-    candidates = [t for t in ops.ROW_TILE_CANDIDATES if below is None or t < below]
+    candidates = [t for t in tiling.ROW_TILE_CANDIDATES if below is None or t < below]
     with torch.no_grad():
         chosen = [t for t in candidates if trial.agrees(lambda x, w, t=t: ops.tiled_matmul(x, w, tile=t))]
-    return tuple(sorted({ops.ROW_TILE, *chosen}))
+    return tuple(sorted({tiling.ROW_TILE, *chosen}))
 
 
 def choose_direct_tiles(weights: list[torch.Tensor], threads: list[int], seed: int = 0) -> tuple[int, ...]:
-    """The heights of ``ops.DIRECT_TILE_CANDIDATES`` whose direct products (``ops.direct_matmul``: one plain
+    """The heights of ``tiling.DIRECT_TILE_CANDIDATES`` whose direct products (``ops.direct_matmul``: one plain
     library product per tile, its own threads) give every row the reference tile's bits for each ``[N, K]``
     weight at each thread count; empty off the CPU.
 
@@ -142,7 +142,7 @@ def _direct_heights(trial: _RowTrial) -> tuple[int, ...]:
     # lone=0: the rows a height leaves over (the trial's lone rows among them) are zero-padded to a tile of it,
     # so an admitted height admits that way of running them too (``choose_lone``)
     with torch.no_grad():
-        return tuple(h for h in ops.DIRECT_TILE_CANDIDATES
+        return tuple(h for h in tiling.DIRECT_TILE_CANDIDATES
                      if trial.agrees(lambda x, w, h=h: ops.direct_matmul(x, w, (h,), lone=0)))
 
 
@@ -166,23 +166,23 @@ def choose_chain(trial: _RowTrial) -> int:
         return next((block for block in chain.BLOCKS if all(agrees(block, n) for n in trial.threads)), 0)
 
 
-def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too: bool = False) -> ops.Ladder:
-    """The ``ops.Ladder`` of ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` where no direct height
+def choose_ladder(weights: list[torch.Tensor], threads: list[int], *, tiles_too: bool = False) -> tiling.Ladder:
+    """The ``tiling.Ladder`` of ``weights``: ``choose_direct_tiles``, and ``choose_row_tiles`` where no direct height
     was admitted. With one, the tile ladder serves only the rows fewer than its smallest height, as a way for
     ``choose_lone`` to time: where ``tiles_too`` asks for it, only heights under the reference tile are tried (a
     taller tile is never the faster way to run a lone row); and so may Lathe's own product (``choose_chain``).
     ``lone`` is the reference tile. One trial (row pools and reference products) serves every choice."""
     if any(w.device.type != "cpu" for w in weights):
-        return ops.REFERENCE
+        return tiling.REFERENCE
     trial = _RowTrial(weights, threads, seed=0)
     direct = _direct_heights(trial)
     if not direct:
-        return ops.Ladder(_tile_ladder(trial), direct)
-    return ops.Ladder(_tile_ladder(trial, below=ops.ROW_TILE) if tiles_too else (ops.ROW_TILE,), direct,
+        return tiling.Ladder(_tile_ladder(trial), direct)
+    return tiling.Ladder(_tile_ladder(trial, below=tiling.ROW_TILE) if tiles_too else (tiling.ROW_TILE,), direct,
                       chain=choose_chain(trial))
 
 
-def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Ladder:
+def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> tiling.Ladder:
     """The ladder of ``model``'s LoRA products at ``rank`` (what ``LoraBatch.delta_per_segment`` runs a decode
     step of one adapter over): ``choose_ladder`` on a shrink ``[rank, I]`` and an expand ``[O, rank]`` of every
     target width, in the dtype LoRA computes in, the LM head's expand cut to its first column block as for the
@@ -202,15 +202,15 @@ def choose_lora_ladder(model: Decoder, rank: int, threads: list[int]) -> ops.Lad
 
 @functools.cache
 def _lora_ladder(ins: tuple[int, ...], outs: tuple[int, ...], rank: int, wide: torch.dtype, device: str,
-                 threads: tuple[int, ...]) -> ops.Ladder:
+                 threads: tuple[int, ...]) -> tiling.Ladder:
     gen = torch.Generator().manual_seed(rank)
     shrinks = [torch.randn(rank, i, generator=gen) for i in ins]
-    expands = [torch.randn(min(o, ops.col_cap(rank, wide.itemsize)), rank, generator=gen) for o in outs]
+    expands = [torch.randn(min(o, tiling.col_cap(rank, wide.itemsize)), rank, generator=gen) for o in outs]
     ladder = choose_ladder([w.to(device=device, dtype=wide) for w in shrinks + expands], list(threads))
     return dataclasses.replace(ladder, lone=0) if ladder.direct else ladder
 
 
-def choose_lone(model: Decoder, ladder: ops.Ladder, threads: list[int], repeats: int = 3) -> ops.Ladder:
+def choose_lone(model: Decoder, ladder: tiling.Ladder, threads: list[int], repeats: int = 3) -> tiling.Ladder:
     """``ladder`` with the faster way to run a lone row through every linear of ``model`` (a decode step of one
     sequence): zero-padded to a direct tile of the smallest height (``lone=0``), or in the smallest tile of the
     ladder, or through Lathe's own product where ``choose_chain`` admitted a block. Each way is first held to the
@@ -229,7 +229,7 @@ def choose_lone(model: Decoder, ladder: ops.Ladder, threads: list[int], repeats:
         ways.append(ladder)
     ways.sort(key=lambda way: _lone_row_seconds(model, way, {}, repeats))
     return next((way for way in ways if lone_row_failure(model, way, threads) is None),
-                dataclasses.replace(ladder, tiles=(ops.ROW_TILE,), lone=ops.ROW_TILE, chain=0))
+                dataclasses.replace(ladder, tiles=(tiling.ROW_TILE,), lone=tiling.ROW_TILE, chain=0))
 
 
 LONE_OUTPUTS = 1 << 16
@@ -252,7 +252,7 @@ def trial_rows(outputs: int, dtype: torch.dtype) -> int:
     return min(2048, max(LONE_ROWS, LONE_OUTPUTS // outputs))
 
 
-def lone_row_failure(model: Decoder, ladder: ops.Ladder, threads: list[int],
+def lone_row_failure(model: Decoder, ladder: tiling.Ladder, threads: list[int],
                      packed: dict[str, torch.Tensor] | None = None, seed: int = 0) -> str | None:
     """Where one row alone in its ``ops.linear`` call over ``ladder`` (a decode step of one sequence; through
     ``packed``'s prepacked copy where it has one) differs from the same rows' reference products, for every distinct
@@ -278,7 +278,7 @@ def lone_row_failure(model: Decoder, ladder: ops.Ladder, threads: list[int],
     return None
 
 
-def _lone_row_seconds(model: Decoder, ladder: ops.Ladder, packed: dict[str, torch.Tensor], repeats: int) -> float:
+def _lone_row_seconds(model: Decoder, ladder: tiling.Ladder, packed: dict[str, torch.Tensor], repeats: int) -> float:
     """Best of ``repeats`` passes of one row through every layer weight and the LM head (more than a cache holds,
     streamed as in decode) over ``ladder``, through the prepacked copies in ``packed`` where it has one."""
     names = layer_weight_names(model.cfg)

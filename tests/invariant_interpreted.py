@@ -13,7 +13,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run this module with TRITON_INTERPRET=1 (tests/test_invariant_triton.py does)")
 
-from lathe.kernels import ops
+from lathe.kernels import ops, tiling
 from lathe.kernels.invariant_triton import invariant_bmm
 from lathe.models import checks
 from lathe.models.decoder import Decoder
@@ -62,6 +62,6 @@ def test_decoder_on_the_kernel_path_agrees_with_the_cpu_path(monkeypatch: pytest
     with torch.no_grad():
         want = checks.packed_logprobs(model, gen, 4)[2]
         monkeypatch.setattr(ops, "_bmm", invariant_bmm)
-        monkeypatch.setattr(ops, "tiled_matmul", lambda x, w, tile=ops.ROW_TILE: invariant_bmm(x[None], w[None])[0])
+        monkeypatch.setattr(ops, "tiled_matmul", lambda x, w, tile=tiling.ROW_TILE: invariant_bmm(x[None], w[None])[0])
         got = checks.packed_logprobs(model, torch.Generator().manual_seed(3), 4)[2]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels import attention as attn
-from lathe.kernels import ops
+from lathe.kernels import ops, tiling
 from lathe.models import checks, exactness, tiles
 from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.lora import LoraSpec, LoraWeights, module_shape
@@ -99,8 +99,8 @@ def test_the_pool_ladder_keeps_every_bit_of_the_reference_tile(tiny_dir: Path, d
     pool = exactness.PoolExactness("trainer", invariant=True)
     report = pool.check("tiny", model)
     assert report.exact, report.first_failure
-    assert ops.ROW_TILE in model.ladder.tiles and report.tiles["row_tiles"] == list(model.ladder.tiles)
-    assert set(model.ladder.tiles) <= {ops.ROW_TILE, *ops.ROW_TILE_CANDIDATES}
+    assert tiling.ROW_TILE in model.ladder.tiles and report.tiles["row_tiles"] == list(model.ladder.tiles)
+    assert set(model.ladder.tiles) <= {tiling.ROW_TILE, *tiling.ROW_TILE_CANDIDATES}
     assert attn.ATTN_ROW_TILE in model.attn_tiles and report.tiles["attn_row_tiles"] == list(model.attn_tiles)
     assert set(model.attn_tiles) <= {attn.ATTN_ROW_TILE, *attn.ATTN_TILE_CANDIDATES}
     ladder = checks.packed_logprobs(model, torch.Generator().manual_seed(5), 4)[2]
@@ -119,7 +119,7 @@ def test_a_pool_times_the_ways_of_running_a_lone_row_and_all_keep_the_reference_
         ways = [dataclasses.replace(ladder, lone=lone, chain=0) for lone in (0, min(ladder.tiles))]
         ways += [ladder] if ladder.chain else []
         ways = [way for way in ways if tiles.lone_row_failure(model, way, [1, 2]) is None]
-        ways = ways or [dataclasses.replace(ladder, tiles=(ops.ROW_TILE,), lone=ops.ROW_TILE, chain=0)]
+        ways = ways or [dataclasses.replace(ladder, tiles=(tiling.ROW_TILE,), lone=tiling.ROW_TILE, chain=0)]
     else:
         ways = [ladder]
     assert chosen in ways
@@ -146,7 +146,7 @@ def test_a_lone_row_rounding_otherwise_once_in_many_outputs_is_found_and_refused
     it, names the weight and the row, and ``choose_lone`` then runs lone rows in the reference tile. Here one
     element of the 700th lone row of each weight is changed, a row no trial of a few rows reaches."""
     model = Decoder.from_dir(tiny_dir, dtype=torch.bfloat16)
-    ladder = ops.Ladder(tiles=(4, ops.ROW_TILE), direct=(ops.ROW_TILE,), lone=4)
+    ladder = tiling.Ladder(tiles=(4, tiling.ROW_TILE), direct=(tiling.ROW_TILE,), lone=4)
     assert tiles.lone_row_failure(model, ladder, [1]) is None
     linear, lone_calls = ops.linear, [0]
 
@@ -154,7 +154,7 @@ def test_a_lone_row_rounding_otherwise_once_in_many_outputs_is_found_and_refused
         y = linear(x, weight, *args, **kwargs)
         if x.shape[0] > 1:  # a weight's reference products, after its lone rows
             lone_calls[0] = 0
-        elif kwargs.get("ladder", ops.REFERENCE) != ops.REFERENCE:
+        elif kwargs.get("ladder", tiling.REFERENCE) != tiling.REFERENCE:
             lone_calls[0] += 1
             if lone_calls[0] == 700:
                 y = y.clone()
@@ -166,7 +166,7 @@ def test_a_lone_row_rounding_otherwise_once_in_many_outputs_is_found_and_refused
     failure = tiles.lone_row_failure(model, ladder, [1])
     assert failure is not None and "lone row 699 of 1024 differs from its reference tile" in failure, failure
     chosen = tiles.choose_lone(model, ladder, [1], repeats=1)
-    assert (chosen.lone, chosen.tiles, chosen.chain) == (ops.ROW_TILE, (ops.ROW_TILE,), 0)
+    assert (chosen.lone, chosen.tiles, chosen.chain) == (tiling.ROW_TILE, (tiling.ROW_TILE,), 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -224,14 +224,14 @@ def test_a_tile_height_with_other_bits_is_left_out_of_the_ladder(tiny_dir: Path,
     is not chosen; the others still are judged by their own bits."""
     real = ops.tiled_matmul
 
-    def off_at_64(x: torch.Tensor, w: torch.Tensor, *, tile: int = ops.ROW_TILE) -> torch.Tensor:
+    def off_at_64(x: torch.Tensor, w: torch.Tensor, *, tile: int = tiling.ROW_TILE) -> torch.Tensor:
         y = real(x, w, tile=tile)
         return y * (1 + 2**-20) if tile == 64 else y
 
     monkeypatch.setattr(ops, "tiled_matmul", off_at_64)
     model = Decoder.from_dir(tiny_dir)
     ladder = tiles.choose_row_tiles(tiles.model_weights(model), [1])
-    assert 64 not in ladder and ops.ROW_TILE in ladder
+    assert 64 not in ladder and tiling.ROW_TILE in ladder
 
 
 def test_an_attention_tile_height_with_other_bits_is_left_out_of_its_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,12 +261,13 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     report = exactness.self_check(Decoder.from_dir(tiny_dir), threads=[1])
     d = report.to_dict()
     assert d["exact"] is True and d["fingerprint"] == report.fingerprint
-    assert d["tiles"] == {"row_tile": ops.ROW_TILE, "row_tiles": [ops.ROW_TILE], "grad_row_tiles": [ops.ROW_TILE],
-                          "direct_tiles": [], "grad_direct_tiles": [], "lone_tile": ops.ROW_TILE,
+    assert d["tiles"] == {"row_tile": tiling.ROW_TILE, "row_tiles": [tiling.ROW_TILE],
+                          "grad_row_tiles": [tiling.ROW_TILE], "direct_tiles": [], "grad_direct_tiles": [],
+                          "lone_tile": tiling.ROW_TILE,
                           "lone_packed": False, "lone_chain": 0, "attn_chain": 0, "lora_direct_tiles": {},
                           "attn_row_tile": attn.ATTN_ROW_TILE,
                           "attn_row_tiles": [attn.ATTN_ROW_TILE], "key_chunk": attn.KEY_CHUNK,
-                          "col_block_bytes": ops.COL_BLOCK_BYTES}
+                          "col_block_bytes": tiling.COL_BLOCK_BYTES}
     assert len(d["checks"]) == len(report.checks) and all(c["ok"] for c in d["checks"])
 
 

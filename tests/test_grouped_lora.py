@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import ops
+from lathe.kernels import ops, tiling
 from lathe.kernels.lora_grouped import STACK_BYTES, TileLayout
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch, _lone_tile
@@ -97,7 +97,7 @@ def test_many_tiles_of_wide_weights_run_one_product_per_segment() -> None:
     adapters = [adapter(32, s) for s in (1, 2)]
     key = (-1, "lm_head")
     lengths = [150, 170]
-    tiles = sum(-(-n // ops.ROW_TILE) for n in lengths)
+    tiles = sum(-(-n // tiling.ROW_TILE) for n in lengths)
     assert tiles * 32 * 49152 * 4 > STACK_BYTES
     x = torch.randn(sum(lengths), 96, generator=torch.Generator().manual_seed(7))
     batch = LoraBatch(layout(lengths), [0, 1], adapters)
@@ -112,8 +112,8 @@ def test_out_of_autograd_an_expand_too_wide_to_stack_runs_per_segment_on_the_ran
     adapters = [adapter(32, s) for s in (1, 2, 3, 4)]
     key = (-1, "lm_head")
     gen = torch.Generator().manual_seed(6)
-    shapes = [torch.randn(32, 96, generator=gen), torch.randn(ops.col_cap(32, 4), 32, generator=gen)]  # A, B's block
-    ladder = ops.Ladder((ops.ROW_TILE,), choose_direct_tiles(shapes, [threads]), lone=0)
+    shapes = [torch.randn(32, 96, generator=gen), torch.randn(tiling.col_cap(32, 4), 32, generator=gen)]  # A, B's block
+    ladder = tiling.Ladder((tiling.ROW_TILE,), choose_direct_tiles(shapes, [threads]), lone=0)
     batch = LoraBatch(layout([8, 8, 8, 8]), [0, 1, 2, 3], adapters)
     x = torch.randn(32, 96, generator=gen)
     # per segment where this machine admits direct heights for the rank (a CPU whose library rounds rows by height
@@ -134,8 +134,8 @@ def test_a_lone_decode_row_runs_both_products_in_one_padded_tile_with_the_refere
     bits of ``ops.linear``'s padded products, which the pool's self-check holds to the reference tile's."""
     one = adapter(32, 7)
     gen = torch.Generator().manual_seed(8)
-    shapes = [torch.randn(32, 96, generator=gen), torch.randn(ops.col_cap(32, 4), 32, generator=gen)]
-    ladder = ops.Ladder((ops.ROW_TILE,), choose_direct_tiles(shapes, [threads]), lone=0)
+    shapes = [torch.randn(32, 96, generator=gen), torch.randn(tiling.col_cap(32, 4), 32, generator=gen)]
+    ladder = tiling.Ladder((tiling.ROW_TILE,), choose_direct_tiles(shapes, [threads]), lone=0)
     batch = LoraBatch([0, 1], [0], [one])
     for key, (inputs, _) in KEYS.items():
         x = torch.randn(1, inputs, generator=gen).to(dtype)
@@ -199,9 +199,9 @@ def test_invariant_linear_gradients_do_not_depend_on_the_tile_ladder_the_batch_c
     weight = torch.randn(576, 1536, generator=gen).t().contiguous().t()  # column-major, as the decoder stores it
     x, g = torch.randn(160, 1536, generator=gen), torch.randn(160, 576, generator=gen)
     ladder = (4, 16, 64)
-    grad_tiles = (ops.ROW_TILE,) if backward == "reference" else choose_row_tiles([weight.t()], [threads])
+    grad_tiles = (tiling.ROW_TILE,) if backward == "reference" else choose_row_tiles([weight.t()], [threads])
     full = x.clone().requires_grad_()
-    forward, backward_ladder = ops.Ladder(ladder), ops.Ladder(grad_tiles)
+    forward, backward_ladder = tiling.Ladder(ladder), tiling.Ladder(grad_tiles)
     ops.linear(full, weight, invariant=True, ladder=forward, grad_ladder=backward_ladder).backward(g)
     for a, b in ((0, 1), (3, 10), (100, 160), (1, 130)):
         part = x[a:b].clone().requires_grad_()

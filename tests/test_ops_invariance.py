@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.kernels import attention as attn
-from lathe.kernels import ops
+from lathe.kernels import ops, tiling
 from lathe.models.tiles import choose_attention_tiles, choose_direct_tiles
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -225,7 +225,7 @@ def test_linear_over_a_tile_ladder_matches_float64_values_and_grads(dtype: torch
     inputs = [_leaf(300, 64, dtype=dtype, gen=gen), _leaf(48, 64, dtype=dtype, gen=gen),
               _leaf(48, dtype=dtype, gen=gen)]
     ladder = (1, 4, 16, 64, 256)
-    _check_values_and_grads(lambda x, w, b: ops.linear(x, w, b, invariant=True, ladder=ops.Ladder(ladder)),
+    _check_values_and_grads(lambda x, w, b: ops.linear(x, w, b, invariant=True, ladder=tiling.Ladder(ladder)),
                             lambda x, w, b: x @ w.T + b, inputs)
 
 
@@ -238,13 +238,13 @@ def test_linear_over_a_tile_ladder_matches_float64_values_and_grads(dtype: torch
 ])
 def test_row_groups_cover_the_rows_largest_tiles_first(rows: int, tiles: tuple[int, ...],
                                                         groups: list[tuple[int, int, int]]) -> None:
-    assert ops.row_groups(rows, tiles) == groups
+    assert tiling.row_groups(rows, tiles) == groups
 
 
 def test_row_groups_skip_a_height_that_fills_fewer_tiles_than_threads() -> None:
     """146 rows at 2 threads: one 128-row tile would run beside a zero tile; two 64-row tiles do the work."""
-    assert ops.row_groups(146, (16, 64, 128), least=2) == [(0, 128, 64), (128, 146, 16)]
-    assert ops.row_groups(146, (16, 64, 128)) == [(0, 128, 128), (128, 146, 16)]
+    assert tiling.row_groups(146, (16, 64, 128), least=2) == [(0, 128, 64), (128, 146, 16)]
+    assert tiling.row_groups(146, (16, 64, 128)) == [(0, 128, 128), (128, 146, 16)]
 
 
 @pytest.mark.parametrize(("k", "n", "size", "blocks"), [
@@ -260,8 +260,8 @@ def test_row_groups_skip_a_height_that_fills_fewer_tiles_than_threads() -> None:
 ])
 def test_col_blocks_halve_narrow_weights_and_cap_wide_ones(k: int, n: int, size: int,
                                                             blocks: list[tuple[int, int]]) -> None:
-    assert ops.col_blocks(k, n, size) == blocks
-    assert all((c1 - c0) * k * size <= ops.COL_BLOCK_BYTES for c0, c1 in blocks)
+    assert tiling.col_blocks(k, n, size) == blocks
+    assert all((c1 - c0) * k * size <= tiling.COL_BLOCK_BYTES for c0, c1 in blocks)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -273,7 +273,7 @@ def test_a_lone_tile_has_the_bits_of_the_same_rows_among_other_tiles(threads: in
     and a remainder), many tiles loop over the blocks: the products, and so the bits, are the same."""
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(40, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
-    assert len(ops.col_blocks(k, n, w.element_size())) > 1
+    assert len(tiling.col_blocks(k, n, w.element_size())) > 1
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -561,7 +561,7 @@ def test_batched_decode_attention_has_the_bits_of_per_sequence_attention(dtype: 
                 torch.testing.assert_close(batched[s:s + 1], alone, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("lone", [ops.ROW_TILE, 0])
+@pytest.mark.parametrize("lone", [tiling.ROW_TILE, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_direct_products_mixing_the_admitted_heights_keep_the_reference_bits(dtype: torch.dtype, lone: int) -> None:
     """The self-check admits each direct height alone; a batch cut over all of them (largest first, the rows left
@@ -571,7 +571,7 @@ def test_direct_products_mixing_the_admitted_heights_keep_the_reference_bits(dty
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(384, 320, generator=gen).to(dtype)  # [N, K]
     heights = choose_direct_tiles([weight], [1, 2])
-    assert set(heights) <= set(ops.DIRECT_TILE_CANDIDATES)
+    assert set(heights) <= set(tiling.DIRECT_TILE_CANDIDATES)
     x, w = torch.randn(700, 320, generator=gen).to(dtype), weight.t()
     ref = ops.tiled_matmul(x, w)
     for start, rows in ((0, 700), (3, 341), (5, 1), (9, 2), (17, 263)):

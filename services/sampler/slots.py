@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Mapping
 import torch
 
 from lathe.errors import ResourceExhausted
-from lathe.kernels import ops
+from lathe.kernels import tiling
 from lathe.kernels.lora import lora_delta_bgmv
 from lathe.kernels.sgmv_triton import bgmv_expand, bgmv_shrink
 from lathe.models.config import ModelConfig
@@ -150,7 +150,7 @@ class SlotBatch:
         return SlotBatch(self.pool, self.idx[torch.tensor(rows, dtype=torch.long, device=self.idx.device)])
 
     def delta(self, key: Key, x: torch.Tensor,
-              ladders: Mapping[int, ops.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
+              ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The correction of target ``key`` for ``x [T, in]`` -> ``[T, out]`` in x's dtype (None: no slot has
         the key). ``ladders`` is ``LoraBatch.delta``'s; the BGMV kernels are the plain ops' throughput path, which
         has no ladders, so it is not read."""
