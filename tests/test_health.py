@@ -7,7 +7,6 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,7 +18,7 @@ from lathe.errors import Unavailable
 from lathe.models.catalog import ModelCatalog
 from lathe.runtime.internal_auth import RequireToken
 from lathe.runtime.probes import LIVENESS, NOT_SERVING, SERVING, Probes, Warmup
-from lathe.stack import POOL_MALLOC, Stack, StackConfig
+from lathe.stack import POOL_MALLOC, Stack
 from lathe.trainer import intake
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.server import TrainerServicer
@@ -46,43 +45,36 @@ def wait_for(address: str, status: int, service: str = "") -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_dir: Path) -> Iterator[Stack]:
-    cfg = StackConfig(models=BASE, store_root=tmp_path_factory.mktemp("store"), cache_root=model_cache,
-                      trainer_threads=1, sampler_threads=1, http_port=-1)
-    with Stack(cfg) as s:
-        yield s
-
-
-def test_every_service_answers_serving_once_ready_without_the_secret(live: Stack) -> None:
+def test_every_service_answers_serving_once_ready_without_the_secret(stack: Stack) -> None:
     for name, grpc_service in SERVICES.items():
-        address = live.service(name).address
+        address = stack.service(name).address
         wait_for(address, SERVING)
         assert check(address, grpc_service) == SERVING
         assert check(address, LIVENESS) == SERVING
     # the exemption is the health service alone: the pools' own calls still need the secret
-    with grpc.insecure_channel(live.service("trainer").address) as channel, pytest.raises(grpc.RpcError) as e:
+    with grpc.insecure_channel(stack.service("trainer").address) as channel, pytest.raises(grpc.RpcError) as e:
         pb_grpc.TrainerStub(channel).Capabilities(pb.TrainerCapabilitiesRequest(), timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # a ready pool has loaded its model and run the self-check: the capabilities say so before any training run
-    with lathe.ServiceClient(base_url=live.gateway, api_key="tml-health") as sc:
+    # a ready pool has loaded its model and run the self-check (the stack waited for SERVING before any test
+    # trained on it): the capabilities say so
+    with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-health") as sc:
         model = next(m for m in sc.get_server_capabilities().supported_models if m.model_name == BASE)
     assert model.trainer_exactness.checked and model.sampler_exactness.checked
 
 
-def test_pools_start_with_the_pool_allocator_settings_and_the_other_services_without_them(live: Stack) -> None:
+def test_pools_start_with_the_pool_allocator_settings_and_the_other_services_without_them(stack: Stack) -> None:
     """The stack hands trainer, sampler and checkpoints glibc's pool settings (one arena, freed memory kept), unless
     the environment has its own; the gateway keeps the environment's; the torch-free services park their OpenMP
     threads.
     (Read from what the stack passes: glibc rewrites the copy a process shows in /proc/<pid>/environ.)"""
     mine = os.environ.get("GLIBC_TUNABLES")
-    for s in live.services:
-        env = live.service_env(s.name)
+    for s in stack.services:
+        env = stack.service_env(s.name)
         pool = s.name in ("trainer", "sampler")
         assert env.get("GLIBC_TUNABLES") == ((mine or POOL_MALLOC) if pool or s.name == "checkpoints" else mine), s.name
         assert env.get("OMP_WAIT_POLICY") == (os.environ.get("OMP_WAIT_POLICY") if pool else
                                               os.environ.get("OMP_WAIT_POLICY", "PASSIVE")), s.name
-        assert env["LATHE_INTERNAL_TOKEN"] == live.internal_token
+        assert env["LATHE_INTERNAL_TOKEN"] == stack.internal_token
 
 
 async def _status(stub: health_pb2_grpc.HealthStub, service: str = "") -> int:
