@@ -31,6 +31,7 @@ from lathe.gateway.downloads import EXPORT_NOTE_KEY, ExportNote, UrlSigner
 from lathe.runtime.internal_auth import TOKEN_ENV
 from lathe.stack import Stack, StackConfig
 from lathe.trainer.dist import free_port
+from tests.helpers import next_token_datum
 
 weights = pytest.importorskip("tinker_cookbook.weights")
 
@@ -57,10 +58,7 @@ def test_a_signed_url_refuses_tampering_and_expiry() -> None:
 
 def _train(sc: tinker.ServiceClient) -> tinker.TrainingClient:
     tc = sc.create_lora_training_client(base_model="lathe/tiny-llama", rank=4)
-    toks = list(range(5, 25))
-    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]),
-                         loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)})
-    tc.forward_backward([datum], "cross_entropy").result()
+    tc.forward_backward([next_token_datum(range(5, 25), tinker)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     return tc
 

@@ -21,7 +21,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 import lathe
 from examples import console_shot
 from lathe.stack import Stack
-from tests.helpers import next_token_datum
+from tests.helpers import next_token_datum, rl_datum
 
 BASE = "lathe/tiny-llama"
 KEY, OTHER = "tml-console", "tml-console-other"
@@ -133,9 +133,7 @@ def test_an_rl_runs_points_carry_its_sampler_trainer_kl(stack: Stack) -> None:
         prompt = [4, 9, 16, 25]
         res = training.save_weights_and_get_sampling_client("rl").sample(
             lathe.ModelInput.from_ints(prompt), 2, lathe.SamplingParams(max_tokens=5, seed=3, stop=[])).result()
-        data = [lathe.Datum(model_input=lathe.ModelInput.from_ints((prompt + s.tokens)[:-1]), loss_fn_inputs={
-            "target_tokens": (prompt + s.tokens)[1:], "logprobs": [0.0] * 3 + s.logprobs,
-            "advantages": [0.0] * 3 + [1.0] * len(s.tokens)}) for s in res.sequences]
+        data = [rl_datum(prompt, s.tokens, s.logprobs, 1.0) for s in res.sequences]
         fb = training.forward_backward(data, "importance_sampling").result()
     assert fb.metrics["sampler_kl:mean"] == 0.0
     with httpx.Client(base_url=stack.http_url) as http:

@@ -17,6 +17,7 @@ import tinker
 
 import lathe
 from lathe.stack import Stack, StackConfig
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 STEPS = 8
@@ -43,8 +44,7 @@ def batch(n: int = 4) -> list[tuple[list[int], list[float]]]:
 
 
 def lathe_loop(stack: Stack, tag: str, progress: Callable[[int], None]) -> list[np.ndarray]:
-    data = [lathe.Datum(model_input=lathe.ModelInput.from_ints(t[:-1]),
-                        loss_fn_inputs={"target_tokens": t[1:], "weights": w}) for t, w in batch()]
+    data = [next_token_datum(t, lathe, w) for t, w in batch()]
     with lathe.ServiceClient(base_url=stack.gateway, api_key=f"tml-{tag}") as sc:
         tc = sc.create_lora_training_client(BASE, rank=4, seed=5)
         for i in range(STEPS):
@@ -58,8 +58,7 @@ def lathe_loop(stack: Stack, tag: str, progress: Callable[[int], None]) -> list[
 
 
 def tinker_loop(stack: Stack, tag: str, progress: Callable[[int], None]) -> list[np.ndarray]:
-    data = [tinker.Datum(model_input=tinker.ModelInput.from_ints(t[:-1]),
-                         loss_fn_inputs={"target_tokens": t[1:], "weights": w}) for t, w in batch()]
+    data = [next_token_datum(t, tinker, w) for t, w in batch()]
     sc = tinker.ServiceClient(base_url=stack.http_url, api_key=f"tml-{tag}")
     tc = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
     for i in range(STEPS):
@@ -131,9 +130,7 @@ def test_an_inflight_client_follows_its_run_across_a_gateway_restart(stack: Stac
     stack.kill("gateway")
     stack.restart("gateway")
     (tokens, weights), = batch(1)
-    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
-    tc.forward_backward([datum], "cross_entropy").result()
+    tc.forward_backward([next_token_datum(tokens, tinker, weights)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
     after = tc.save_weights_and_get_sampling_client(kind="inflight").result().compute_logprobs(probe).result()
     assert after != before

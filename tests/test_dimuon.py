@@ -14,6 +14,7 @@ import lathe
 from lathe.stack import Stack
 from lathe.trainer.dimuon import DAMPING, DimuonState, dimuon_step
 from lathe.types import DimuonParams
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 
@@ -69,8 +70,7 @@ def _data(sdk) -> list:  # noqa: ANN001 - tinker or lathe
     out = []
     for _ in range(3):
         toks = rng.integers(3, 500, 14).tolist()
-        out.append(sdk.Datum(model_input=sdk.ModelInput.from_ints(toks[:-1]),
-                             loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 13}))
+        out.append(next_token_datum(toks, sdk))
     return out
 
 

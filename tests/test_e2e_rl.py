@@ -7,29 +7,16 @@ import pytest
 
 import lathe
 from lathe.stack import Stack
+from tests.helpers import next_token_datum, rl_datum
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
 
 
-
-
-def datum(prompt: list[int], completion: list[int], lps: list[float], adv: float) -> lathe.Datum:
-    tokens = prompt + completion
-    n_prompt = len(prompt) - 1
-    return lathe.Datum(model_input=lathe.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-        "target_tokens": tokens[1:],
-        "logprobs": [0.0] * n_prompt + lps,
-        "advantages": [0.0] * n_prompt + [adv] * len(completion),
-    })
-
-
 def test_sampler_logprobs_equal_trainer_forward_bit_for_bit(stack: Stack) -> None:
     with lathe.ServiceClient(base_url=stack.gateway, api_key="tml-rl") as sc:
         tc = sc.create_lora_training_client(BASE, rank=8, seed=3)
-        warm = [lathe.Datum(model_input=lathe.ModelInput.from_ints(PROMPT[:-1]),
-                            loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * 6})]
-        tc.forward_backward(warm, "cross_entropy")
+        tc.forward_backward([next_token_datum(PROMPT)], "cross_entropy")
         tc.optim_step(lathe.AdamParams(learning_rate=0.05)).result()  # a non-trivial adapter
         sampler = tc.save_weights_and_get_sampling_client("step1")
         res = sampler.sample(lathe.ModelInput.from_ints(PROMPT), 4,
@@ -37,7 +24,7 @@ def test_sampler_logprobs_equal_trainer_forward_bit_for_bit(stack: Stack) -> Non
         assert len(res.sequences) == 4
         for s in res.sequences:
             assert s.policy_version == sampler.model_path and s.stop_reason == "length" and len(s.tokens) == 12
-        data = [datum(PROMPT, s.tokens, s.logprobs, 0.0) for s in res.sequences]
+        data = [rl_datum(PROMPT, s.tokens, s.logprobs, 0.0) for s in res.sequences]
         fwd = tc.forward(data, "importance_sampling").result()
         for s, out in zip(res.sequences, fwd.loss_fn_outputs, strict=True):
             trainer_lp = out["logprobs"].to_numpy()[len(PROMPT) - 1:]
@@ -46,9 +33,7 @@ def test_sampler_logprobs_equal_trainer_forward_bit_for_bit(stack: Stack) -> Non
         full = PROMPT + res.sequences[0].tokens
         lp = sampler.compute_logprobs(lathe.ModelInput.from_ints(full)).result()
         assert lp[0] is None
-        ce = tc.forward([lathe.Datum(model_input=lathe.ModelInput.from_ints(full[:-1]),
-                                     loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})],
-                        "cross_entropy").result()
+        ce = tc.forward([next_token_datum(full)], "cross_entropy").result()
         assert np.array_equal(np.asarray(lp[1:], dtype=np.float32), ce.loss_fn_outputs[0]["logprobs"].to_numpy())
         # both pools ran their exactness self-check; receipts and capabilities say the bits are comparable
         assert res.receipt.exact and fwd.receipt.exact
@@ -73,7 +58,7 @@ def test_short_rl_run_updates_the_adapter_and_new_sampler_weights_change_samples
             r = np.array([sum(t < 128 for t in s.tokens) for s in res.sequences], dtype=float)  # low token ids
             rewards.append(r.mean())
             adv = r - r.mean()
-            data = [datum(PROMPT, s.tokens, s.logprobs, float(a)) for s, a in zip(res.sequences, adv, strict=True)]
+            data = [rl_datum(PROMPT, s.tokens, s.logprobs, float(a)) for s, a in zip(res.sequences, adv, strict=True)]
             fb = tc.forward_backward(data, "importance_sampling")
             tc.optim_step(lathe.AdamParams(learning_rate=0.05)).result()
             assert np.isfinite(fb.result().metrics["loss:sum"])
@@ -112,8 +97,7 @@ def test_forward_backward_custom_equals_cross_entropy(stack: Stack) -> None:
     rng = np.random.default_rng(0)
     toks = [int(t) for t in rng.integers(3, 250, 20)]
     w = rng.uniform(0, 1, 19).astype(np.float32)
-    data = [lathe.Datum(model_input=lathe.ModelInput.from_ints(toks[:-1]),
-                        loss_fn_inputs={"target_tokens": toks[1:], "weights": w})]
+    data = [next_token_datum(toks, weights=w)]
 
     def custom(batch: list[lathe.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         weights = torch.tensor(batch[0].loss_fn_inputs["weights"].to_numpy())

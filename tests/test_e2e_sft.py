@@ -9,10 +9,9 @@ import pytest
 
 import lathe
 from lathe.stack import Stack
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
-
-
 
 
 def sft_batch(seed: int = 0, n: int = 4) -> list[lathe.Datum]:
@@ -21,8 +20,7 @@ def sft_batch(seed: int = 0, n: int = 4) -> list[lathe.Datum]:
     for _ in range(n):
         toks = [rng.randrange(3, 250) for _ in range(rng.randrange(12, 24))]
         weights = [0.0] * 4 + [1.0] * (len(toks) - 5)
-        out.append(lathe.Datum(model_input=lathe.ModelInput.from_ints(toks[:-1]),
-                               loss_fn_inputs={"target_tokens": toks[1:], "weights": weights}))
+        out.append(next_token_datum(toks, weights=weights))
     return out
 
 

@@ -86,14 +86,15 @@ def test_exports_reproduce_lathes_own_logprobs(model_cache: Path, tmp_path: Path
     from lathe.models.catalog import ModelCatalog
     from lathe.models.tiny import ensure_tiny_model
     from lathe.trainer.engine import TrainerConfig, TrainerEngine
-    from tests.test_trainer_engine import datum, fb, opt, submit
+    from tests.helpers import pb_datum
+    from tests.test_trainer_engine import fb, opt, submit
 
     tiny_dir = ensure_tiny_model(model_cache, "llama" if base == "lathe/tiny-llama" else "qwen3_moe")
     store = _MemoryStore()
     engine = TrainerEngine(TrainerConfig(models=base, cache_root=model_cache),
                            ModelCatalog.from_spec(base, model_cache), store)
     tokens = [1, 17, 99, 250, 3, 42, 7, 300, 12, 5]
-    probe = datum(tokens)
+    probe = pb_datum(tokens)
 
     def run(op: object) -> object:
         future = submit(engine, op)
@@ -112,7 +113,7 @@ def test_exports_reproduce_lathes_own_logprobs(model_cache: Path, tmp_path: Path
     before = lathe_logprobs(1)
     seq = 2
     for k in range(3):
-        run(fb("m", seq, [datum(tokens[k:] + tokens[:k])]))
+        run(fb("m", seq, [pb_datum(tokens[k:] + tokens[:k])]))
         run(opt("m", seq + 1, lr=0.01))  # moderate logits: a merge rounds W + s·BA to fp32
         seq += 2
     lathe_lp = lathe_logprobs(seq)

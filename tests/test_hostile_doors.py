@@ -23,6 +23,7 @@ from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
 from tests.conftest import tiny_stack
+from tests.helpers import pb_datum, pb_tensor
 
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
@@ -37,17 +38,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterat
     """A stack of this module's own: a test reads the gateway's peak memory, which others would have set."""
     with tiny_stack(tmp_path_factory, model_cache) as s:
         yield s
-
-
-def _tensor(values: list, dtype: str, shape: list[int] | None = None) -> pb.Tensor:
-    arr = np.asarray(values, dtype=dtype)
-    return pb.Tensor(data=arr.tobytes(), dtype=dtype, shape=list(arr.shape) if shape is None else shape)
-
-
-def _datum(tokens: list[int], **inputs: pb.Tensor) -> pb.Datum:
-    inputs = {"target_tokens": _tensor(tokens[1:] + tokens[:1], "int64"),
-              "weights": _tensor([1.0] * len(tokens), "float32"), **inputs}
-    return pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=tokens)]), loss_fn_inputs=inputs)
 
 
 class Grpc:
@@ -97,7 +87,7 @@ class Grpc:
 
     def trains(self, model_id: str, first_seq: int) -> None:
         """The run still trains: a forward_backward and its optim_step both succeed."""
-        assert self.fb(model_id, first_seq, [_datum(TOKENS)]).WhichOneof("result") == "forward_backward"
+        assert self.fb(model_id, first_seq, [pb_datum(TOKENS)]).WhichOneof("result") == "forward_backward"
         assert self.step(model_id, first_seq + 1).WhichOneof("result") == "optim_step"
 
 
@@ -171,8 +161,8 @@ def test_negative_dimensions_fail_one_operation_and_every_tenant_keeps_training(
     mallory, alice = Grpc(stack, "tml-h1-mallory"), Grpc(stack, "tml-h1-alice")
     bad_run, good_run = mallory.model(), alice.model()
     six = TOKENS[:6]
-    hostile = _datum(six, target_tokens=_tensor(six, "int64", shape=[-2, -3]))  # -2 * -3 == 6 values
-    res = mallory.fb(bad_run, 1, [_datum(TOKENS), hostile])
+    hostile = pb_datum(six, target_tokens=pb_tensor(six, "int64", shape=[-2, -3]))  # -2 * -3 == 6 values
+    res = mallory.fb(bad_run, 1, [pb_datum(TOKENS), hostile])
     assert res.error.code == "InvalidArgument", res
     assert res.error.message == "datum 1: loss_fn_inputs['target_tokens']: shape [-2, -3] has a negative dimension"
     alice.trains(good_run, 1)  # the trainer's cycle thread is alive for everyone ...
@@ -235,7 +225,7 @@ def test_counts_and_sizes_are_refused_before_anything_is_allocated(stack: Stack)
     http.refused(chunked, 413, r"the request body is over the limit of 67108864 bytes")
     blob = pb.Tensor(data=b"\0" * (65 * MIB), dtype="float32", shape=[65 * MIB // 4])
     door.refused("ForwardBackward", pb.ForwardBackwardRequest(
-        model_id=model, seq_id=1, data=[_datum(TOKENS, weights=blob)]), grpc.StatusCode.RESOURCE_EXHAUSTED,
+        model_id=model, seq_id=1, data=[pb_datum(TOKENS, weights=blob)]), grpc.StatusCode.RESOURCE_EXHAUSTED,
         "larger than max")
     # the gateway held none of it for long: its peak memory grew by far less than one refused body
     grown = _peak_rss_mib(stack, "gateway") - rss_before
@@ -281,7 +271,7 @@ def test_bad_parameters_are_client_errors_at_both_doors_and_leave_no_state(stack
     n = len(TOKENS)
 
     def rl(seq: int, loss_fn: str, logprobs: list[float], **config: float) -> pb.FutureResult:
-        d = _datum(TOKENS, logprobs=_tensor(logprobs, "float32"), advantages=_tensor([1.0] * n, "float32"))
+        d = pb_datum(TOKENS, logprobs=pb_tensor(logprobs, "float32"), advantages=pb_tensor([1.0] * n, "float32"))
         del d.loss_fn_inputs["weights"]
         return door.fb(run, seq, [d], loss_fn, **config)
 

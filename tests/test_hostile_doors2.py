@@ -32,7 +32,8 @@ from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
 from tests.conftest import tiny_stack
-from tests.test_hostile_doors import ADAM, BASE, MIB, PROTO, TOKENS, WAIT_S, Grpc, Http, _datum, _peak_rss_mib
+from tests.helpers import pb_datum
+from tests.test_hostile_doors import ADAM, BASE, MIB, PROTO, TOKENS, WAIT_S, Grpc, Http, _peak_rss_mib
 from tests.test_tinker_sdk import sft_data
 
 LIMITS = HttpLimits()
@@ -65,7 +66,7 @@ def test_a_strangers_grpc_message_is_refused_before_it_is_read(stack: Stack) -> 
     by far less than one of them (grpc would otherwise take each in whole before any handler runs)."""
     before = _peak_rss_mib(stack, "gateway")
     blob = pb.Tensor(data=b"\0" * (48 * MIB), dtype="float32", shape=[12 * MIB])
-    big = pb.ForwardBackwardRequest(model_id="m", seq_id=1, data=[_datum(TOKENS, weights=blob)])
+    big = pb.ForwardBackwardRequest(model_id="m", seq_id=1, data=[pb_datum(TOKENS, weights=blob)])
     channel = grpc.insecure_channel(stack.gateway, options=CHANNEL_OPTIONS)
     stub = pb_grpc.GatewayStub(channel)
 
@@ -174,7 +175,7 @@ def test_the_grpc_door_reads_forward_backward_and_sample_only_with_a_place_of_th
         pb_grpc.add_GatewayServicer_to_server(recorder, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        big = pb.ForwardBackwardRequest(model_id="m", seq_id=7, data=[_datum(TOKENS, weights=pb.Tensor(
+        big = pb.ForwardBackwardRequest(model_id="m", seq_id=7, data=[pb_datum(TOKENS, weights=pb.Tensor(
             data=b"\1" * (8 * MIB), dtype="float32", shape=[2 * MIB]))])
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.GatewayStub(channel)

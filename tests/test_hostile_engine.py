@@ -8,7 +8,6 @@ import asyncio
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,22 +19,12 @@ from lathe.trainer import intake
 from lathe.trainer import runner as runner_mod
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
+from tests.helpers import pb_datum, pb_tensor
 from tests.test_trainer_engine import submit
 
 torch.set_num_threads(1)
 BASE = "lathe/tiny-llama"
 WAIT_S = 60.0
-
-
-def _tensor(values: list, dtype: str, shape: list[int] | None = None) -> pb.Tensor:
-    arr = np.asarray(values, dtype=dtype)
-    return pb.Tensor(data=arr.tobytes(), dtype=dtype, shape=shape if shape is not None else list(arr.shape))
-
-
-def _datum(tokens: list[int]) -> pb.Datum:
-    return pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=tokens)]),
-                    loss_fn_inputs={"target_tokens": _tensor(tokens[1:] + tokens[:1], "int64"),
-                                    "weights": _tensor([1.0] * len(tokens), "float32")})
 
 
 def _fb(model_id: str, seq: int, data: list[pb.Datum], tenant: str = "t", loss_fn: str = "cross_entropy"
@@ -85,11 +74,11 @@ def test_a_bug_while_checking_one_request_fails_it_alone(model_cache: Path, tiny
     eng.start()
     try:
         _create(eng, "a")
-        bad = submit(eng, _fb("a", 1, [_datum(TOKENS)], loss_fn="ppo")).result(timeout=WAIT_S)
+        bad = submit(eng, _fb("a", 1, [pb_datum(TOKENS)], loss_fn="ppo")).result(timeout=WAIT_S)
         assert bad.error.code == "Internal" and bad.error.message == (
             "checking seq_id 1 failed: ValueError: cannot reshape array of size 6 into shape (-2,-3)")
         assert not bad.HasField("receipt")  # refused at the intake: it never reached a cycle
-        ok = [submit(eng, _fb("a", 2, [_datum(TOKENS)])), submit(eng, _opt("a", 3))]
+        ok = [submit(eng, _fb("a", 2, [pb_datum(TOKENS)])), submit(eng, _opt("a", 3))]
         assert [f.result(timeout=WAIT_S).WhichOneof("result") for f in ok] == ["forward_backward", "optim_step"]
         assert eng.alive
     finally:
@@ -136,10 +125,10 @@ def test_creating_an_adapter_mid_cycle_never_pages_out_the_cycles_own(model_cach
         return real(model, jobs, load)
 
     monkeypatch.setattr(runner_mod, "run_jobs", with_intruder)
-    futs = [submit(eng, _fb("a", 1, [_datum(TOKENS)])), submit(eng, _opt("a", 2))]
+    futs = [submit(eng, _fb("a", 1, [pb_datum(TOKENS)])), submit(eng, _opt("a", 2))]
     eng.run_cycle()
     monkeypatch.setattr(runner_mod, "run_jobs", real)
-    ref_futs = [submit(ref, _fb("a", 1, [_datum(TOKENS)])), submit(ref, _opt("a", 2))]
+    ref_futs = [submit(ref, _fb("a", 1, [pb_datum(TOKENS)])), submit(ref, _opt("a", 2))]
     ref.run_cycle()
     assert [f.result(timeout=WAIT_S).WhichOneof("result") for f in futs + ref_futs] == [
         "forward_backward", "optim_step"] * 2
@@ -172,10 +161,10 @@ def test_bad_loss_configs_and_rl_datums_are_refused_by_name(model_cache: Path, t
     n = len(TOKENS)
 
     def rl(seq: int, loss_fn: str, logprobs: list[float], **config: float) -> str:
-        d = _datum(TOKENS)
+        d = pb_datum(TOKENS)
         del d.loss_fn_inputs["weights"]
-        d.loss_fn_inputs["logprobs"].CopyFrom(_tensor(logprobs, "float32"))
-        d.loss_fn_inputs["advantages"].CopyFrom(_tensor([1.0] * n, "float32"))
+        d.loss_fn_inputs["logprobs"].CopyFrom(pb_tensor(logprobs, "float32"))
+        d.loss_fn_inputs["advantages"].CopyFrom(pb_tensor([1.0] * n, "float32"))
         op = _fb("rl", seq, [d], loss_fn=loss_fn)
         op.forward_backward.loss_fn_config.update(config)
         fut = submit(eng, op)
@@ -199,11 +188,11 @@ def test_negative_and_too_many_dimensions_are_refused_by_datum_and_field(model_c
     for shape, message in (([-2, -3], "shape [-2, -3] has a negative dimension"),
                            ([1] * 9 + [6], "has 10 dimensions, over the limit of 8"),
                            ([0, 6], "shape [0, 6] does not hold 6 values")):
-        d = _datum([1, 2, 3, 4, 5, 6])
+        d = pb_datum([1, 2, 3, 4, 5, 6])
         del d.loss_fn_inputs["target_tokens"].shape[:]
         d.loss_fn_inputs["target_tokens"].shape.extend(shape)
         with pytest.raises(InvalidArgument) as e:
-            check_request([_datum([1, 2]), d], "cross_entropy", {}, limits)
+            check_request([pb_datum([1, 2]), d], "cross_entropy", {}, limits)
         assert str(e.value).startswith("datum 1: loss_fn_inputs['target_tokens']: ") and message in str(e.value)
 
 

@@ -40,6 +40,7 @@ from lathe.stack import Stack
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 KEY = "tml-fuzzer"
@@ -96,9 +97,7 @@ def _values(t: Targets) -> st.SearchStrategy:
 
 # ---------- the stack, the fuzzing tenant and the training run beside ----------
 
-DATA = [lathe.Datum(model_input=lathe.ModelInput.from_ints(t[:-1]),
-                    loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)})
-        for t in ([5, 17, 42, 9, 33, 120, 7, 88], [3, 14, 15, 92, 65, 35, 89, 79, 32, 38])]
+DATA = [next_token_datum(t) for t in ([5, 17, 42, 9, 33, 120, 7, 88], [3, 14, 15, 92, 65, 35, 89, 79, 32, 38])]
 
 
 def _train(tc: lathe.TrainingClient, steps: int) -> None:

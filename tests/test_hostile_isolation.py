@@ -35,7 +35,7 @@ from lathe.v1 import checkpoints_pb2 as cpb
 from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
-from tests.helpers import next_token_pb_datum
+from tests.helpers import next_token_datum, next_token_pb_datum
 
 BASE = "lathe/tiny-llama"
 OWNER_KEY, INTRUDER_KEY = "tml-owner-" + "a" * 24, "tml-intruder-" + "b" * 24
@@ -254,10 +254,8 @@ def test_grpc_listings_show_nothing_of_the_other_tenant(secured: Secured, owned:
 
 
 def _fb_body(model_id: str) -> bytes:
-    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
-                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
     req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
-        data=[datum], loss_fn="cross_entropy"), model_id=model_id, seq_id=7)
+        data=[next_token_datum(TOKENS, types)], loss_fn="cross_entropy"), model_id=model_id, seq_id=7)
     return request_conv.forward_backward_request_to_proto(req).SerializeToString()
 
 

@@ -42,8 +42,9 @@ from lathe.trainer import custom_loss
 from lathe.trainer.custom_loss import MAX_LOSS_CALLS, MAX_LOSS_ELEMENTS, CustomLoss, LossBudget
 from lathe.trainer.engine import TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
-from tests.test_hostile_doors import Grpc, Http, _datum, _tensor
-from tests.test_trainer_engine import _engine, _lp, batch, create, datum, fb, opt, submit, weights
+from tests.helpers import pb_datum, pb_tensor
+from tests.test_hostile_doors import Grpc, Http
+from tests.test_trainer_engine import _engine, _lp, batch, create, fb, opt, submit, weights
 
 torch.set_num_threads(1)
 INPUTS = [("logprobs", 1), ("w", 2)]
@@ -245,7 +246,7 @@ def test_a_cycle_holds_custom_loss_elements_of_all_its_jobs_to_the_budget(
                   inputs=[("logprobs", 1)])
 
     def data() -> list[pb.Datum]:
-        return [datum(list(range(5, 17))) for _ in range(2)]  # 2 x (12 + 144 + 1) = 314 elements
+        return [pb_datum(list(range(5, 17))) for _ in range(2)]  # 2 x (12 + 144 + 1) = 314 elements
 
     monkeypatch.setattr(eng, "cfg", replace(eng.cfg, loss_budget=LossBudget(elements=400)))  # --max-loss-elements
     for name in ("outer-a", "outer-b", "plain"):
@@ -279,7 +280,7 @@ def test_hostile_graphs_are_refused_at_both_doors_and_never_left_pending(stack: 
             message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]"))
     door = Grpc(stack, "tml-mallory-grpc")
     model = door.model(seed=3)
-    data = [_datum([5, 17, 42, 9], w=_tensor([[1.0]] * 4, "float32"))]
+    data = [pb_datum([5, 17, 42, 9], w=pb_tensor([[1.0]] * 4, "float32"))]
     del data[0].loss_fn_inputs["weights"]
     for seq, graph_json in ((1, POW), (2, LIST_MUL)):
         sub = door.call("ForwardBackward", pb.ForwardBackwardRequest(
@@ -301,11 +302,11 @@ def test_a_victim_beside_a_refused_loss_in_the_same_cycle_trains_as_alone(stack:
     tenant's long forward pass holds the trainer while the two arrive, so that they share the next cycle."""
     victim, mallory, blocker = Grpc(stack, "tml-victim"), Grpc(stack, "tml-mallory"), Grpc(stack, "tml-blocker")
     t, k = 300, 200
-    hostile_data = [_datum(list(range(3, 3 + t)), w=_tensor(np.ones((t, k)).tolist(), "float32"))]
+    hostile_data = [pb_datum(list(range(3, 3 + t)), w=pb_tensor(np.ones((t, k)).tolist(), "float32"))]
     del hostile_data[0].loss_fn_inputs["weights"]  # the loss reads logprobs and w
     hostile_loss = LossHandle("square", tuple(INPUTS), SQUARE).to_proto()
-    long = [_datum([(i * 7) % 250 + 3 for i in range(500)]) for _ in range(4)]
-    data = [[_datum([5, 17, 42, 9, 33, 120, 7, 88])], [_datum([64, 3, 19, 5, 17, 42])], [_datum([9, 8, 7, 6, 5])]]
+    long = [pb_datum([(i * 7) % 250 + 3 for i in range(500)]) for _ in range(4)]
+    data = [[pb_datum([5, 17, 42, 9, 33, 120, 7, 88])], [pb_datum([64, 3, 19, 5, 17, 42])], [pb_datum([9, 8, 7, 6, 5])]]
 
     def loop(model: str, beside: tuple[str, str] | None = None) -> tuple[list[float], list[bool]]:
         losses, shared = [], []

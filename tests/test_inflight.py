@@ -11,6 +11,7 @@ import tinker
 import lathe
 from lathe.errors import InvalidArgument
 from lathe.stack import Stack
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
@@ -18,8 +19,7 @@ PROBE = PROMPT + [61, 8, 250, 3]
 
 
 def _train(tc: object, sdk: object, steps: int = 2) -> None:
-    datum = sdk.Datum(model_input=sdk.ModelInput.from_ints(PROMPT[:-1]),
-                      loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * (len(PROMPT) - 1)})
+    datum = next_token_datum(PROMPT, sdk)
     for _ in range(steps):
         tc.forward_backward([datum], "cross_entropy").result()
         tc.optim_step(sdk.AdamParams(learning_rate=0.05)).result()

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import lathe
 from lathe.stack import Stack
+from tests.helpers import next_token_datum, rl_datum
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = [REPO / "helm/lathe/dashboards/cycles.json", REPO / "helm/lathe/dashboards/service.json"]
@@ -64,28 +65,20 @@ def live(shared_stack: Stack) -> Stack:
     return shared_stack
 
 
-def _rl_datum(completion: list[int], lps: list[float]) -> lathe.Datum:
-    tokens = PROMPT + completion
-    n = len(PROMPT) - 1
-    return lathe.Datum(model_input=lathe.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-        "target_tokens": tokens[1:], "logprobs": [0.0] * n + lps, "advantages": [0.0] * n + [1.0] * len(completion)})
-
-
 def test_every_service_exposes_its_metrics_and_they_move_with_sdk_calls(live: Stack) -> None:
     urls = live.metrics_urls
     assert sorted(urls) == ["checkpoints", "gateway", "sampler", "trainer"]
     before = {name: scrape(url) for name, url in urls.items()}
     with lathe.ServiceClient(base_url=live.gateway, api_key="tml-metrics") as sc:
         tc = sc.create_lora_training_client(BASE, rank=4, seed=3)
-        warm = [lathe.Datum(model_input=lathe.ModelInput.from_ints(PROMPT[:-1]),
-                            loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * 6})]
-        tc.forward_backward(warm, "cross_entropy").result()
+        tc.forward_backward([next_token_datum(PROMPT)], "cross_entropy").result()
         tc.optim_step(lathe.AdamParams(learning_rate=0.05)).result()
         sampler = tc.save_weights_and_get_sampling_client("m1")
         res = sampler.sample(lathe.ModelInput.from_ints(PROMPT), 2,
                              lathe.SamplingParams(max_tokens=6, seed=7, stop=[])).result()
         # RL on the very policy that sampled: the sampler's logprobs are the trainer's, so the KL is exactly 0
-        tc.forward_backward([_rl_datum(s.tokens, s.logprobs) for s in res.sequences], "importance_sampling").result()
+        data = [rl_datum(PROMPT, s.tokens, s.logprobs, 1.0) for s in res.sequences]
+        tc.forward_backward(data, "importance_sampling").result()
     req = urllib.request.Request(f"{live.http_url}/api/v1/healthz", headers={"X-API-Key": "tml-metrics"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200

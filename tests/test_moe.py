@@ -15,6 +15,7 @@ from lathe.models import moe
 from lathe.models.catalog import ModelCatalog
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.v1 import lathe_pb2 as pb
+from tests.helpers import next_token_datum
 from tests.test_trainer_engine import batch, fb, submit
 
 MOE = "lathe/tiny-qwen3-moe"
@@ -109,8 +110,7 @@ def test_the_official_sdk_trains_and_samples_an_moe_model_with_the_trainers_logp
     caps = {m.model_name for m in sc.get_server_capabilities().supported_models}
     assert MOE in caps
     tc = sc.create_lora_training_client(MOE, rank=4, seed=5)
-    data = [tinker.Datum(model_input=tinker.ModelInput.from_ints(PROMPT[:-1]),
-                         loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * (len(PROMPT) - 1)})]
+    data = [next_token_datum(PROMPT, tinker)]
     first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
     tc.optim_step(tinker.AdamParams(learning_rate=0.05)).result()
     assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first  # it trained

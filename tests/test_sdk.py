@@ -24,6 +24,7 @@ from lathe import info_wire, service_client, wire
 from lathe.futures import RetryPolicy
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
+from tests.helpers import next_token_datum
 
 KEY = "tml-test"
 BASE = "fake/base"
@@ -208,11 +209,6 @@ def gw(fake: tuple[FakeGateway, str]) -> FakeGateway:
     return fake[0]
 
 
-def sft_datum(tokens: list[int]) -> lathe.Datum:
-    return lathe.Datum(model_input=lathe.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1] * (len(tokens) - 1)})
-
-
 # ---------- types and wire ----------
 
 RECEIPT = lathe.Receipt("req-1", "m:train:0", 4, 9, 120, 3, 0.25, 1.5, "bfloat16", "forward_backward")
@@ -223,7 +219,7 @@ ROUND_TRIPS = [
     (lathe.TensorData([7, -8], "int32"), wire.tensor_to_proto, wire.tensor_from_proto),
     (lathe.ModelInput([lathe.EncodedTextChunk([1, 2]), lathe.EncodedTextChunk([3])]),
      wire.model_input_to_proto, wire.model_input_from_proto),
-    (sft_datum([5, 6, 7, 8]), wire.datum_to_proto, wire.datum_from_proto),
+    (next_token_datum([5, 6, 7, 8]), wire.datum_to_proto, wire.datum_from_proto),
     (lathe.LoraConfig(), wire.lora_config_to_proto, wire.lora_config_from_proto),
     (lathe.LoraConfig(rank=4, seed=0, train_mlp=False, train_attn=True, train_unembed=False, alpha=8.0),
      wire.lora_config_to_proto, wire.lora_config_from_proto),
@@ -370,13 +366,13 @@ def test_session_is_lazy_and_every_call_carries_the_api_key(sc: lathe.ServiceCli
 
 def test_ops_get_seq_ids_1_2_3_and_typed_results(sc: lathe.ServiceClient, gw: FakeGateway) -> None:
     tc = sc.create_lora_training_client(BASE)
-    futs = [tc.forward_backward([sft_datum([1, 2, 3]), sft_datum([4, 5])], "cross_entropy", {"beta": 1}),
+    futs = [tc.forward_backward([next_token_datum([1, 2, 3]), next_token_datum([4, 5])], "cross_entropy", {"beta": 1}),
             tc.optim_step(lathe.AdamParams(learning_rate=0.5)),
             tc.save_state("s", ttl_seconds=60),
             tc.save_weights_for_sampler("w"),
             tc.load_state("tinker://x/weights/s"),
             tc.load_state_with_optimizer("tinker://x/weights/s"),
-            tc.forward([sft_datum([7, 8])])]
+            tc.forward([next_token_datum([7, 8])])]
     fb, opt, save, sampler, load, load_opt, fwd = (f.result(timeout=10) for f in futs)
     submitted = [(name, req.seq_id) for name, req, _ in gw.calls if hasattr(req, "seq_id")]
     assert submitted == [("ForwardBackward", 1), ("OptimStep", 2), ("Save", 3), ("Save", 4), ("Load", 5),
@@ -391,7 +387,7 @@ def test_ops_get_seq_ids_1_2_3_and_typed_results(sc: lathe.ServiceClient, gw: Fa
     fb_req, fwd_req = gw.calls_of("ForwardBackward")
     assert not fb_req.forward_only and fwd_req.forward_only and fwd_req.loss_fn == "cross_entropy"
     assert dict(fb_req.loss_fn_config) == {"beta": 1.0}
-    assert wire.datum_from_proto(fb_req.data[0]) == sft_datum([1, 2, 3])
+    assert wire.datum_from_proto(fb_req.data[0]) == next_token_datum([1, 2, 3])
     saves = gw.calls_of("Save")
     assert [(s.kind, s.name, s.ttl_seconds) for s in saves] == [("weights", "s", 60), ("sampler_weights", "w", 0)]
     assert [r.with_optimizer for r in gw.calls_of("Load")] == [False, True]
@@ -414,7 +410,7 @@ def test_concurrent_callers_submit_in_seq_id_order(sc: lathe.ServiceClient, gw: 
 def test_unavailable_submit_is_retried_with_the_same_seq_id(sc: lathe.ServiceClient, gw: FakeGateway) -> None:
     tc = sc.create_lora_training_client(BASE)
     gw.inject["ForwardBackward"] = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE]
-    fb = tc.forward_backward([sft_datum([1, 2])], "cross_entropy")
+    fb = tc.forward_backward([next_token_datum([1, 2])], "cross_entropy")
     opt = tc.optim_step(lathe.AdamParams())
     assert fb.result(timeout=10).receipt.seq_id == 1 and opt.result(timeout=10).receipt.seq_id == 2
     arrivals = [(name, req.seq_id) for name, req, _ in gw.calls if name in ("ForwardBackward", "OptimStep")]
@@ -424,7 +420,7 @@ def test_unavailable_submit_is_retried_with_the_same_seq_id(sc: lathe.ServiceCli
 def test_a_failed_submit_poisons_the_client(sc: lathe.ServiceClient, gw: FakeGateway) -> None:
     tc = sc.create_lora_training_client(BASE)
     gw.inject["OptimStep"] = [grpc.StatusCode.INVALID_ARGUMENT]
-    first = tc.forward_backward([sft_datum([1, 2])], "cross_entropy")
+    first = tc.forward_backward([next_token_datum([1, 2])], "cross_entropy")
     bad = tc.optim_step(lathe.AdamParams())
     later = tc.save_state("after")
     assert first.result(timeout=10).receipt.seq_id == 1
@@ -479,7 +475,7 @@ def test_error_results_raise_their_class(sc: lathe.ServiceClient, gw: FakeGatewa
     tc = sc.create_lora_training_client(BASE)
     gw.errors["ForwardBackward"] = pb.Error(code=code, message="weights has 3 values; target_tokens has 2",
                                             category="user")
-    fut = tc.forward_backward([sft_datum([1, 2])], "cross_entropy")
+    fut = tc.forward_backward([next_token_datum([1, 2])], "cross_entropy")
     with pytest.raises(cls, match="weights has 3 values") as e:
         fut.result(timeout=10)
     assert type(e.value) is cls
@@ -504,7 +500,7 @@ def test_failed_calls_raise_their_class(sc: lathe.ServiceClient, gw: FakeGateway
 def test_async_api(sc: lathe.ServiceClient, gw: FakeGateway) -> None:
     async def main() -> None:
         tc = await sc.create_lora_training_client_async(BASE, rank=4)
-        fb = await tc.forward_backward_async([sft_datum([1, 2, 3])], "cross_entropy")
+        fb = await tc.forward_backward_async([next_token_datum([1, 2, 3])], "cross_entropy")
         opt = await tc.optim_step_async(lathe.AdamParams())
         assert isinstance(fb, lathe.APIFuture)
         out, step = await asyncio.gather(fb, opt.result_async(timeout=10))

@@ -20,6 +20,7 @@ from lathe.connect import channel_credentials, parse_base_url
 from lathe.errors import Unavailable
 from lathe.futures import RetryPolicy
 from lathe.stack import Stack, StackConfig
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 KEY = "tml-tls"
@@ -71,8 +72,7 @@ def test_a_client_trusting_the_private_ca_trains_over_tls(secured: Secured) -> N
     url = f"grpcs://{secured.stack.gateway}"
     with lathe.ServiceClient(url, KEY, root_certificates=secured.ca) as sc:
         tc = sc.create_lora_training_client(BASE, rank=4, seed=1)
-        data = [lathe.Datum(model_input=lathe.ModelInput.from_ints([5, 17, 42, 9, 33]),
-                            loss_fn_inputs={"target_tokens": [17, 42, 9, 33, 7], "weights": [1.0] * 5})]
+        data = [next_token_datum([5, 17, 42, 9, 33, 7])]
         out = tc.forward_backward(data, "cross_entropy").result()
         step = tc.optim_step(lathe.AdamParams(learning_rate=0.05)).result()
         assert out.metrics["loss:sum"] > 0 and step.metrics

@@ -27,6 +27,7 @@ from lathe.types import TensorData
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import tinker_public_pb2 as ours
 from lathe.wire import tensor_to_proto
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
@@ -203,8 +204,7 @@ class Api:
 
     def forward_backward(self, model_id: str, seq_id: int, tokens: list[int], forward_only: bool = False
                          ) -> httpx.Response:
-        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        datum = next_token_datum(tokens, types)
         req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
             data=[datum], loss_fn="cross_entropy"), model_id=model_id, seq_id=seq_id)
         body = request_conv.forward_backward_request_to_proto(req)

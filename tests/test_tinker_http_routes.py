@@ -17,6 +17,7 @@ from tinker.types.futures_retrieve_request import FuturesRetrieveRequest, Sampli
 from tinker.types.join_sampling_session_request import JoinSamplingSessionRequest
 
 from lathe.stack import Stack
+from tests.helpers import next_token_datum
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
@@ -147,8 +148,7 @@ def test_a_zstd_body_reads_as_the_plain_one_and_a_bomb_is_refused(stack: Stack) 
     with _http(stack, "tml-zstd") as http:
         _, model = _model(http)
         toks = [5, 17, 42, 9, 33, 120, 7, 88, 64]
-        datum = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)})
+        datum = next_token_datum(toks, types)
 
         def body(seq_id: int) -> bytes:
             msg = request_conv.forward_backward_request_to_proto(types.ForwardBackwardRequest(

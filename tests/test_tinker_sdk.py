@@ -19,6 +19,7 @@ import torch
 
 import lathe
 from lathe.stack import Stack
+from tests.helpers import next_token_datum, rl_datum
 
 BASE = "lathe/tiny-llama"
 PROMPT = [5, 17, 42, 9, 33, 120, 7]
@@ -34,8 +35,7 @@ def sft_data(sdk: ModuleType, seed: int = 0, n: int = 4, length: tuple[int, int]
     for _ in range(n):
         toks = [rng.randrange(3, 500) for _ in range(rng.randrange(*length))]
         weights = [0.0] * 2 + [rng.choice([0.5, 1.0]) for _ in toks[3:]]
-        out.append(sdk.Datum(model_input=sdk.ModelInput.from_ints(toks[:-1]),
-                             loss_fn_inputs={"target_tokens": toks[1:], "weights": weights}))
+        out.append(next_token_datum(toks, sdk, weights))
     return out
 
 
@@ -61,9 +61,7 @@ def sampled_data(sdk: ModuleType, sequences: list, advantages: list[float]) -> l
     out = []
     for seq, adv in zip(sequences, advantages, strict=True):
         prompt = len(PROMPT) - 1
-        datum = sdk.Datum(model_input=sdk.ModelInput.from_ints(PROMPT + seq.tokens[:-1]), loss_fn_inputs={
-            "target_tokens": PROMPT[1:] + seq.tokens, "logprobs": [0.0] * prompt + seq.logprobs,
-            "advantages": [0.0] * prompt + [adv] * len(seq.tokens)})
+        datum = rl_datum(PROMPT, seq.tokens, seq.logprobs, adv, sdk)
         if sdk is tinker:
             datum = datum.with_provenance(
                 model_input=[tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),

@@ -20,6 +20,7 @@ from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.ops import ForwardBackward, Limits, Op, OptimStep, Save, Skip
 from lathe.types import AdamParams
 from lathe.v1 import lathe_pb2 as pb
+from tests.helpers import pb_datum, pb_tensor
 
 torch.set_num_threads(1)
 BASE = "lathe/tiny-llama"
@@ -40,22 +41,9 @@ def submit(eng: TrainerEngine, op: pb.TrainerOp) -> Future:
     return out
 
 
-def tensor(values: list, dtype: str) -> pb.Tensor:
-    arr = np.asarray(values, dtype=dtype)
-    return pb.Tensor(data=arr.tobytes(), dtype=dtype, shape=list(arr.shape))
-
-
-def datum(tokens: list[int], targets: list[int] | None = None, weights: list[float] | None = None,
-          **extra: pb.Tensor) -> pb.Datum:
-    targets = targets if targets is not None else tokens[1:] + [tokens[0]]
-    weights = weights if weights is not None else [1.0] * len(tokens)
-    inputs = {"target_tokens": tensor(targets, "int64"), "weights": tensor(weights, "float32"), **extra}
-    return pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=tokens)]), loss_fn_inputs=inputs)
-
-
 def batch(seed: int, n: int = 3) -> list[pb.Datum]:
     rng = random.Random(seed)
-    return [datum([rng.randrange(1, 200) for _ in range(rng.randrange(5, 30))]) for _ in range(n)]
+    return [pb_datum([rng.randrange(1, 200) for _ in range(rng.randrange(5, 30))]) for _ in range(n)]
 
 
 def fb(model_id: str, seq: int, data: list[pb.Datum], loss_fn: str = "cross_entropy") -> pb.TrainerOp:
@@ -139,30 +127,24 @@ def test_forward_backward_and_optim_step_share_a_cycle(engine: TrainerEngine) ->
 
 
 BAD = [
-    (lambda: [datum([1, 2, 3], targets=[2, 3])], "datum 0: loss_fn_inputs['target_tokens'] has length 2 but "
-                                                 "model_input has 3 tokens"),
-    (lambda: [datum([1, 2, 3], weights=[1.0, 1.0])], "datum 0: loss_fn_inputs['weights'] has length 2"),
-    (lambda: [datum([5, 6]), pb.Datum()], "datum 1: model_input is empty"),
-    (lambda: [datum([1, -4, 3])], "datum 0: model_input[1] = -4 is outside the vocabulary"),
-    (lambda: [datum([1, 99999, 3])], "datum 0: model_input[1] = 99999 is outside the vocabulary"),
-    (lambda: [datum([1, 2, 3], targets=[2, 3, 10**6])], "loss_fn_inputs['target_tokens'][2] = 1000000 is outside"),
-    (lambda: [datum([1, 2, 3], weights=[1.0, float("nan"), 1.0])], "loss_fn_inputs['weights'][1] = nan is not "
-                                                                   "finite"),
-    (lambda: [datum([1, 2, 3], advantages=tensor([0.0] * 3, "float32"))], "unknown key(s) ['advantages'] for "
-                                                                          "loss 'cross_entropy'"),
-    (lambda: [datum([1, 2, 3], targets=[2.0, 3.0, 4.0])], None),  # replaced below: float targets
-    (lambda: [datum(list(range(1, 600)))], "model_input has 599 tokens, over the model's context length 512"),
+    (lambda: [pb_datum([1, 2, 3], target_tokens=pb_tensor([2, 3], "int64"))],
+     "datum 0: loss_fn_inputs['target_tokens'] has length 2 but model_input has 3 tokens"),
+    (lambda: [pb_datum([1, 2, 3], weights=pb_tensor([1.0, 1.0], "float32"))],
+     "datum 0: loss_fn_inputs['weights'] has length 2"),
+    (lambda: [pb_datum([5, 6]), pb.Datum()], "datum 1: model_input is empty"),
+    (lambda: [pb_datum([1, -4, 3])], "datum 0: model_input[1] = -4 is outside the vocabulary"),
+    (lambda: [pb_datum([1, 99999, 3])], "datum 0: model_input[1] = 99999 is outside the vocabulary"),
+    (lambda: [pb_datum([1, 2, 3], target_tokens=pb_tensor([2, 3, 10**6], "int64"))],
+     "loss_fn_inputs['target_tokens'][2] = 1000000 is outside"),
+    (lambda: [pb_datum([1, 2, 3], weights=pb_tensor([1.0, float("nan"), 1.0], "float32"))],
+     "loss_fn_inputs['weights'][1] = nan is not finite"),
+    (lambda: [pb_datum([1, 2, 3], advantages=pb_tensor([0.0] * 3, "float32"))],
+     "unknown key(s) ['advantages'] for loss 'cross_entropy'"),
+    (lambda: [pb_datum([1, 2, 3], target_tokens=pb_tensor([2.0, 3.0, 4.0], "float32"))],
+     "loss_fn_inputs['target_tokens']: dtype float32 must be int64"),
+    (lambda: [pb_datum(list(range(1, 600)))], "model_input has 599 tokens, over the model's context length 512"),
     (lambda: [], "data is empty"),
 ]
-
-
-def _float_targets() -> list[pb.Datum]:
-    d = datum([1, 2, 3])
-    d.loss_fn_inputs["target_tokens"].CopyFrom(tensor([2.0, 3.0, 4.0], "float32"))
-    return [d]
-
-
-BAD[8] = (_float_targets, "loss_fn_inputs['target_tokens']: dtype float32 must be int64")
 
 
 @pytest.mark.parametrize("make,message", BAD)
@@ -302,7 +284,7 @@ def test_floods_and_over_long_requests_get_clear_errors(model_cache: Path, tiny_
     submit(eng, opt("m", 3))
     with pytest.raises(ResourceExhausted, match="trainer queue is full"):
         submit(eng, fb("m", 4, batch(1)))
-    big = submit(eng, fb("m", 1, [datum(list(range(1, 40))), datum(list(range(1, 30)))]))
+    big = submit(eng, fb("m", 1, [pb_datum(list(range(1, 40))), pb_datum(list(range(1, 30)))]))
     eng.run_cycle()
     err = big.result(timeout=10).error
     assert err.code == "InvalidArgument" and "request has 68 tokens in 2 datums, over the limit of 50" in err.message
@@ -319,8 +301,8 @@ def test_packed_tenants_equal_each_tenant_alone(model_cache: Path, tiny_dir: Pat
             length = len(d.model_input.chunks[0].tokens)
             rng = np.random.default_rng(seed)
             d.loss_fn_inputs.pop("weights")
-            d.loss_fn_inputs["logprobs"].CopyFrom(tensor(-rng.exponential(3.0, length), "float32"))
-            d.loss_fn_inputs["advantages"].CopyFrom(tensor(rng.normal(0, 1, length), "float32"))
+            d.loss_fn_inputs["logprobs"].CopyFrom(pb_tensor(-rng.exponential(3.0, length), "float32"))
+            d.loss_fn_inputs["advantages"].CopyFrom(pb_tensor(rng.normal(0, 1, length), "float32"))
         return data
 
     def ops(mid: str, loss: str, n: int, seed: int) -> list[pb.TrainerOp]:
@@ -385,7 +367,8 @@ def test_cycle_metrics_are_exported(model_cache: Path, tiny_dir: Path) -> None:
 
 def test_the_intake_decodes_plain_operations_and_turns_a_bad_one_into_a_skip() -> None:
     limits = Limits(vocab_size=256, max_context=64, max_request_tokens=1024)
-    got = intake.decode_op(fb("m", 1, [datum([4, 5, 6], weights=[1.0, 0.0, 1.0])]), limits)
+    data = [pb_datum([4, 5, 6], weights=pb_tensor([1.0, 0.0, 1.0], "float32"))]
+    got = intake.decode_op(fb("m", 1, data), limits)
     assert (got.model_id, got.seq_id, got.request_id, got.tenant, got.kind) == ("m", 1, "r1", "t", "forward_backward")
     assert isinstance(got.body, ForwardBackward) and got.body.backward and got.body.loss_fn == "cross_entropy"
     ex = got.body.examples[0]
@@ -397,7 +380,7 @@ def test_the_intake_decodes_plain_operations_and_turns_a_bad_one_into_a_skip() -
     save.save.kind = "everything"
     refused = {
         "save": save,
-        "vocab": fb("m", 4, [datum([4, 300, 6])]),
+        "vocab": fb("m", 4, [pb_datum([4, 300, 6])]),
         "empty": pb.TrainerOp(model_id="m", seq_id=5, tenant="t"),
         "gateway": pb.TrainerOp(model_id="m", seq_id=6, tenant="t", skip=pb.SkipRequest(reason="eps = 0")),
     }
@@ -414,7 +397,7 @@ def test_the_intake_decodes_plain_operations_and_turns_a_bad_one_into_a_skip() -
 def test_a_bad_request_is_answered_at_the_intake_and_never_holds_the_run(model_cache: Path, tiny_dir: Path) -> None:
     eng = _engine(model_cache)  # no cycle thread: only the cycles run below compute anything
     create(eng, "m")
-    bad = submit(eng, fb("m", 2, [datum([1, 99999, 3])]))  # seq_id 1 has not arrived yet
+    bad = submit(eng, fb("m", 2, [pb_datum([1, 99999, 3])]))  # seq_id 1 has not arrived yet
     assert bad.done() and eng.cycle == 0, "refused before it was queued, without waiting for its turn"
     assert bad.result().error.code == "InvalidArgument" and not bad.result().HasField("receipt")
     later, first = submit(eng, opt("m", 3)), submit(eng, fb("m", 1, batch(0)))
@@ -431,10 +414,10 @@ def test_a_bad_request_is_answered_at_the_intake_and_never_holds_the_run(model_c
 ])
 def test_bad_rl_datums_are_rejected(engine: TrainerEngine, field: str, values: list[float], message: str) -> None:
     create(engine, "rl")
-    inputs = {"logprobs": tensor([-1.0] * 3, "float32"), "advantages": tensor([0.5] * 3, "float32")}
-    inputs[field] = tensor(values, "float32")
+    inputs = {"logprobs": pb_tensor([-1.0] * 3, "float32"), "advantages": pb_tensor([0.5] * 3, "float32")}
+    inputs[field] = pb_tensor(values, "float32")
     d = pb.Datum(model_input=pb.ModelInput(chunks=[pb.ModelInputChunk(tokens=[4, 5, 6])]),
-                 loss_fn_inputs={"target_tokens": tensor([5, 6, 7], "int64"), **inputs})
+                 loss_fn_inputs={"target_tokens": pb_tensor([5, 6, 7], "int64"), **inputs})
     res = submit(engine, fb("rl", 1, [d], "importance_sampling")).result(timeout=60)
     assert res.error.code == "InvalidArgument" and message in res.error.message
     assert engine.bank.get("rl").step == 0 and not engine.bank.get("rl").has_grads()
