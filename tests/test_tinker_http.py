@@ -229,7 +229,8 @@ def test_early_and_repeated_seq_ids_run_in_order_exactly_once(stack: Stack) -> N
     # seq 2 arrives first: it waits for seq 1, and a long-poll on it ends in try_again when asked to be short
     opt = api.ok("/optim_step", {"model_id": late, "seq_id": 2, "adam_params": ADAM})
     t0 = time.monotonic()
-    held = api.post("/retrieve_future", {"request_id": opt["request_id"]}, headers={"x-stainless-read-timeout": "17"})
+    held = api.post("/retrieve_future", {"request_id": opt["request_id"]}, headers={"x-stainless-read-timeout": "17"},
+                    timeout=17.0)  # as the SDK sends it: the header names the client's own read timeout
     assert held.json() == {"type": "try_again", "request_id": opt["request_id"], "queue_state": "active",
                            "queue_state_reason": None}
     assert time.monotonic() - t0 >= 1.5  # it was held, and ended before the client's 17 s read timeout
