@@ -1,7 +1,8 @@
 """Paging through host memory (``lathe.models.host``), as the trainer's adapter bank uses it.
 
-Protects: the choice of pinned memory and non_blocking copies (CUDA only, never on the CPU); host copies
-are copies (bits equal, independent of the source, contiguous, any dtype or view); an adapter paged out
+Protects: the choice of pinned memory and non_blocking copies (CUDA only, never on the CPU); the files the bank
+writes are the safetensors library's, byte for byte, from tensors of any dtype or view on any device, and
+copies (independent of their source); an adapter paged out
 and back through the bank's code path keeps its weights, optimizer state and gradients bit for bit. The
 CUDA case (pinned buffers, the same round trip) is marked ``gpu``; its CPU twin is the test above it.
 """
@@ -12,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from lathe.models.config import ModelConfig
-from lathe.models.host import pinned_paging, to_device, to_host
+from lathe.models.host import pinned_paging, safetensors_bytes, to_device
 from lathe.models.lora import LoraSpec
 from lathe.trainer.bank import Adapter
 from lathe.trainer.optim_state import state_tensors
@@ -37,15 +40,29 @@ def _tensors(device: str) -> dict[str, torch.Tensor]:
 
 def _round_trip(device: str) -> None:
     src = _tensors(device)
-    host = to_host(src)
-    for name, t in src.items():
-        assert host[name].device.type == "cpu" and host[name].is_contiguous()
-        assert host[name].is_pinned() == pinned_paging(device)
-        assert torch.equal(host[name], t.cpu()) and host[name].dtype == t.dtype
+    file = safetensors_bytes(src)
+    assert file == st_save({n: t.cpu().contiguous() for n, t in src.items()})
+    host = st_load(file)
+    assert all(torch.equal(host[n], t.cpu()) and host[n].dtype == t.dtype for n, t in src.items())
     back = to_device(host, device)
-    src["fp32"].add_(1.0)  # the host copy does not follow its source
-    assert not torch.equal(host["fp32"], src["fp32"].cpu())
+    src["fp32"].add_(1.0)  # the file does not follow its source
+    assert st_load(file)["fp32"].equal(host["fp32"]) and not torch.equal(host["fp32"], src["fp32"].cpu())
     assert all(torch.equal(back[n].cpu(), host[n]) and back[n].device.type == device for n in host)
+
+
+def test_safetensors_bytes_equal_the_librarys_for_every_dtype_and_shape() -> None:
+    gen = torch.Generator().manual_seed(2)
+    tensors = {"f32": torch.randn(3, 5, generator=gen), "bf16": torch.randn(7, generator=gen).bfloat16(),
+               "f16": torch.randn(2, 2, generator=gen).half(), "f64": torch.randn(2, generator=gen).double(),
+               "i64": torch.arange(5), "i32": torch.arange(3, dtype=torch.int32),
+               "u8": torch.arange(4, dtype=torch.uint8),
+               "i16": torch.tensor([3], dtype=torch.int16), "i8": torch.tensor([-1, 2], dtype=torch.int8),
+               "bool": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+               "strided": torch.randn(4, 6, generator=gen)[:, ::2]}
+    assert safetensors_bytes(tensors) == st_save({n: t.contiguous() for n, t in tensors.items()})
+    assert safetensors_bytes({}) == st_save({})
+    with pytest.raises(TypeError, match="tensor 'c': dtype torch.complex64"):
+        safetensors_bytes({"c": torch.zeros(2, dtype=torch.complex64)})
 
 
 def test_host_round_trip_keeps_bits_on_cpu() -> None:

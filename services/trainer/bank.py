@@ -26,11 +26,10 @@ from typing import Protocol
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from lathe.errors import FailedPrecondition, InvalidArgument
 from lathe.models.config import ModelConfig
-from lathe.models.host import to_device, to_host
+from lathe.models.host import safetensors_bytes, to_device
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, LoraWeights
 from lathe.trainer.optim_state import OptimState, family_of, new_state, state_from_tensors, state_tensors
 
@@ -78,7 +77,7 @@ class Adapter:
 
     def sampler_files(self) -> dict[str, bytes]:
         return {
-            "adapter_model.safetensors": st_save(to_host(self.weights.named_parameters())),
+            "adapter_model.safetensors": safetensors_bytes(self.weights.named_parameters()),
             "adapter_config.json": json.dumps(self.peft_config(), indent=1).encode(),
         }
 
@@ -88,7 +87,7 @@ class Adapter:
                  "lora": asdict(self.spec), "dtype": dtype}
         return {
             **self.sampler_files(),
-            "optimizer.safetensors": st_save(to_host(state_tensors(self.opt))),
+            "optimizer.safetensors": safetensors_bytes(state_tensors(self.opt)),
             "trainer_state.json": json.dumps(state, indent=1).encode(),
         }
 
@@ -125,8 +124,8 @@ class Adapter:
     # pinned host memory with non_blocking copies, lathe.models.host) ----
 
     def page_files(self, dtype: str) -> dict[str, bytes]:
-        grads = to_host({n: p.grad for n, p in self.weights.named_parameters().items() if p.grad is not None})
-        return {**self.state_files(dtype), "grads.safetensors": st_save(grads)}
+        grads = {n: p.grad for n, p in self.weights.named_parameters().items() if p.grad is not None}
+        return {**self.state_files(dtype), "grads.safetensors": safetensors_bytes(grads)}
 
     def restore_page(self, files: dict[str, bytes]) -> None:
         self.load_files(files, with_optimizer=True)
