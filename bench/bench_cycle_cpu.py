@@ -1,8 +1,11 @@
 """Where a multiplexed round's CPU goes: 8 SDK tenants in lock step against one tenant sending their whole batch.
 
     python bench/bench_cycle_cpu.py [--model smollm2|tiny] [--tenants 8] [--length 32] [--rounds 10]
+                                    [--snapshot-every 0]
 
-One stack (recovery snapshots off, so only the training path is measured), two cases in turn in one process run:
+One stack (recovery snapshots off unless ``--snapshot-every`` asks for them, so only the training path is measured;
+with ``--snapshot-every 1`` every step writes one, and the CPU columns say which process pays for it), two cases in
+turn in one process run:
 - packed:  ``--tenants`` SDK clients, each forward_backward on 1 x ``--length`` tokens + optim_step, concurrently;
 - one big: one client sending ``--tenants`` x ``--length`` tokens + optim_step (the same tokens, one adapter).
 For each: the round's wall time and the CPU seconds per round of every process (trainer, gateway, checkpoints,
@@ -32,13 +35,15 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--snapshot-every", type=int, default=0, help="the trainer's --snapshot-every (0: off)")
     args = ap.parse_args()
     model = MODELS[args.model]
     cfg = StackConfig(models=model, store_root=CACHE / "bench-store-cycle-cpu", cache_root=CACHE,
                       trainer_threads=args.threads, sampler_threads=1, trainer_dtype="auto",
-                      trainer_args=("--snapshot-every", "0"))
+                      trainer_args=("--snapshot-every", str(args.snapshot_every)))
     print(f"{model}: {args.tenants} tenants x 1 x {args.length} tokens vs one tenant {args.tenants} x {args.length}, "
-          f"rank {RANK}, median of {args.rounds} rounds, recovery snapshots off; {cpu_line()}")
+          f"rank {RANK}, median of {args.rounds} rounds, recovery snapshots "
+          f"{f'every {args.snapshot_every} steps' if args.snapshot_every else 'off'}; {cpu_line()}")
     with Stack(cfg) as stack:
         sc = lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench")
         clients = [sc.create_lora_training_client(model, rank=RANK, seed=i) for i in range(args.tenants + 1)]

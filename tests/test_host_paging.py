@@ -1,10 +1,11 @@
 """Paging through host memory (``lathe.models.host``), as the trainer's adapter bank uses it.
 
 Protects: the choice of pinned memory and non_blocking copies (CUDA only, never on the CPU); the files the bank
-writes are the safetensors library's, byte for byte, from tensors of any dtype or view on any device, and
-copies (independent of their source); an adapter paged out
-and back through the bank's code path keeps its weights, optimizer state and gradients bit for bit. The
-CUDA case (pinned buffers, the same round trip) is marked ``gpu``; its CPU twin is the test above it.
+writes are the safetensors library's, byte for byte, from tensors of any dtype or view on any device, and copies
+(independent of their source); an adapter paged out and back through the bank's code path keeps its weights,
+optimizer state and gradients bit for bit, and its copy (a recovery snapshot's, written while the adapter trains
+on) keeps the files it had when copied. The CUDA case (pinned buffers, the same round trip) is marked ``gpu``; its
+CPU twin is the test above it.
 """
 
 from __future__ import annotations
@@ -85,12 +86,21 @@ def _adapter_round_trip(tiny_dir: Path, device: str) -> None:
         for t in state_tensors(a.opt).values():
             t.copy_(torch.randn(t.shape, generator=gen))
     files = a.page_files("float32")
+    copy = a.copy()  # what a recovery snapshot writes later, on another thread, while ``a`` trains on
     b = Adapter.fresh("m", "t", "lathe/tiny-llama", cfg, LoraSpec(rank=4), seed=9, device=device)
     b.restore_page(files)
     for (n, p), q in zip(a.weights.named_parameters().items(), b.weights.named_parameters().values(), strict=True):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad) and q.device.type == device, n
     want, got = state_tensors(a.opt), state_tensors(b.opt)
     assert want.keys() == got.keys() and all(torch.equal(want[k].cpu(), got[k].cpu()) for k in want)
+    with torch.no_grad():  # a trains on: the copy shares none of its tensors
+        for p in a.weights.parameters():
+            p.add_(1.0)
+            p.grad.add_(1.0)
+        for t in a.opt.exp_avg.values():
+            t.add_(1.0)
+    a.opt.step += 1
+    assert copy.page_files("float32") == files
 
 
 def test_bank_paging_round_trips_bits_on_cpu(tiny_dir: Path) -> None:

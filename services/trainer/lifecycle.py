@@ -79,12 +79,13 @@ class BaseModels:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A run's recovery snapshot before its record: whose it is, its manifest fields and its state files."""
+    """A run's recovery snapshot before its record: whose it is, its manifest fields and the copy of its adapter
+    whose state files it holds (None: a record alone, no state)."""
 
     tenant: str
     model_id: str
     meta: dict[str, object]
-    files: dict[str, bytes]
+    state: Adapter | None
 
 
 class RunMaker:
@@ -136,15 +137,17 @@ class RunMaker:
         return adapter
 
     def copy_snapshot(self, adapter: Adapter, *, state: bool = True) -> Snapshot:
-        """``adapter`` as its recovery snapshot holds it, copied now (its state files unless ``state`` is False), so
-        the run may go on training while ``write_snapshot`` stores the copy on another thread."""
+        """``adapter`` as its recovery snapshot holds it, copied now (``Adapter.copy``: its tensors cloned, unless
+        ``state`` is False), so the run may go on training while ``write_snapshot`` serializes and stores the copy
+        on another thread."""
         return Snapshot(adapter.tenant, adapter.model_id, {"base_model": adapter.base_model, "step": adapter.step},
-                        adapter.page_files(self.cfg.dtype) if state else {})
+                        adapter.copy() if state else None)
 
     def write_snapshot(self, snapshot: Snapshot, record: Record) -> None:
         """Store ``snapshot`` with ``record`` (``recovery.json``) as the run's recovery snapshot."""
         self.store().put(tenant=snapshot.tenant, run_id=snapshot.model_id, kind=RECOVERY_KIND, name=RECOVERY_NAME,
-                         files={**snapshot.files, **record.files()},
+                         files={**(snapshot.state.page_files(self.cfg.dtype) if snapshot.state else {}),
+                                **record.files()},
                          metadata_json=json.dumps({**snapshot.meta, "seq_id": record.seq_id}),
                          ttl_seconds=self.cfg.snapshots.ttl_s, overwrite=True)
 
