@@ -1,187 +1,28 @@
-"""Lathe's SDK against an in-process fake ``lathe.v1.Gateway``: wire round trips, Datum conversions, seq_id
-order and retries, long-polled futures, error mapping, the API key, the REST client."""
+"""Lathe's SDK against an in-process fake ``lathe.v1.Gateway`` (tests/fake_gateway.py): seq_id order and retries,
+long-polled futures, error mapping, the API key, the REST client. Wire round trips and Datum conversions:
+tests/test_sdk_wire.py."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import grpc
-import numpy as np
 import pytest
-from google.protobuf.message import Message
 
 import lathe
-from lathe import info_wire, service_client, wire
+from lathe import service_client, wire
 from lathe.futures import RetryPolicy
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
+from tests.fake_gateway import BASE, KEY, FakeGateway
 from tests.helpers import next_token_datum
-
-KEY = "tml-test"
-BASE = "fake/base"
-Ctx = grpc.ServicerContext
-
-
-class FakeGateway(pb_grpc.GatewayServicer):
-    """Just enough of the gateway: records every call (name, request, metadata), answers training ops at
-    once with canned results that echo their request, and holds each poll at most ``hold_s``."""
-
-    hold_s = 0.15
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Message, dict[str, str]]] = []
-        self.inject: dict[str, list[grpc.StatusCode]] = {}  # rpc -> codes its next calls abort with
-        self.errors: dict[str, pb.Error] = {}  # rpc -> the error its futures finish with
-        self.delay_s = 0.0  # a future's result is ready this long after its submit
-        self.futures: dict[str, tuple[float, pb.FutureResult]] = {}  # request id -> (ready at, result)
-        self.by_seq: dict[tuple[str, int], str] = {}
-        self.sessions = 0
-        self.models = 0
-        self.lock = threading.Lock()
-
-    # ---- helpers ----
-
-    def _enter(self, rpc: str, request: Message, context: grpc.ServicerContext) -> None:
-        with self.lock:
-            self.calls.append((rpc, request, dict(context.invocation_metadata())))
-            codes = self.inject.get(rpc)
-            code = codes.pop(0) if codes else None
-        if code is not None:
-            context.abort(code, f"injected {rpc} failure")
-
-    def _future(self, rpc: str, result: pb.FutureResult) -> str:
-        with self.lock:
-            rid = f"req-{len(self.futures) + 1}"
-            if rpc in self.errors:
-                result = pb.FutureResult(error=self.errors[rpc])
-            self.futures[rid] = (time.monotonic() + self.delay_s, result)
-        return rid
-
-    def _op(self, rpc: str, request: Message, context: grpc.ServicerContext, value: object) -> pb.SubmitResponse:
-        self._enter(rpc, request, context)
-        key = (request.model_id, request.seq_id)
-        if key not in self.by_seq:
-            receipt = lathe.Receipt(request_id="", model_id=request.model_id, seq_id=request.seq_id, cycle=7,
-                                    tokens=3, adapter_step=0, queued_s=0.5, run_s=0.25, dtype="float32",
-                                    op=rpc, fingerprint="f00d", exact=True)
-            value.receipt = receipt
-            self.by_seq[key] = self._future(rpc, wire.result_to_proto(value))
-        return pb.SubmitResponse(request_id=self.by_seq[key], model_id=request.model_id)
-
-    def calls_of(self, rpc: str) -> list[Message]:
-        return [req for name, req, _ in self.calls if name == rpc]
-
-    # ---- sessions and models ----
-
-    def CreateSession(self, request: pb.CreateSessionRequest, context: Ctx) -> pb.CreateSessionResponse:
-        self._enter("CreateSession", request, context)
-        self.sessions += 1
-        return pb.CreateSessionResponse(session_id=f"sess-{self.sessions}")
-
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.Empty:
-        self._enter("Heartbeat", request, context)
-        return pb.Empty()
-
-    def GetServerCapabilities(self, request: pb.GetServerCapabilitiesRequest, context: Ctx) -> pb.ServerCapabilities:
-        self._enter("GetServerCapabilities", request, context)
-        return info_wire.capabilities_to_proto(lathe.GetServerCapabilitiesResponse([lathe.SupportedModel(BASE, 2048)]))
-
-    def _create(self, rpc: str, request: Message, context: grpc.ServicerContext) -> pb.SubmitResponse:
-        self._enter(rpc, request, context)
-        model_id = f"{request.session_id}:train:{self.models}"
-        self.models += 1
-        rid = self._future(rpc, wire.result_to_proto(lathe.CreateModelResponse(model_id)))
-        return pb.SubmitResponse(request_id=rid, model_id=model_id)
-
-    def CreateModel(self, request: pb.CreateModelRequest, context: Ctx) -> pb.SubmitResponse:
-        return self._create("CreateModel", request, context)
-
-    def CreateModelFromState(self, request: pb.CreateModelFromStateRequest, context: Ctx) -> pb.SubmitResponse:
-        return self._create("CreateModelFromState", request, context)
-
-    def GetInfo(self, request: pb.GetInfoRequest, context: Ctx) -> pb.ModelInfo:
-        self._enter("GetInfo", request, context)
-        return pb.ModelInfo(model_id=request.model_id, base_model=BASE, lora_config=pb.LoraConfig(rank=8),
-                            tokenizer_id=BASE, max_context_length=2048)
-
-    # ---- ordered operations ----
-
-    def ForwardBackward(self, request: pb.ForwardBackwardRequest, context: Ctx) -> pb.SubmitResponse:
-        outs = [{"logprobs": lathe.TensorData.from_numpy(-wire.tensor_from_proto(d.loss_fn_inputs["target_tokens"])
-                                                          .to_numpy().astype(np.float32))}
-                for d in request.data]
-        value = lathe.ForwardBackwardOutput("ArrayRecord", outs, {"loss:sum": float(request.seq_id)})
-        return self._op("ForwardBackward", request, context, value)
-
-    def OptimStep(self, request: pb.OptimStepRequest, context: Ctx) -> pb.SubmitResponse:
-        value = lathe.OptimStepResponse({"lr": request.adam_params.learning_rate})
-        return self._op("OptimStep", request, context, value)
-
-    def Save(self, request: pb.SaveRequest, context: Ctx) -> pb.SubmitResponse:
-        path = f"tinker://{request.model_id}/{request.kind}/{request.name}"
-        kind = lathe.SaveWeightsResponse if request.kind == "weights" else lathe.SaveWeightsForSamplerResponse
-        return self._op("Save", request, context, kind(path))
-
-    def Load(self, request: pb.LoadRequest, context: Ctx) -> pb.SubmitResponse:
-        return self._op("Load", request, context, lathe.LoadWeightsResponse(request.path, request.model_id))
-
-    def RetrieveFuture(self, request: pb.RetrieveFutureRequest, context: Ctx) -> pb.FutureResult:
-        self._enter("RetrieveFuture", request, context)
-        if request.request_id not in self.futures:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request_id {request.request_id!r}")
-        ready_at, result = self.futures[request.request_id]
-        wait = min(request.timeout_s, self.hold_s)
-        if ready_at - time.monotonic() > wait:
-            time.sleep(wait)
-            return pb.FutureResult(request_id=request.request_id, done=False)
-        time.sleep(max(0.0, ready_at - time.monotonic()))
-        out = pb.FutureResult()
-        out.CopyFrom(result)
-        out.request_id, out.done = request.request_id, True
-        return out
-
-    # ---- registry ----
-
-    def _run(self, run_id: str) -> lathe.TrainingRun:
-        t = datetime(2025, 1, 2, tzinfo=UTC)
-        return lathe.TrainingRun(run_id, BASE, lathe.LoraConfig(rank=8, seed=3), t, t, {"renderer_name": "x"},
-                                 last_checkpoint=lathe.Checkpoint.from_tinker_path(f"tinker://{run_id}/weights/a"))
-
-    def ListTrainingRuns(self, request: pb.ListTrainingRunsRequest, context: Ctx) -> pb.ListTrainingRunsResponse:
-        self._enter("ListTrainingRuns", request, context)
-        runs = [self._run(f"sess-1:train:{i}") for i in range(request.offset, request.offset + request.limit)]
-        return info_wire.training_runs_to_proto(lathe.TrainingRunsResponse(runs, lathe.Cursor(0, 0, 50)))
-
-    def GetTrainingRun(self, request: pb.GetTrainingRunRequest, context: Ctx) -> pb.TrainingRun:
-        self._enter("GetTrainingRun", request, context)
-        if not request.training_run_id.startswith("sess-"):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model_id {request.training_run_id!r}")
-        return info_wire.training_run_to_proto(self._run(request.training_run_id))
-
-    def ListCheckpoints(self, request: pb.ListRunCheckpointsRequest, context: Ctx) -> pb.ListRunCheckpointsResponse:
-        self._enter("ListCheckpoints", request, context)
-        run = request.training_run_id or "sess-1:train:0"
-        ckpts = [lathe.Checkpoint(f"weights/c{i}", "training", f"tinker://{run}/weights/c{i}",
-                                  datetime.fromtimestamp(1000 + i, UTC), 10 * i) for i in range(3)]
-        return info_wire.checkpoints_to_proto(lathe.CheckpointsListResponse(ckpts, lathe.Cursor(0, 0, 9)))
-
-    def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest, context: Ctx) -> pb.Empty:
-        self._enter("DeleteCheckpoint", request, context)
-        return pb.Empty()
-
-    def CreateSamplingSession(self, request: pb.CreateSamplingSessionRequest, context: Ctx) -> pb.SamplingSession:
-        self._enter("CreateSamplingSession", request, context)
-        return pb.SamplingSession(sampling_session_id=f"{request.session_id}:sample:0",
-                                  base_model=request.base_model or BASE, model_path=request.model_path)
 
 
 @pytest.fixture
@@ -207,142 +48,6 @@ def sc(fake: tuple[FakeGateway, str]) -> Iterator[lathe.ServiceClient]:
 @pytest.fixture
 def gw(fake: tuple[FakeGateway, str]) -> FakeGateway:
     return fake[0]
-
-
-# ---------- types and wire ----------
-
-RECEIPT = lathe.Receipt("req-1", "m:train:0", 4, 9, 120, 3, 0.25, 1.5, "bfloat16", "forward_backward")
-WHEN = datetime(2025, 5, 6, 7, 8, 9, 500000, tzinfo=UTC)
-ROUND_TRIPS = [
-    (lathe.TensorData([1, 2, 3, 4, 5, 6], "int64", [2, 3]), wire.tensor_to_proto, wire.tensor_from_proto),
-    (lathe.TensorData(np.array([0.5, -1.25], np.float32), "float32"), wire.tensor_to_proto, wire.tensor_from_proto),
-    (lathe.TensorData([7, -8], "int32"), wire.tensor_to_proto, wire.tensor_from_proto),
-    (lathe.ModelInput([lathe.EncodedTextChunk([1, 2]), lathe.EncodedTextChunk([3])]),
-     wire.model_input_to_proto, wire.model_input_from_proto),
-    (next_token_datum([5, 6, 7, 8]), wire.datum_to_proto, wire.datum_from_proto),
-    (lathe.LoraConfig(), wire.lora_config_to_proto, wire.lora_config_from_proto),
-    (lathe.LoraConfig(rank=4, seed=0, train_mlp=False, train_attn=True, train_unembed=False, alpha=8.0),
-     wire.lora_config_to_proto, wire.lora_config_from_proto),
-    (lathe.AdamParams(3e-4, 0.8, 0.99, 1e-8, 0.01, 1.0), wire.adam_params_to_proto, wire.adam_params_from_proto),
-    (RECEIPT, wire.receipt_to_proto, wire.receipt_from_proto),
-    (lathe.GetInfoResponse("m:train:0", lathe.ModelData(model_name=BASE, tokenizer_id="tok"),
-                           lathe.LoraConfig(rank=16, seed=2), 4096),
-     info_wire.get_info_to_proto, info_wire.get_info_from_proto),
-    (lathe.GetServerCapabilitiesResponse([lathe.SupportedModel("a", 1), lathe.SupportedModel("b", 2)]),
-     info_wire.capabilities_to_proto, info_wire.capabilities_from_proto),
-    (lathe.Checkpoint("weights/x", "training", "tinker://r/weights/x", WHEN, 123, WHEN),
-     info_wire.checkpoint_to_proto, info_wire.checkpoint_from_proto),
-    (lathe.TrainingRun("r", BASE, lathe.LoraConfig(rank=2), WHEN, WHEN, {"k": "v"},
-                       lathe.Checkpoint.from_tinker_path("tinker://r/weights/a"),
-                       lathe.Checkpoint.from_tinker_path("tinker://r/sampler_weights/b")),
-     info_wire.training_run_to_proto, info_wire.training_run_from_proto),
-]
-
-
-@pytest.mark.parametrize(("value", "to_proto", "from_proto"), ROUND_TRIPS,
-                         ids=[type(v).__name__ for v, _, _ in ROUND_TRIPS])
-def test_wire_round_trips(value: object, to_proto: Callable[[Any], Message], from_proto: Callable[[Any], object]
-                          ) -> None:
-    msg = to_proto(value)
-    back = from_proto(type(msg).FromString(msg.SerializeToString()))
-    assert back == value
-
-
-def test_optional_lora_fields_stay_unset() -> None:
-    msg = wire.lora_config_to_proto(lathe.LoraConfig(rank=4))
-    assert not msg.HasField("seed") and not msg.HasField("alpha")
-    assert wire.lora_config_to_proto(lathe.LoraConfig(seed=0)).HasField("seed")
-
-
-RESULTS = [
-    lathe.ForwardBackwardOutput("ArrayRecord", [{"logprobs": lathe.TensorData([-0.5, -2.0], "float32", [2])}],
-                                {"loss:sum": 2.5}, RECEIPT),
-    lathe.OptimStepResponse({"grad_norm:mean": 0.5}, RECEIPT),
-    lathe.SaveWeightsResponse("tinker://m/weights/a", RECEIPT),
-    lathe.SaveWeightsForSamplerResponse("tinker://m/sampler_weights/a", None),
-    lathe.LoadWeightsResponse("tinker://m/weights/a", "m", RECEIPT),
-    lathe.CreateModelResponse("s:train:0"),
-]
-
-
-@pytest.mark.parametrize("value", RESULTS, ids=[type(v).__name__ for v in RESULTS])
-def test_future_results_round_trip(value: object) -> None:
-    res = pb.FutureResult.FromString(wire.result_to_proto(value, "req-9").SerializeToString())
-    assert res.done and res.request_id == "req-9"
-    assert wire.result_from_proto(res, type(value)) == value
-
-
-def test_result_of_the_wrong_kind_is_an_internal_error() -> None:
-    res = wire.result_to_proto(lathe.OptimStepResponse({}), "req-3")
-    with pytest.raises(lathe.Internal, match="'optim_step' result; expected 'forward_backward'"):
-        wire.result_from_proto(res, lathe.ForwardBackwardOutput)
-
-
-def test_tensor_bytes_are_little_endian_raw_values() -> None:
-    msg = wire.tensor_to_proto(lathe.TensorData([1, 256], "int32"))
-    assert msg.data == b"\x01\x00\x00\x00\x00\x01\x00\x00" and list(msg.shape) == [2]
-    with pytest.raises(lathe.InvalidArgument, match="7 bytes"):
-        wire.tensor_from_proto(pb.Tensor(data=b"\x00" * 7, dtype="float32"))
-
-
-def test_datum_converts_lists_by_key_like_tinker() -> None:
-    d = lathe.Datum(model_input=lathe.ModelInput.from_ints([1, 2]),
-                    loss_fn_inputs={"target_tokens": [2.0, 3.0], "weights": [0, 1], "advantages": [True, False],
-                                    "mask": [[1, 0], [0, 1]], "scale": [0.5, 2]})
-    got = {k: (v.dtype, v.shape) for k, v in d.loss_fn_inputs.items()}
-    assert got == {"target_tokens": ("int64", [2]), "weights": ("float32", [2]), "advantages": ("float32", [2]),
-                   "mask": ("int64", [2, 2]), "scale": ("float32", [2])}
-    assert d.loss_fn_inputs["target_tokens"].tolist() == [2, 3]
-    assert d.loss_fn_inputs["mask"].to_numpy().tolist() == [[1, 0], [0, 1]]
-
-
-def test_datum_converts_numpy_arrays_by_kind() -> None:
-    d = lathe.Datum(model_input=lathe.ModelInput.from_ints([1]),
-                    loss_fn_inputs={"target_tokens": np.array([[4, 5]], np.int32),
-                                    "weights": np.array([0.25, 1.0]), "flags": np.array([True])})
-    t = d.loss_fn_inputs["target_tokens"]
-    assert (t.dtype, t.shape, t.to_numpy().dtype) == ("int64", [1, 2], np.int64)
-    assert d.loss_fn_inputs["weights"].to_numpy().dtype == np.float32
-    assert d.loss_fn_inputs["flags"].dtype == "int64"
-
-
-def test_datum_converts_torch_tensors() -> None:
-    torch = pytest.importorskip("torch")
-    d = lathe.Datum(model_input=lathe.ModelInput.from_ints([1]),
-                    loss_fn_inputs={"target_tokens": torch.tensor([[3, 4, 5]], dtype=torch.int32),
-                                    "weights": torch.tensor([0.5, 1.0], dtype=torch.bfloat16, requires_grad=True)})
-    t, w = d.loss_fn_inputs["target_tokens"], d.loss_fn_inputs["weights"]
-    assert (t.dtype, t.shape, t.tolist()) == ("int64", [1, 3], [[3, 4, 5]])
-    assert (w.dtype, w.tolist()) == ("float32", [0.5, 1.0])
-    back = t.to_torch()
-    assert back.dtype == torch.int64 and back.shape == (1, 3)
-    assert lathe.TensorData.from_torch(back) == t
-
-
-def test_bad_loss_inputs_are_refused_where_they_are_built() -> None:
-    mi = lathe.ModelInput.from_ints([1])
-    with pytest.raises(ValueError, match="rectangular"):
-        lathe.Datum(model_input=mi, loss_fn_inputs={"weights": [[1.0], [1.0, 2.0]]})
-    with pytest.raises(TypeError, match=r"loss_fn_inputs\['weights'\] is a str"):
-        lathe.Datum(model_input=mi, loss_fn_inputs={"weights": "1.0"})
-    with pytest.raises(ValueError, match="holds 6 values, but data has 5"):
-        lathe.TensorData([1, 2, 3, 4, 5], "int64", [2, 3])
-    with pytest.raises(ValueError, match="dtype = 'float64'"):
-        lathe.TensorData([1.0], "float64")  # type: ignore[arg-type]
-
-
-def test_model_input_helpers() -> None:
-    mi = lathe.ModelInput.from_ints([1, 2]).append_int(3).append(lathe.EncodedTextChunk([4, 5]))
-    assert mi.to_ints() == [1, 2, 3, 4, 5] and mi.length == 5 and len(mi.chunks) == 3
-    assert lathe.ModelInput.empty().length == 0
-
-
-def test_tinker_paths_parse() -> None:
-    p = lathe.ParsedCheckpointTinkerPath.from_tinker_path("tinker://s:train:0/sampler_weights/final")
-    assert (p.training_run_id, p.checkpoint_type, p.checkpoint_id) == ("s:train:0", "sampler", "sampler_weights/final")
-    for bad in ("s/weights/x", "tinker://s/other/x", "tinker://s/weights/x/y", "tinker:///weights/x"):
-        with pytest.raises(ValueError, match="invalid tinker path"):
-            lathe.ParsedCheckpointTinkerPath.from_tinker_path(bad)
 
 
 # ---------- clients against the fake gateway ----------
