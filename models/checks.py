@@ -22,7 +22,7 @@ from lathe.models import moe
 from lathe.models.decoder import Decoder, Packed, router_name, shape_weight_names
 from lathe.models.lora import REFERENCE_TILES, LoraSpec, LoraWeights, module_shape, shape_keys
 from lathe.models.lora_batch import LoraBatch
-from lathe.models.tiles import ATTENTION_LENGTH, ATTENTION_SPLITS, BATCH_ROWS, differing, lone_row_failure
+from lathe.models.trials import ATTENTION_LENGTH, ATTENTION_SPLITS, BATCH_ROWS, differing, lone_row_failure
 
 SEQ_LENGTHS = (1, 3, 13, 17, 64)
 """Sequence lengths of the end-to-end check (packed together, then each alone)."""

@@ -48,11 +48,11 @@ from lathe.models.checks import Check, lora_checks, model_checks, op_checks
 from lathe.models.decoder import Decoder
 from lathe.models.pool import on_passing_thread
 from lathe.models.tiles import (
-    at_threads,
     choose_lora_ladder,
     choose_tiles,
     default_threads,
 )
+from lathe.models.trials import at_threads
 
 LORA_RANK = 8
 """The adapter rank the self-check covers when a pool starts (``PoolExactness.check_ranks`` adds the others)."""

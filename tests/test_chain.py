@@ -18,7 +18,7 @@ import torch
 
 from lathe.kernels import attention as attn
 from lathe.kernels import chain, ops
-from lathe.models import tiles
+from lathe.models import tiles, trials
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch
 
@@ -65,7 +65,7 @@ def test_rows_threads_and_layouts_leave_the_bits_alone(gen: torch.Generator, thr
     x, w = torch.randn(3, 700, generator=gen), torch.randn(700, n, generator=gen)
     column_major = w.t().contiguous().t()  # [K, N] read as chains of a few columns
     ref = chain.chain_matmul(x, w, 192)
-    with tiles.at_threads(1):
+    with trials.at_threads(1):
         alone = torch.cat([chain.chain_matmul(x[i:i + 1], w, 192) for i in range(3)])
     assert torch.equal(alone, ref)
     assert torch.equal(chain.chain_matmul(x, column_major, 192), ref)
@@ -215,7 +215,7 @@ def test_decode_attention_kernel_bits_do_not_depend_on_the_batch_or_threads(gen:
     positions = [0, 63, 64, 130, 255]
     q, k, v, pos = _decode_case(gen, positions)
     together = attn.decode_attention(q, k, v, pos, scale=0.25, invariant=True, chain=64)
-    with tiles.at_threads(1):
+    with trials.at_threads(1):
         for s, p in enumerate(positions):
             alone = attn.decode_attention(q[s:s + 1], k[s:s + 1, :64 * (p // 64 + 1)], v[s:s + 1, :64 * (p // 64 + 1)],
                                           [p], scale=0.25, invariant=True, chain=64)

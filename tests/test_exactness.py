@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lathe.kernels import attention as attn
 from lathe.kernels import ops, tiling
-from lathe.models import checks, exactness, tiles
+from lathe.models import checks, exactness, tiles, trials
 from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.lora import LoraSpec, LoraWeights, module_shape
 from lathe.models.lora_batch import LoraBatch
@@ -118,7 +118,7 @@ def test_a_pool_times_the_ways_of_running_a_lone_row_and_all_keep_the_reference_
     if ladder.direct:
         ways = [dataclasses.replace(ladder, lone=lone, chain=0) for lone in (0, min(ladder.tiles))]
         ways += [ladder] if ladder.chain else []
-        ways = [way for way in ways if tiles.lone_row_failure(model, way, [1, 2]) is None]
+        ways = [way for way in ways if trials.lone_row_failure(model, way, [1, 2]) is None]
         ways = ways or [dataclasses.replace(ladder, tiles=(tiling.ROW_TILE,), lone=tiling.ROW_TILE, chain=0)]
     else:
         ways = [ladder]
@@ -147,7 +147,7 @@ def test_a_lone_row_rounding_otherwise_once_in_many_outputs_is_found_and_refused
     element of the 700th lone row of each weight is changed, a row no trial of a few rows reaches."""
     model = Decoder.from_dir(tiny_dir, dtype=torch.bfloat16)
     ladder = tiling.Ladder(tiles=(4, tiling.ROW_TILE), direct=(tiling.ROW_TILE,), lone=4)
-    assert tiles.lone_row_failure(model, ladder, [1]) is None
+    assert trials.lone_row_failure(model, ladder, [1]) is None
     linear, lone_calls = ops.linear, [0]
 
     def nudged(x: torch.Tensor, weight: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
@@ -162,8 +162,8 @@ def test_a_lone_row_rounding_otherwise_once_in_many_outputs_is_found_and_refused
         return y
 
     monkeypatch.setattr(ops, "linear", nudged)
-    assert tiles.trial_rows(model.cfg.hidden_size, torch.bfloat16) > 700 > tiles.trial_rows(64, torch.float32)
-    failure = tiles.lone_row_failure(model, ladder, [1])
+    assert trials.trial_rows(model.cfg.hidden_size, torch.bfloat16) > 700 > trials.trial_rows(64, torch.float32)
+    failure = trials.lone_row_failure(model, ladder, [1])
     assert failure is not None and "lone row 699 of 1024 differs from its reference tile" in failure, failure
     chosen = tiles.choose_lone(model, ladder, [1], repeats=1)
     assert (chosen.lone, chosen.tiles, chosen.chain) == (tiling.ROW_TILE, (tiling.ROW_TILE,), 0)
