@@ -21,10 +21,11 @@ is passed over (``Skip``), and operations that waited ``order_wait_s`` for a mis
 tenant's operations may fill at most ``max_queue_per_tenant`` places of the shared queue (``max_queue``); the
 operation a run is waiting for is always let in (``runs.Runs.admit``).
 
-Owns: the lock, the cycle thread and the cycle metrics, the ``AdapterBank`` (it pages least recently used adapters
-out beyond ``max_resident_adapters`` and a tenant's own quota) and ``runs.Runs`` (the runs, their queues, their
-creation and recovery snapshots, through ``lifecycle.RunMaker`` and the checkpoints service). Base models are
-``lifecycle.BaseModels``' (one ``Decoder`` each, loaded on first use).
+Owns: the lock, the cycle and the cycle metrics, the ``AdapterBank`` (it pages least recently used adapters out
+beyond ``max_resident_adapters`` and a tenant's own quota) and ``runs.Runs`` (the runs, their queues, their creation
+and recovery snapshots, through ``lifecycle.RunMaker`` and the checkpoints service). Base models are
+``lifecycle.BaseModels``'; the thread that runs the cycles (when the next one is due, a leader's heartbeats, how the
+thread ends) is ``cycle_thread.CycleThread``'s.
 
 A pool of several ranks (``group``, ``lathe.trainer.dist``): this engine on rank 0 is the cycle leader and the
 only one with queues, a store and callers. Each cycle it fetches what its loads read, broadcasts the cycle as a
@@ -34,17 +35,14 @@ only one with queues, a store and callers. Each cycle it fetches what its loads 
 the same adapters bit for bit; only the leader writes checkpoints and snapshots. When a collective fails
 (``RankLost``) the leader answers every operation it holds with that retryable error, refuses new ones, and calls
 ``on_rank_lost`` (the process exits and the pool re-forms; docs/distributed.md). An idle leader broadcasts an
-empty plan every ``heartbeat_s``.
+empty plan every ``heartbeat_s`` (``CycleThread.beat``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -63,6 +61,7 @@ from lathe.trainer.answers import Answers
 from lathe.trainer.bank import AdapterBank
 from lathe.trainer.config import TrainerConfig
 from lathe.trainer.cycle import Partial, Work, plan_cycle
+from lathe.trainer.cycle_thread import CycleThread
 from lathe.trainer.dist import Group, RankLost
 from lathe.trainer.lifecycle import BaseModels, CheckpointStore, RunMaker
 from lathe.trainer.metrics import CycleMetrics
@@ -113,10 +112,6 @@ def _fail_cycle(works: list[Work], err: LatheError, bank: AdapterBank) -> None:
                 _fail(item, err)
 
 
-def _sooner(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
-
-
 class TrainerEngine:
     def __init__(self, cfg: TrainerConfig, catalog: ModelCatalog, store: CheckpointStore | None = None,
                  group: Group | None = None, on_rank_lost: Callable[[], None] | None = None) -> None:
@@ -144,12 +139,12 @@ class TrainerEngine:
         self._models = self.runs.models  # the runs' records, read by the queues and the cycle under the lock
         self.answers = Answers(lambda run: self.window.write_done(run))  # answers, held behind snapshot writes
         self.window = GatherWindow(cfg, self._lock, self.answers.holds)  # when the next cycle starts
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._loop_died = False  # the cycle thread ended without being stopped
+        # run_cycle is looked up at each cycle, not bound here (a test replaces it on a live engine)
+        self.cycle_thread = CycleThread(self._lock, self.runs, self.window, group, fail=_fail,
+                                        run_cycle=lambda: self.run_cycle(), lost=lambda: self._lost is not None,
+                                        fail_waiting=self._fail_waiting)
         self._in_cycle: set[str] = set()  # runs of the cycle computing now: their adapters stay resident
         self._lost: RankLost | None = None  # why the pool broke, once it did
-        self._last_beat = time.monotonic()  # when the leader last broadcast a plan
 
     # ---- runs and their adapters (made by ``lifecycle.RunMaker``) ----
 
@@ -164,12 +159,12 @@ class TrainerEngine:
     @property
     def alive(self) -> bool:
         """False once the cycle thread has ended without ``stop``: the pool is not ready and says so."""
-        return not self._loop_died
+        return not self.cycle_thread.died
 
     def _check_alive(self) -> None:
         if self._lost is not None:
             raise RankLost(self._lost.message)
-        if self._loop_died:
+        if self.cycle_thread.died:
             raise Unavailable("this trainer's cycle thread has stopped; the pool is not ready")
 
     def create_adapter(self, req: pb.CreateAdapterRequest) -> pb.AdapterInfo:
@@ -223,61 +218,11 @@ class TrainerEngine:
     # ---- the cycle ----
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="trainer-cycle", daemon=True)
-        self._thread.start()
+        self.cycle_thread.start()
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self.cycle_thread.stop()
         self.answers.close()
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    wait_s = self.runs.expire(time.monotonic(), _fail)
-                    while not self._stopping and not self.runs.ready() and not self._beat_due():
-                        self._lock.wait(timeout=_sooner(wait_s, self._beat_left()))
-                        wait_s = self.runs.expire(time.monotonic(), _fail)
-                    self.window.wait(self._models, lambda: self._stopping, time.monotonic() + self.window.gather_s)
-                    if self._stopping:
-                        return
-                try:
-                    self.run_cycle()
-                except RankLost:
-                    return  # run_cycle answered everything; the pool re-forms without this process
-                except Exception:  # noqa: BLE001 - run_cycle answers its operations itself; the loop goes on
-                    traceback.print_exc(file=sys.stderr)
-        finally:
-            self._after_loop()
-
-    def _beat_left(self) -> float | None:
-        """Seconds until an idle pool leader owes its followers a heartbeat (None: no followers)."""
-        if self.group is None:
-            return None
-        return self._last_beat + self.group.cfg.heartbeat_s - time.monotonic()
-
-    def _beat_due(self) -> bool:
-        left = self._beat_left()
-        return left is not None and left <= 0
-
-    def _after_loop(self) -> None:
-        """The cycle thread is ending. Stopped: a pool's leader tells its followers to stop too. Otherwise,
-        unless the pool broke (answered already), mark the pool not ready and answer every operation still
-        waiting with ``Unavailable``: nobody waits forever on a thread that is gone."""
-        if self._stopping:
-            if self.group is not None and self._lost is None:
-                with contextlib.suppress(RankLost):  # a follower gone already stops anyway
-                    self.group.broadcast(None)
-            return
-        if self._lost is not None:
-            return
-        self._loop_died = True
-        self._fail_waiting(Unavailable("this trainer's cycle thread stopped before running this operation; retry "
-                                       "on a healthy pool"))
 
     def _fail_waiting(self, err: LatheError) -> None:
         """Answer every queued operation and request in progress with ``err``."""
@@ -335,7 +280,7 @@ class TrainerEngine:
             for w in works:
                 self.runner.fetch(w)
             if self.group is not None:
-                self._last_beat = start
+                self.cycle_thread.beat(start)
                 self.group.broadcast(Plan(cycle, creates, [_step(w) for w in works]))
             if not works:
                 return 0
