@@ -1,10 +1,10 @@
 """Per-tenant quotas (issue 9, item 4; issue 22: adapter bytes, sessions): each quota refused through a real door
 with the quota, the tenant's use and the limit in its message, leaving no state; another tenant untouched; resident
 adapters paged out per tenant and back in bit for bit; checkpoint bytes freed by delete and by expiry; sessions and
-sampling sessions freed by finishing a session. Plus the quota book and file on their
-own (a clock the test moves, the bank with a pinned cycle). Also what a held-back tenant hears: the queue state of
+sampling sessions freed by finishing a session. Also what a held-back tenant hears: the queue state of
 its pending futures (``RetrieveFuture``) and a sampling client's ``on_queue_state_change``; and sampler handles,
-which reach the same sampler for their own tenant only."""
+which reach the same sampler for their own tenant only. The quota book and file on their own:
+tests/test_quotas_book.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 import httpx
@@ -25,43 +24,26 @@ import pytest
 import lathe
 from lathe.channels import CHANNEL_OPTIONS
 from lathe.errors import ResourceExhausted
-from lathe.gateway.quotas import QuotaConfig, Quotas, TenantQuotas
 from lathe.stack import Stack, StackConfig
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from lathe.v1 import tinker_public_pb2 as tp
-from tests.helpers import next_token_datum
+from tests.quota_helpers import (
+    BASE,
+    RANK,
+    _adapter_bytes,
+    _client,
+    _datum,
+    _http,
+    _logprobs,
+    _refused,
+    _runs,
+    _sampler_checkpoint_bytes,
+)
 
-if TYPE_CHECKING:
-    from lathe.trainer.bank import Adapter
-
-BASE = "lathe/tiny-llama"
 PROTO = "application/x-protobuf"
-RANK = 4
 TENANTS = ("runs", "tokens", "busy", "meta", "pager", "roomy", "bytes", "free", "held", "adapters", "sessions",
            "inflate")
-
-
-def _fresh(tiny_dir: Path, rank: int, **targets: bool) -> Adapter:
-    from lathe.models.config import ModelConfig
-    from lathe.models.lora import LoraSpec
-    from lathe.trainer import bank
-
-    return bank.Adapter.fresh("m", "t", BASE, ModelConfig.from_dir(tiny_dir), LoraSpec(rank=rank, **targets), seed=0)
-
-
-def _sampler_checkpoint_bytes(tiny_dir: Path) -> int:
-    """The bytes of a rank-RANK sampler checkpoint of the tiny model (its size does not depend on the values)."""
-    return sum(len(b) for b in _fresh(tiny_dir, RANK).sampler_files().values())
-
-
-def _adapter_bytes(tiny_dir: Path, rank: int, **targets: bool) -> int:
-    """The bytes a fresh rank-``rank`` AdamW adapter of the tiny model holds on a trainer: weights and moments."""
-    from lathe.trainer.optim_state import state_tensors
-
-    adapter = _fresh(tiny_dir, rank, **targets)
-    return sum(t.numel() * t.element_size()
-               for t in (*adapter.weights.parameters(), *state_tensors(adapter.opt).values()))
 
 
 @pytest.fixture(scope="module")
@@ -84,37 +66,6 @@ def quota_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tin
                       trainer_args=("--page-store", str(pages)))
     with Stack(cfg) as stack:
         yield stack, pages, ckpt
-
-
-def _client(stack: Stack, tenant: str, **kw: object) -> lathe.ServiceClient:
-    return lathe.ServiceClient(base_url=stack.gateway, api_key=f"tml-{tenant}", **kw)
-
-
-def _http(stack: Stack, tenant: str) -> httpx.Client:
-    return httpx.Client(base_url=f"{stack.http_url}/api/v1", headers={"X-API-Key": f"tml-{tenant}"}, timeout=60)
-
-
-def _refused(r: httpx.Response, pattern: str, retry_after: bool) -> str:
-    """A quota refusal at the HTTP door: 429, the message, and retry-after exactly when waiting helps."""
-    assert r.status_code == 429, r.text
-    assert re.fullmatch(pattern, r.json()["error"]), r.json()
-    if retry_after:
-        assert int(r.headers["retry-after"]) >= 1 and "x-should-retry" not in r.headers
-    else:
-        assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"
-    return r.json()["error"]
-
-
-def _datum(n: int, seed: int = 0) -> lathe.Datum:
-    return next_token_datum(np.random.default_rng(seed).integers(3, 250, n + 1))
-
-
-def _logprobs(out: lathe.ForwardBackwardOutput) -> list[np.ndarray]:
-    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
-
-
-def _runs(sc: lathe.ServiceClient) -> int:
-    return sc.create_rest_client().list_training_runs().result().cursor.total_count
 
 
 # ---------- through the doors ----------
@@ -431,90 +382,3 @@ def test_checkpoint_bytes_are_freed_by_delete_and_by_expiry(quota_stack: tuple) 
         rest.delete_checkpoint_from_tinker_path(second).result()
         fourth = tc.save_weights_for_sampler("d").result().path  # the deleted one freed its room
         assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [third, fourth]
-
-
-# ---------- the quota book and file on their own ----------
-
-
-def test_token_window_admits_again_once_the_oldest_tokens_leave_it() -> None:
-    now = [1000.0]
-    q = Quotas(QuotaConfig(TenantQuotas(max_tokens_per_minute=60)), clock=lambda: now[0])
-    fb = {"forward_backward": pb.ForwardBackwardRequest(data=[lathe.wire.datum_to_proto(_datum(30))])}
-    q.admit_op("t", 0, fb)
-    now[0] += 10
-    q.charge("t", 20)  # sampled tokens, paid after the fact
-    with pytest.raises(ResourceExhausted) as e:
-        q.admit_op("t", 0, fb)
-    assert e.value.retry_after_s == 50.0  # when the first 30 leave the window
-    assert e.value.message == ("quota max_tokens_per_minute: tenant spent 50 tokens in the last 60 s and the request "
-                               "has 30, the limit is 60; retry in 50.0 s")
-    q.admit_op("u", 0, fb)  # another tenant has its own window
-    now[0] = 1059.5
-    with pytest.raises(ResourceExhausted, match="tenant spent 50 tokens"):  # nothing was charged by the refusals
-        q.admit_op("t", 0, fb)
-    now[0] = 1060.0
-    q.admit_op("t", 0, fb)  # the first 30 have left: 20 + 30
-    with pytest.raises(ResourceExhausted, match="tenant spent 50 tokens"):
-        q.admit_op("t", 0, fb)
-    q.admit_op("t", 0, {"optim_step": pb.OptimStepRequest()})  # spends no tokens: admitted however full
-
-
-def test_quota_files_json_and_toml_override_per_tenant(tmp_path: Path) -> None:
-    doc = {"default": {"max_runs": 5}, "tenants": {"alice": {"max_inflight_ops": 3}}}
-    as_json = tmp_path / "q.json"
-    as_json.write_text(json.dumps(doc))
-    as_toml = tmp_path / "q.toml"
-    as_toml.write_text("[default]\nmax_runs = 5\n[tenants.alice]\nmax_inflight_ops = 3\n")
-    for path in (as_json, as_toml):
-        cfg = QuotaConfig.from_file(path)
-        assert cfg.of("alice") == TenantQuotas(max_runs=5, max_inflight_ops=3)
-        assert cfg.of("bob") == TenantQuotas(max_runs=5)
-    assert QuotaConfig.from_file(None) == QuotaConfig()
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"tenants": {"alice": {"max_run": 3}}}))
-    with pytest.raises(ValueError, match=rf"quotas file {re.escape(str(bad))}: tenants.alice: unknown quota "
-                                         r"'max_run'"):
-        QuotaConfig.from_file(bad)
-    bad.write_text(json.dumps({"default": {"max_checkpoint_bytes": 0}}))
-    with pytest.raises(ValueError, match="default: quota max_checkpoint_bytes must be an integer >= 1, got 0"):
-        QuotaConfig.from_file(bad)
-
-
-def test_bank_pages_out_the_tenants_own_adapters_never_pinned_ones(tiny_dir: Path, tmp_path: Path) -> None:
-    from lathe.models.config import ModelConfig
-    from lathe.models.lora import LoraSpec
-    from lathe.trainer.bank import Adapter, AdapterBank
-    from lathe.trainer.pages import DirPages
-
-    cfg = ModelConfig.from_dir(tiny_dir)
-    bank = AdapterBank(8, DirPages(tmp_path), "float32", lambda _: cfg)
-    bank.limit_tenant("a", 1)
-    for mid, tenant in (("b1", "b"), ("a1", "a"), ("b2", "b"), ("a2", "a")):
-        bank.add(Adapter.fresh(mid, tenant, BASE, cfg, LoraSpec(rank=2), seed=len(mid)))
-    assert bank.evict(pinned={"a1", "a2"}) == 0  # a cycle holds both: they stay until it ends
-    assert bank.evict(pinned=set()) == 1 and (bank.resident, bank.paged) == (3, 1)
-    assert not _resident(bank, "a1") and all(_resident(bank, m) for m in ("a2", "b1", "b2"))
-    bank.get("a1")  # paged back in, now the most recent: a2 goes next
-    assert bank.evict(pinned=set()) == 1
-    assert _resident(bank, "a1") and not _resident(bank, "a2")
-    bank.limit_tenant("a", 0)  # no quota of its own: only the capacity binds
-    bank.get("a2")
-    assert bank.evict(pinned=set()) == 0 and bank.resident == 4
-
-
-def _resident(bank: object, model_id: str) -> bool:
-    return bank._slots[model_id].adapter is not None  # what the bank holds in memory
-
-
-def test_pressure_names_the_quota_that_holds_new_work_back() -> None:
-    now = [1000.0]
-    q = Quotas(QuotaConfig(TenantQuotas(max_tokens_per_minute=60, max_inflight_ops=3)), clock=lambda: now[0])
-    assert q.pressure("t", 2) is None
-    assert q.pressure("t", 3) == "quota max_inflight_ops: 3 requests in flight, the limit is 3"
-    q.charge("t", 59)
-    assert q.pressure("t", 0) is None  # one token of room left
-    q.charge("t", 1)
-    assert q.pressure("t", 0) == "quota max_tokens_per_minute: 60 tokens in the last 60 s, the limit is 60"
-    assert q.pressure("u", 0) is None  # another tenant's window is its own
-    now[0] += 60
-    assert q.pressure("t", 0) is None  # the tokens have left the window
