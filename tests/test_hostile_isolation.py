@@ -5,7 +5,7 @@ The stack here runs as deployed: API keys from a file (one given as its SHA-256 
 TLS with a self-signed certificate made for the test, and the internal services behind the stack's secret.
 Every attempt must fail, and fail exactly as the same attempt on an id that does not exist (same status, same
 message once the ids are blanked): a refusal that differs would tell the intruder the id exists. Afterwards the
-owner's run, checkpoints and sampler are as they were.
+owner's run, checkpoints and sampler are as they were. The door clients: tests/secured_doors.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import hashlib
 import re
 import secrets
 import shutil
-import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,6 @@ import pytest
 from tinker import types
 from tinker.proto import request_conv
 
-from lathe.channels import CHANNEL_OPTIONS
 from lathe.runtime.internal_auth import METADATA_KEY
 from lathe.stack import Stack, StackConfig
 from lathe.v1 import checkpoints_pb2 as cpb
@@ -36,11 +34,11 @@ from lathe.v1 import checkpoints_pb2_grpc as cpb_grpc
 from lathe.v1 import lathe_pb2 as pb
 from lathe.v1 import lathe_pb2_grpc as pb_grpc
 from tests.helpers import next_token_datum, next_token_pb_datum
+from tests.secured_doors import WAIT_S, Grpc, Secured
 
 BASE = "lathe/tiny-llama"
 OWNER_KEY, INTRUDER_KEY = "tml-owner-" + "a" * 24, "tml-intruder-" + "b" * 24
 PROTO = "application/x-protobuf"
-WAIT_S = 60.0
 TOKENS = [5, 17, 42, 9, 33, 120, 7, 88]
 HEXISH = re.compile(r"[0-9a-f]{4,}")  # the random parts of Lathe's ids
 SAMPLING = pb.SamplingParams(max_tokens=2, temperature=1.0, top_p=1.0, seed=1)
@@ -77,63 +75,6 @@ def secured(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_di
                       sampler_threads=1, api_keys_file=keys, tls_cert=cert, tls_key=key)
     with Stack(cfg) as stack:
         yield Secured(stack, cert.read_bytes(), cert)
-
-
-@dataclass(slots=True)
-class Secured:
-    stack: Stack
-    root_cert: bytes
-    cert_path: Path
-
-    def grpc(self, key: str) -> Grpc:
-        return Grpc(self, key)
-
-    def http(self, key: str) -> httpx.Client:
-        return httpx.Client(base_url=f"{self.stack.http_url}/api/v1", headers={"X-API-Key": key},
-                            timeout=WAIT_S, verify=ssl.create_default_context(cafile=self.cert_path))
-
-    def internal(self, name: str) -> grpc.Channel:
-        address = next(s.address for s in self.stack.services if s.name == name)
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-
-class Grpc:
-    """One tenant's raw view of the gRPC door (over TLS)."""
-
-    def __init__(self, secured: Secured, key: str) -> None:
-        creds = grpc.ssl_channel_credentials(root_certificates=secured.root_cert)
-        self.channel = grpc.secure_channel(secured.stack.gateway, creds, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.GatewayStub(self.channel)
-        self.md = (("x-api-key", key),)
-
-    def call(self, rpc: str, request: object) -> object:
-        return getattr(self.stub, rpc)(request, metadata=self.md, timeout=WAIT_S)
-
-    def result(self, request_id: str) -> pb.FutureResult:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            res = self.call("RetrieveFuture", pb.RetrieveFutureRequest(request_id=request_id, timeout_s=5.0))
-            if res.done:
-                return res
-        raise TimeoutError(request_id)
-
-    def done(self, sub: pb.SubmitResponse, kind: str) -> pb.FutureResult:
-        res = self.result(sub.request_id)
-        assert res.WhichOneof("result") == kind, res
-        return res
-
-    def outcome(self, rpc: str, request: object) -> tuple[str, str]:
-        """(status, message) of a call, following an accepted submission to its result."""
-        try:
-            res = self.call(rpc, request)
-        except grpc.RpcError as e:
-            return e.code().name, e.details()
-        if isinstance(res, pb.SubmitResponse):
-            fut = self.result(res.request_id)
-            if fut.WhichOneof("result") == "error":
-                return fut.error.code, fut.error.message
-            return "ACCEPTED", str(fut)
-        return "ANSWERED", str(res)
 
 
 def _datum() -> pb.Datum:
