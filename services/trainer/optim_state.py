@@ -57,8 +57,9 @@ def optim_step(params: dict[str, torch.Tensor], state: OptimState, hp: OptimPara
 
 
 def state_tensors(state: OptimState) -> dict[str, torch.Tensor]:
-    """The state's tensors by ``<slot>/<name>``, on the CPU, for ``optimizer.safetensors``."""
-    return {f"{slot}/{n}": t.cpu().contiguous()
+    """The state's tensors themselves (on their device) by ``<slot>/<name>``, for ``optimizer.safetensors``
+    (``lathe.models.host.safetensors_bytes`` copies each from its device once)."""
+    return {f"{slot}/{n}": t
             for slot in _SLOTS[family_of(state)] for n, t in getattr(state, slot).items()}
 
 
