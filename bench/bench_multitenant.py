@@ -13,8 +13,10 @@ Batch shapes per tenant: 1x32, 1x128 and 4x128 tokens. Prints aggregate tokens/s
 the packed/serial speedup, packed vs. one-big, and the cycle planning overhead read from the trainer's
 Prometheus metrics. Beside the packed run: the arithmetic floor of a round (its training FLOPs at this
 machine's measured GEMM rate), the trainer's own cycle time, cycles and passes (cycles that computed
-tokens) per round (its metrics), and the overhead per tenant-step: (round time - floor) / tenants, the time
-a tenant's step costs beyond its arithmetic.
+tokens) per round (its metrics), and three overheads per tenant-step: (round time - floor) / tenants, the time
+a tenant's step costs beyond its arithmetic at the GEMM rate; (round time - the trainer's cycle time) / tenants, what
+a step costs outside the trainer's cycles (SDK, gateway, queues: the issue's "step time minus its share of cycle
+time"); and (packed round - one-big round) / tenants, what a tenant costs a cycle beyond the same tokens of one.
 
 Shared VMs drift (the same round read 1.8 and 2.6 s minutes apart on one 2-core machine), so both servers run
 at once (only the one being measured works) and every case is measured ``--repeats`` times, packed, serial and
@@ -192,12 +194,13 @@ def run_model(key: str, args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_dir(CACHE / MODEL_DIRS[key])
     print(f"packed rounds against the arithmetic floor ({dtype} GEMM at {rate:.0f} GFLOP/s, {args.threads} threads):")
     print(f"{'tokens/tenant':<14}{'round s':>9}{'cycles s':>10}{'cycles':>8}{'passes':>8}{'floor s':>9}"
-          f"{'floor/round':>12}{'overhead/tenant-step ms':>25}")
+          f"{'floor/round':>12}   overhead ms/tenant-step: {'vs floor':>9}{'outside cycles':>15}{'vs one-big':>11}")
     for n, length in shapes:
-        p = rows[("packed", n, length)]
+        p, b = rows[("packed", n, length)], rows[("big", n, length)]
         floor = args.tenants * n * length * train_flops_per_token(cfg, RANK, length) / (rate * 1e9)
-        print(f"{f'{n}x{length}':<14}{p['round_s']:>9.2f}{p['cycle_s']:>10.2f}{p['cycles']:>8.1f}{p['passes']:>8.1f}{floor:>9.2f}"
-              f"{floor / p['round_s']:>12.2f}{1e3 * (p['round_s'] - floor) / args.tenants:>25.0f}")
+        per = [1e3 * (p["round_s"] - x) / args.tenants for x in (floor, p["cycle_s"], b["round_s"])]
+        print(f"{f'{n}x{length}':<14}{p['round_s']:>9.2f}{p['cycle_s']:>10.2f}{p['cycles']:>8.1f}{p['passes']:>8.1f}"
+              f"{floor:>9.2f}{floor / p['round_s']:>12.2f}{'':>28}{per[0]:>9.0f}{per[1]:>15.0f}{per[2]:>11.0f}")
 
 
 def main() -> None:
