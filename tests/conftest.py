@@ -17,10 +17,8 @@ PROCESS_FIXTURES = frozenset({"shared_stack", "stack", "quota_stack", "s3_stack"
                               "server", "s3", "client", "postgres"})
 """Fixtures that start service processes (a stack, a checkpoints or S3 server, PostgreSQL)."""
 PROCESS_MODULES = frozenset({"test_supervision", "test_trainer_ranks", "test_isa_paths", "test_sampler",
-                             "test_sampler_requests", "test_hostile_losses", "test_hostile_losses_fuzz",
-                             "test_service_trust", "test_checkpoint_large"})
-"""Modules whose tests start such processes themselves (test_sampler_requests and test_hostile_losses_fuzz, split
-from test_sampler and test_hostile_losses: their tests keep the mark they had there)."""
+                             "test_hostile_losses", "test_service_trust", "test_checkpoint_large"})
+"""Modules whose tests start such processes themselves (a service, a child pytest, a rank) without a fixture."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
