@@ -7,6 +7,7 @@ services: it installs the shared-secret check of ``lathe.runtime.internal_auth``
 messages up to ``lathe.channels.MAX_MESSAGE_BYTES`` (checkpoint bytes travel through them); the public gateway passes
 its own, much smaller ``max_receive_bytes``, and its TLS ``credentials`` when it has a certificate. Given the
 service's ``Probes`` (``lathe.runtime.probes``), the server also answers gRPC health and counts its calls.
+``http_listener`` binds the socket a service's HTTP server (uvicorn) is handed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -66,6 +68,26 @@ async def serve_until_stopped(
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
+
+
+def http_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0 picks a free one) for an asyncio HTTP server.
+
+    Made with protocol ``IPPROTO_TCP``, not ``socket.create_server``'s 0: asyncio turns Nagle's algorithm off
+    (``TCP_NODELAY``) only on accepted sockets whose protocol says TCP. With it on, a response written as headers
+    then body waits for the client's delayed ACK of the headers: every request on a kept-alive connection took
+    44 ms on loopback (the first on a new connection 1.7 ms), and the official SDK keeps its connections alive.
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def setup_logging() -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from lathe.runtime.serving import http_listener
 
 from .tls import TlsFiles
 
@@ -34,8 +35,7 @@ class HttpServer:
 
     @classmethod
     async def start(cls, app: ASGIApp, host: str, port: int, tls: TlsFiles | None = None) -> HttpServer:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((host, port), family=family)
+        sock = http_listener(host, port)
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                 timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=int(GRACE_S),
                                 ssl_certfile=tls and tls.cert, ssl_keyfile=tls and tls.key)

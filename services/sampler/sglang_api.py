@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from lathe.errors import InvalidArgument, LatheError, NotFound
 from lathe.models.catalog import ModelCatalog
 from lathe.models.pool import add_pool_arguments, apply_threads
 from lathe.runtime.options import add_options, options
-from lathe.runtime.serving import READY_MARK, setup_logging
+from lathe.runtime.serving import READY_MARK, http_listener, setup_logging
 from lathe.sampler.adapters import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 from lathe.sampler.config import SamplerConfig
 from lathe.sampler.engine import SamplerEngine
@@ -254,7 +253,7 @@ def main() -> None:
         api.ready.set()
 
     threading.Thread(target=warm, name="sglang-api-warm", daemon=True).start()
-    sock = socket.create_server((args.host, args.port))
+    sock = http_listener(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"lathe.sampler.sglang_api{READY_MARK}{host}:{port}", flush=True)
     try:
