@@ -17,49 +17,31 @@ all its jobs together (what autograd keeps until the backward): a part whose cus
 that waits for a later cycle, unless it is the cycle's first (it then runs, and the step refuses it by name if it
 alone is over).
 
-The planner owns no tensors; ``Partial`` carries a split request's progress between cycles. A pool of several
-ranks sends each ``Work`` to its followers as a ``lathe.trainer.plan.Step``.
+The planner owns no tensors; a split request carries its own progress between cycles (its ``order.Request``). A
+pool of several ranks sends each ``Work`` to its followers as a ``lathe.trainer.plan.Step``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from lathe.errors import LatheError
 from lathe.trainer import custom_loss
-from lathe.trainer.ops import Example, ForwardBackward, Load, OptimStep, Save
-from lathe.trainer.order import Pending, Sequencer
-
-
-@dataclass(slots=True)
-class Partial:
-    """A forward / forward_backward request in progress (possibly over several cycles)."""
-
-    item: Pending
-    request: ForwardBackward  # ``item.op.body``
-    done: int = 0  # datums finished
-    logprobs: list[torch.Tensor] = field(default_factory=list)
-    loss: float = 0.0
-    metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
-    grad_backup: dict[str, torch.Tensor | None] | None = None  # restored if a later part fails
-
-    @property
-    def examples(self) -> list[Example]:
-        return self.request.examples
+from lathe.trainer.ops import Example, Load, OptimStep, Save
+from lathe.trainer.order import Request, Sequencer
 
 
 @dataclass(slots=True)
 class Work:
-    """What one training run does in one cycle."""
+    """What one training run does in one cycle: the requests it takes (``compute`` is the run's request in progress,
+    the same object over every cycle it spans)."""
 
     run: object  # the engine's per-run record
-    control: Pending | None = None
-    compute: Partial | None = None
+    control: Request | None = None
+    compute: Request | None = None
     part: tuple[int, int] = (0, 0)  # datum range of ``compute`` in this cycle
-    optim: Pending | None = None
+    optim: Request | None = None
     fetched: dict[str, bytes] | LatheError | None = None  # a load's checkpoint (or the error reading it) once fetched
 
     @property
@@ -79,25 +61,25 @@ def take_part(examples: list[Example], start: int, budget: int, force: bool) -> 
 
 
 def plan_cycle(
-    runs: list[tuple[object, Sequencer, Partial | None]],
+    runs: list[tuple[object, Sequencer, Request | None]],
     capacity: int,
-    begin: Callable[[object, Pending], Partial | None],
+    begin: Callable[[object, Request], bool],
     max_runs: int = 0,
     loss_elements: int = custom_loss.MAX_LOSS_ELEMENTS,
 ) -> list[Work]:
     """Plan one cycle. ``runs`` are (run, its sequencer, its request in progress), in visiting order.
 
-    ``begin(run, item)`` starts a forward / forward_backward request that reaches the head of its queue:
-    it records its ``Partial`` as the run's request in progress and returns it (or returns None if it
-    failed to start and has been answered already). ``max_runs`` > 0 caps how many runs
+    ``begin(run, request)`` starts a forward / forward_backward request that reaches the head of its queue:
+    it records it as the run's request in progress and returns True (or returns False if it failed to start
+    and has been answered already). ``max_runs`` > 0 caps how many runs
     share a cycle (1 = one tenant at a time, the unpacked baseline of the benchmarks).
     """
     works: list[Work] = []
     budget, room = capacity, loss_elements
-    for run, seq, partial in runs:
+    for run, seq, current in runs:
         if max_runs and len(works) >= max_runs:
             break
-        if partial is None:
+        if current is None:
             head = seq.peek()
             if head is None:
                 continue
@@ -110,20 +92,20 @@ def plan_cycle(
                 continue
             if budget < body.tokens <= capacity:
                 continue  # fits a later cycle whole: wait rather than split it
-            partial = begin(run, seq.pop())
-            if partial is None:
+            current = seq.pop()
+            if not begin(run, current):
                 continue
-        end = take_part(partial.examples, partial.done, budget, force=budget == capacity)
-        if end == partial.done:
+        end = take_part(current.examples, current.done, budget, force=budget == capacity)
+        if end == current.done:
             continue  # no room left in this cycle; the run keeps its request in progress
-        custom = partial.request.custom
+        custom = current.op.body.custom
         elements = 0 if custom is None else custom.elements(
-            [(len(ex), ex.inputs) for ex in partial.examples[partial.done:end]])
+            [(len(ex), ex.inputs) for ex in current.examples[current.done:end]])
         if elements > room and room < loss_elements:
             continue  # its custom loss waits for a cycle with room for it
         room -= elements
-        budget -= sum(len(x) for x in partial.examples[partial.done:end])
-        work = Work(run, compute=partial, part=(partial.done, end))
+        budget -= sum(len(x) for x in current.examples[current.done:end])
+        work = Work(run, compute=current, part=(current.done, end))
         if work.last_part:
             nxt = seq.peek()
             if nxt is not None and isinstance(nxt.op.body, OptimStep):

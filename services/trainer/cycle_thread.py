@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from lathe.errors import LatheError, Unavailable
 from lathe.trainer.dist import Group, RankLost
-from lathe.trainer.order import Pending
+from lathe.trainer.order import Request
 from lathe.trainer.runs import Runs
 from lathe.trainer.window import GatherWindow
 
@@ -38,7 +38,7 @@ def _sooner(a: float | None, b: float | None) -> float | None:
 
 class CycleThread:
     def __init__(self, lock: threading.Condition, runs: Runs, window: GatherWindow, group: Group | None, *,
-                 fail: Callable[[Pending, LatheError], None], run_cycle: Callable[[], int],
+                 fail: Callable[[Request, LatheError], None], run_cycle: Callable[[], int],
                  lost: Callable[[], bool], fail_waiting: Callable[[LatheError], None]) -> None:
         """``lock``, ``runs``, ``window``, ``group``: the engine's; ``fail(item, err)`` answers one operation;
         ``run_cycle()`` runs one cycle; ``lost()``: whether the pool broke; ``fail_waiting(err)`` answers every

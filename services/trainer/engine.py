@@ -60,13 +60,13 @@ from lathe.models.pool import on_passing_thread
 from lathe.trainer.answers import Answers
 from lathe.trainer.bank import AdapterBank
 from lathe.trainer.config import TrainerConfig
-from lathe.trainer.cycle import Partial, Work, plan_cycle
+from lathe.trainer.cycle import Work, plan_cycle
 from lathe.trainer.cycle_thread import CycleThread
 from lathe.trainer.dist import Group, RankLost
 from lathe.trainer.lifecycle import BaseModels, CheckpointStore, RunMaker
 from lathe.trainer.metrics import CycleMetrics
 from lathe.trainer.ops import Limits, Op, Result, Skip
-from lathe.trainer.order import Pending
+from lathe.trainer.order import Request
 from lathe.trainer.pages import DirPages
 from lathe.trainer.plan import Plan, Step
 from lathe.trainer.runner import CycleRunner
@@ -80,21 +80,21 @@ from lathe.v1 import lathe_pb2 as pb
 log = logging.getLogger("lathe.trainer")
 
 
-def _fail(item: Pending, err: LatheError) -> None:
+def _fail(item: Request, err: LatheError) -> None:
     """Answer ``item`` with ``err`` unless it has its answer already (no receipt: it never ran)."""
     if not item.future.done():
         item.future.set_result(Result(error=err))
 
 
-def _replayed(op: Op | None) -> Pending | None:
+def _replayed(op: Op | None) -> Request | None:
     """A follower's stand-in for the leader's queued operation ``op`` (nobody waits on its future)."""
-    return None if op is None else Pending(op.seq_id, op, Future(), time.monotonic())
+    return None if op is None else Request(op.seq_id, op, Future(), time.monotonic())
 
 
 def _step(w: Work) -> Step:
     """``w`` as the followers receive it; a request whose first part runs now starts with it."""
     return Step(w.run.model_id, control=w.control.op if w.control is not None else None, fetched=w.fetched,
-                begin=w.compute.item.op if w.compute is not None and w.part[0] == 0 else None,
+                begin=w.compute.op if w.compute is not None and w.part[0] == 0 else None,
                 part=w.part if w.compute is not None else None, optim=w.optim.op if w.optim is not None else None)
 
 
@@ -102,12 +102,12 @@ def _fail_cycle(works: list[Work], err: LatheError, bank: AdapterBank) -> None:
     """Answer every operation of ``works`` not answered yet with ``err``; their runs drop their request in progress
     (restoring the gradients it had added to, when they were saved)."""
     for w in works:
-        if w.compute is not None and not w.compute.item.future.done():
+        if w.compute is not None and not w.compute.future.done():
             if w.compute.grad_backup is not None:
                 for n, param in bank.get(w.run.model_id).weights.named_parameters().items():
                     param.grad = w.compute.grad_backup[n]
-            w.run.partial = None
-        for item in (w.control, w.compute.item if w.compute is not None else None, w.optim):
+            w.run.current = None
+        for item in (w.control, w.compute, w.optim):
             if item is not None:
                 _fail(item, err)
 
@@ -241,22 +241,23 @@ class TrainerEngine:
         if self.on_rank_lost is not None:
             self.on_rank_lost()
 
-    def _begin(self, m: Run, item: Pending) -> Partial | None:
+    def _begin(self, m: Run, item: Request) -> bool:
         """Start a forward / forward_backward request (checked at the intake) as it reaches the head of its
-        run's queue; one split over several cycles first keeps a copy of the gradients it will add to.
+        run's queue: it becomes the run's request in progress; one split over several cycles first keeps a copy of
+        the gradients it will add to. Returns whether it started.
 
         Whatever goes wrong here (e.g. out of memory) answers this request alone."""
-        partial = Partial(item, item.op.body)
+        body = item.op.body
         try:
-            if partial.request.backward and partial.request.tokens > self.cfg.cycle_tokens:
-                partial.grad_backup = {n: None if p.grad is None else p.grad.clone()
-                                       for n, p in self.bank.get(m.model_id).weights.named_parameters().items()}
+            if body.backward and body.tokens > self.cfg.cycle_tokens:
+                item.grad_backup = {n: None if p.grad is None else p.grad.clone()
+                                    for n, p in self.bank.get(m.model_id).weights.named_parameters().items()}
         except Exception as e:  # noqa: BLE001 - one request's failure, never the cycle thread's
             err = Internal(f"starting seq_id {item.seq_id} failed: {type(e).__name__}: {e}")
             self._finish(m, item, self.cycle + 1, time.monotonic(), Result(error=err))
-            return None
-        m.partial = partial
-        return partial
+            return False
+        m.current = item
+        return True
 
     def run_cycle(self) -> int:
         """Run one cycle over whatever is ready; returns the number of runs it touched. A pool's leader
@@ -268,7 +269,7 @@ class TrainerEngine:
             if runs:
                 k = self.cycle % len(runs)
                 runs = runs[k:] + runs[:k]
-            works = plan_cycle([(m, m.seq, m.partial) for m in runs], self.cfg.cycle_tokens, self._begin,
+            works = plan_cycle([(m, m.seq, m.current) for m in runs], self.cfg.cycle_tokens, self._begin,
                                self.cfg.max_runs_per_cycle, self.cfg.loss_budget.elements)
             creates = self.runs.take_creates()
             self.cycle += bool(works)
@@ -331,13 +332,13 @@ class TrainerEngine:
         w = Work(m, control=_replayed(s.control), optim=_replayed(s.optim), fetched=s.fetched)
         if s.part is None:
             return w
-        if s.begin is not None and self._begin(m, _replayed(s.begin)) is None:
+        if s.begin is not None and not self._begin(m, _replayed(s.begin)):
             raise RuntimeError(f"this rank could not start seq_id {s.begin.seq_id} of {s.model_id}, which the "
                                "leader started")
-        if m.partial is None or m.partial.done != s.part[0]:
+        if m.current is None or m.current.done != s.part[0]:
             raise RuntimeError(f"the leader computes datums {s.part} of {s.model_id}, but this rank has "
-                               f"{'no request in progress' if m.partial is None else f'{m.partial.done} done'}")
-        w.compute, w.part = m.partial, s.part
+                               f"{'no request in progress' if m.current is None else f'{m.current.done} done'}")
+        w.compute, w.part = m.current, s.part
         return w
 
     def _pinned(self) -> set[str]:
@@ -349,7 +350,7 @@ class TrainerEngine:
         self.metrics.resident_adapters.set(self.bank.resident)
         self.metrics.paged_adapters.set(self.bank.paged)
 
-    def _finish(self, m: Run, item: Pending, cycle: int, start: float, result: Result, tokens: int = 0) -> None:
+    def _finish(self, m: Run, item: Request, cycle: int, start: float, result: Result, tokens: int = 0) -> None:
         fingerprint, exact = self.exactness.stamp(self.bank.base_model(m.model_id))
         result.receipt = Receipt(
             request_id=item.op.request_id, model_id=item.op.model_id, seq_id=item.seq_id, cycle=cycle,

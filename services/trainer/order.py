@@ -19,6 +19,9 @@ applies anything out of order:
 A run rebuilt from its recovery snapshot starts ``after`` the snapshot's ``seq_id``; the answers the snapshot
 recorded (``lathe.trainer.recovery``) answer repeats of their seq_ids: those operations were applied, though
 their answers may never have reached the gateway.
+
+Each operation is one ``Request`` from its arrival to its answer: the sequencer holds it until it is released, and
+a forward / forward_backward then carries its own progress over the cycles it spans.
 """
 
 from __future__ import annotations
@@ -28,24 +31,42 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
 from lathe.errors import FailedPrecondition
-from lathe.trainer.ops import Op, Result
+from lathe.trainer.ops import Example, Op, Result
 
 KEEP_RESULTS = 4096  # answered seq_ids remembered per model for late duplicates
 
 
 @dataclass(slots=True)
-class Pending:
+class Request:
+    """One ordered operation of a run inside the trainer, from its arrival to its answer. Its run's ``Sequencer``
+    holds it until it is released in order; a forward / forward_backward is then its run's request in progress
+    (``runs.Run.current``) until it is answered, and the cycle runner folds each part it computes into the
+    progress fields below. Whoever answers it sets ``future``."""
+
     seq_id: int
     op: Op | None  # None: a skipped seq_id (answered already, never run)
     future: Future
-    arrived: float
+    arrived: float  # monotonic
+    # a forward / forward_backward's progress, possibly over several cycles
+    done: int = 0  # datums finished
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    loss: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
+    grad_backup: dict[str, torch.Tensor | None] | None = None  # restored if a later part fails
+
+    @property
+    def examples(self) -> list[Example]:
+        """A forward / forward_backward's datums."""
+        return self.op.body.examples
 
 
 @dataclass(slots=True)
 class Sequencer:
     next_seq: int = 1
-    waiting: dict[int, Pending] = field(default_factory=dict)
+    waiting: dict[int, Request] = field(default_factory=dict)
     answered: OrderedDict[int, Future] = field(default_factory=OrderedDict)
     reached: float = field(default_factory=time.monotonic)  # when ``next_seq`` became the next one (monotonic)
 
@@ -70,7 +91,7 @@ class Sequencer:
             raise FailedPrecondition(f"seq_id {seq_id} is behind this run's next seq_id {self.next_seq}: it was "
                                      "applied, skipped or given up on, and its answer is no longer kept")
         fut: Future = Future()
-        self.waiting[seq_id] = Pending(seq_id, op, fut, now)  # in place of a skip, if one held the seq_id
+        self.waiting[seq_id] = Request(seq_id, op, fut, now)  # in place of a skip, if one held the seq_id
         self._pass_skips(now)
         return fut, True
 
@@ -86,12 +107,12 @@ class Sequencer:
             fut.set_result(answer)
         return fut
 
-    def peek(self) -> Pending | None:
+    def peek(self) -> Request | None:
         """The next operation in order, if it has arrived (a skip is never one)."""
         head = self.waiting.get(self.next_seq)
         return head if head is not None and head.op is not None else None
 
-    def pop(self, now: float | None = None) -> Pending:
+    def pop(self, now: float | None = None) -> Request:
         """Take the next operation (``peek`` has it); ``now`` defaults to the monotonic clock."""
         now = time.monotonic() if now is None else now
         item = self._take(now)
@@ -104,7 +125,7 @@ class Sequencer:
             return None
         return max(self.reached, min(p.arrived for p in self.waiting.values()))
 
-    def give_up(self, now: float) -> list[tuple[Pending, str]]:
+    def give_up(self, now: float) -> list[tuple[Request, str]]:
         """Stop waiting for ``next_seq``: every operation waiting (skips aside) is returned with the reason it
         fails, to be answered by the caller; they count as answered, and order resumes after the last one."""
         missing = self.next_seq
@@ -120,7 +141,7 @@ class Sequencer:
         self.reached = now
         return failed
 
-    def _take(self, now: float) -> Pending:
+    def _take(self, now: float) -> Request:
         item = self.waiting.pop(self.next_seq)
         self.next_seq += 1
         self.reached = now
@@ -132,7 +153,7 @@ class Sequencer:
         while len(self.waiting) > 1 and (head := self.waiting.get(self.next_seq)) is not None and head.op is None:
             self._take(now)
 
-    def _remember(self, item: Pending) -> None:
+    def _remember(self, item: Request) -> None:
         self.answered[item.seq_id] = item.future
         while len(self.answered) > KEEP_RESULTS:
             self.answered.popitem(last=False)

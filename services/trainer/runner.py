@@ -19,12 +19,13 @@ from lathe.trainer import shard
 from lathe.trainer.bank import AdapterBank
 from lathe.trainer.config import TrainerConfig
 from lathe.trainer.custom_loss import reduce_metrics
-from lathe.trainer.cycle import Partial, Work
+from lathe.trainer.cycle import Work
 from lathe.trainer.dist import Group
 from lathe.trainer.lifecycle import BaseModels, RunMaker
 from lathe.trainer.metrics import CycleMetrics, sampler_kl
 from lathe.trainer.ops import Load, OptimStep, Result, Save
 from lathe.trainer.optim_state import optim_step
+from lathe.trainer.order import Request
 from lathe.trainer.step import Job, JobResult, run_jobs
 from lathe.types import (
     ForwardBackwardOutput,
@@ -66,8 +67,8 @@ class CycleRunner:
         tokens = 0
         for base, part in by_base.items():
             jobs = [Job(self.bank.get(w.run.model_id).weights, w.compute.examples[w.part[0]:w.part[1]],
-                        w.compute.request.loss_fn, w.compute.request.loss_cfg, w.compute.request.backward,
-                        w.compute.request.custom)
+                        w.compute.op.body.loss_fn, w.compute.op.body.loss_cfg, w.compute.op.body.backward,
+                        w.compute.op.body.custom)
                     for w in part]
             tokens += sum(len(x) for j in jobs for x in j.examples)
             model = self.bases.get(base)
@@ -84,35 +85,35 @@ class CycleRunner:
 
     def _absorb(self, w: Work, res: JobResult, cycle: int, start: float) -> None:
         """Fold one part's result into its request; answer the request when it is done or failed."""
-        m, p = w.run, w.compute
+        m, r = w.run, w.compute
         if res.error is None:
-            p.logprobs += res.logprobs
-            p.loss += res.loss
-            p.metric_sums.update({k: p.metric_sums.get(k, 0.0) + v for k, v in res.metric_sums.items()})
-            p.done = w.part[1]
+            r.logprobs += res.logprobs
+            r.loss += res.loss
+            r.metric_sums.update({k: r.metric_sums.get(k, 0.0) + v for k, v in res.metric_sums.items()})
+            r.done = w.part[1]
             if not w.last_part:
                 return
-        elif p.grad_backup is not None:
+        elif r.grad_backup is not None:
             for n, param in self.bank.get(m.model_id).weights.named_parameters().items():
-                param.grad = p.grad_backup[n]
-        m.partial = None
-        kl = sampler_kl(p.examples, p.logprobs) if res.error is None else None
+                param.grad = r.grad_backup[n]
+        m.current = None
+        kl = sampler_kl(r.examples, r.logprobs) if res.error is None else None
         if kl is not None:
             self.metrics.observe_kl(kl)
-        out = self._fb_result(p, res.error, kl)
-        self.finish(m, p.item, cycle, start, out, tokens=p.request.tokens)
+        out = self._fb_result(r, res.error, kl)
+        self.finish(m, r, cycle, start, out, tokens=r.op.body.tokens)
         if res.error is not None and w.optim is not None:
             self.finish(m, w.optim, cycle, start, self._optim(m.model_id, w.optim.op.body))
             w.optim = None
 
     @staticmethod
-    def _fb_result(p: Partial, error: LatheError | None, kl: float | None) -> Result:
+    def _fb_result(r: Request, error: LatheError | None, kl: float | None) -> Result:
         """The request's answer: its logprobs, a custom loss's metrics, ``loss:sum``, and ``sampler_kl:mean`` (the
         KL from the sampler's logprobs it carried to the trainer's, ``metrics.sampler_kl``) when it carried any."""
         if error is not None:
             return Result(error=error)
-        outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in p.logprobs]
-        metrics = {**reduce_metrics(p.metric_sums, len(p.logprobs)), "loss:sum": p.loss}
+        outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in r.logprobs]
+        metrics = {**reduce_metrics(r.metric_sums, len(r.logprobs)), "loss:sum": r.loss}
         if kl is not None:
             metrics["sampler_kl:mean"] = kl
         return Result(ForwardBackwardOutput("ArrayRecord", outputs, metrics))

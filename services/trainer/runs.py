@@ -1,8 +1,9 @@
 """A trainer pool's training runs: ``Run``, a run as the cycle scheduler sees it, and ``Runs``, which makes them and
 writes their recovery snapshots.
 
-    Run    model_id, tenant, its ordered queue (``order.Sequencer``), the request in progress over several cycles
-           (``cycle.Partial``), and which seq_id its latest recovery snapshot was taken (and last tried) after
+    Run    model_id, tenant, its ordered queue (``order.Sequencer``), its forward / forward_backward in progress
+           over one or more cycles (an ``order.Request`` taken off that queue), and which seq_id its latest
+           recovery snapshot was taken (and last tried) after
     Runs   the runs by model_id; ``create`` (a caller's CreateAdapterRequest) and ``make`` (the same on every rank of
            a pool, from a plan) build a run fresh, from a saved state or from its recovery snapshot; ``snapshot``
            copies a run's state when one is due and returns its write; ``take_creates`` hands a pool's leader the
@@ -23,10 +24,9 @@ from dataclasses import dataclass, field
 from lathe.errors import FailedPrecondition, LatheError, ResourceExhausted
 from lathe.trainer.bank import AdapterBank
 from lathe.trainer.config import TrainerConfig
-from lathe.trainer.cycle import Partial
 from lathe.trainer.lifecycle import RunMaker
 from lathe.trainer.ops import Result
-from lathe.trainer.order import Pending, Sequencer
+from lathe.trainer.order import Request, Sequencer
 from lathe.trainer.plan import Create, Files
 from lathe.trainer.recovery import Record
 from lathe.types import recovery_path
@@ -42,14 +42,14 @@ class Run:
     model_id: str
     tenant: str
     seq: Sequencer = field(default_factory=Sequencer)
-    partial: Partial | None = None
+    current: Request | None = None  # its forward / forward_backward in progress
     snapshot_seq: int = 0  # the seq_id its latest recovery snapshot was taken after
     snapshot_tried: int = 0  # the seq_id after which one was last due, written or not (``SnapshotPolicy.every_ops``)
 
     @property
     def ready(self) -> bool:
         """Has it work for the next cycle (a request part-way through, or an operation at its queue's head)?"""
-        return self.partial is not None or self.seq.peek() is not None
+        return self.current is not None or self.seq.peek() is not None
 
 
 class Runs:
@@ -133,7 +133,7 @@ class Runs:
             raise ResourceExhausted(f"trainer queue is full ({queued} operations waiting); retry later",
                                     retry_after_s=1.0)
 
-    def expire(self, now: float, fail: Callable[[Pending, LatheError], None]) -> float | None:
+    def expire(self, now: float, fail: Callable[[Request, LatheError], None]) -> float | None:
         """``fail`` the operations that waited ``order_wait_s`` for a seq_id that has not arrived. Returns the
         seconds until the next run would reach that wait (None: no run waits for one)."""
         soonest = None
@@ -155,13 +155,13 @@ class Runs:
 
     def in_progress(self) -> set[str]:
         """The runs with a request part-way through (their adapters stay resident)."""
-        return {m.model_id for m in self.models.values() if m.partial is not None}
+        return {m.model_id for m in self.models.values() if m.current is not None}
 
-    def drain(self) -> list[Pending]:
+    def drain(self) -> list[Request]:
         """Every queued operation and request in progress, taken off their runs (to be answered with an error)."""
-        items = [m.partial.item for m in self.models.values() if m.partial is not None]
+        items = [m.current for m in self.models.values() if m.current is not None]
         for m in self.models.values():
-            m.partial = None
+            m.current = None
             items += m.seq.waiting.values()
             m.seq.waiting.clear()
         return items
@@ -171,7 +171,7 @@ class Runs:
         creates, self._creates = self._creates, []
         return creates
 
-    def snapshot(self, m: Run, item: Pending, result: Result) -> Callable[[], None] | None:
+    def snapshot(self, m: Run, item: Request, result: Result) -> Callable[[], None] | None:
         """The write of ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``, its receipt
         made, not yet answered), its state copied now; None if none is due. ``result.recovery_path`` names it, and
         is emptied again if the write fails.
