@@ -59,15 +59,15 @@ def lathe_loop(stack: Stack, tag: str, progress: Callable[[int], None]) -> list[
 
 def tinker_loop(stack: Stack, tag: str, progress: Callable[[int], None]) -> list[np.ndarray]:
     data = [next_token_datum(t, tinker, w) for t, w in batch()]
-    sc = tinker.ServiceClient(base_url=stack.http_url, api_key=f"tml-{tag}")
-    tc = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
-    for i in range(STEPS):
-        fb = tc.forward_backward(data, "cross_entropy")
-        opt = tc.optim_step(tinker.AdamParams(learning_rate=1e-2))
-        fb.result()
-        opt.result()
-        progress(i + 1)
-    out = tc.forward(data, "cross_entropy").result()
+    with tinker.ServiceClient(base_url=stack.http_url, api_key=f"tml-{tag}") as sc:  # its heartbeats end with it
+        tc = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
+        for i in range(STEPS):
+            fb = tc.forward_backward(data, "cross_entropy")
+            opt = tc.optim_step(tinker.AdamParams(learning_rate=1e-2))
+            fb.result()
+            opt.result()
+            progress(i + 1)
+        out = tc.forward(data, "cross_entropy").result()
     return [np.asarray(o["logprobs"].tolist(), dtype=np.float32) for o in out.loss_fn_outputs]
 
 
@@ -122,16 +122,16 @@ def test_a_kill_costs_time_not_steps(stack: Stack, service: str, loop: Callable,
 def test_an_inflight_client_follows_its_run_across_a_gateway_restart(stack: Stack) -> None:
     """The run's inflight weights and the run each inflight session follows live in the control database: after a
     kill -9 of the gateway, a client made before it samples the weights of an inflight save made after it."""
-    sc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-inflight-restart")
-    tc = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
-    client = tc.save_weights_and_get_sampling_client(kind="inflight").result()
-    probe = tinker.ModelInput.from_ints([t for t, _ in batch(1)][0])
-    before = client.compute_logprobs(probe).result()
-    stack.kill("gateway")
-    stack.restart("gateway")
-    (tokens, weights), = batch(1)
-    tc.forward_backward([next_token_datum(tokens, tinker, weights)], "cross_entropy").result()
-    tc.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
-    after = tc.save_weights_and_get_sampling_client(kind="inflight").result().compute_logprobs(probe).result()
-    assert after != before
-    assert client.compute_logprobs(probe).result() == after
+    with tinker.ServiceClient(base_url=stack.http_url, api_key="tml-inflight-restart") as sc:
+        tc = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
+        client = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+        probe = tinker.ModelInput.from_ints([t for t, _ in batch(1)][0])
+        before = client.compute_logprobs(probe).result()
+        stack.kill("gateway")
+        stack.restart("gateway")
+        (tokens, weights), = batch(1)
+        tc.forward_backward([next_token_datum(tokens, tinker, weights)], "cross_entropy").result()
+        tc.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+        after = tc.save_weights_and_get_sampling_client(kind="inflight").result().compute_logprobs(probe).result()
+        assert after != before
+        assert client.compute_logprobs(probe).result() == after
