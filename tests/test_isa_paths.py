@@ -7,9 +7,9 @@ checks several paths: these tests rerun the op invariance tests and the exactnes
   AVX2-only CPU they are the paths the whole suite already takes: no rerun there, 30 s saved on the slowest kind);
 - with ``ATEN_CPU_CAPABILITY=default``: ATen's portable kernels, which every x86 CPU runs and which give
   an fp32 matmul other bits than its AVX2 ones (measured), so the tile choice is proven on a path it was
-  never tuned on. fp32 only: no machine runs a bf16 pool on this path (bf16 is the default only where the CPU
-  has native bf16, whose kernels are AVX-512's), and its bf16 products are scalar loops that took 17 of the
-  rerun's 39 s on an AVX2 EPYC.
+  never tuned on. The exactness tests' bf16 cases (the ids ``[bf16]``) are left out there: no machine runs a bf16
+  pool on this path (bf16 is the default only where the CPU has native bf16, whose kernels are AVX-512's), and
+  their scalar bf16 products took 17 of the rerun's 39 s on an AVX2 EPYC. The op tests keep both dtypes.
 """
 
 from __future__ import annotations
