@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -43,32 +44,31 @@ def batch(n: int = 4) -> list[tuple[list[int], list[float]]]:
     return out
 
 
+def train(tc: lathe.TrainingClient | tinker.TrainingClient, sdk: ModuleType, data: list,
+          progress: Callable[[int], None]) -> list:
+    """``STEPS`` steps of ``tc`` (either SDK: ``sdk`` is its module) on ``data``, ``progress`` told after each; the
+    final forward's loss outputs."""
+    for i in range(STEPS):
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(sdk.AdamParams(learning_rate=1e-2))
+        fb.result()
+        opt.result()
+        progress(i + 1)
+    return tc.forward(data, "cross_entropy").result().loss_fn_outputs
+
+
 def lathe_loop(stack: Stack, tag: str, progress: Callable[[int], None]) -> list[np.ndarray]:
     data = [next_token_datum(t, lathe, w) for t, w in batch()]
     with lathe.ServiceClient(base_url=stack.gateway, api_key=f"tml-{tag}") as sc:
-        tc = sc.create_lora_training_client(BASE, rank=4, seed=5)
-        for i in range(STEPS):
-            fb = tc.forward_backward(data, "cross_entropy")
-            opt = tc.optim_step(lathe.AdamParams(learning_rate=1e-2))
-            fb.result()
-            opt.result()
-            progress(i + 1)
-        out = tc.forward(data, "cross_entropy").result()
-        return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+        outputs = train(sc.create_lora_training_client(BASE, rank=4, seed=5), lathe, data, progress)
+    return [o["logprobs"].to_numpy() for o in outputs]
 
 
 def tinker_loop(stack: Stack, tag: str, progress: Callable[[int], None]) -> list[np.ndarray]:
     data = [next_token_datum(t, tinker, w) for t, w in batch()]
     with tinker.ServiceClient(base_url=stack.http_url, api_key=f"tml-{tag}") as sc:  # its heartbeats end with it
-        tc = sc.create_lora_training_client(BASE, rank=4, seed=5).result()
-        for i in range(STEPS):
-            fb = tc.forward_backward(data, "cross_entropy")
-            opt = tc.optim_step(tinker.AdamParams(learning_rate=1e-2))
-            fb.result()
-            opt.result()
-            progress(i + 1)
-        out = tc.forward(data, "cross_entropy").result()
-    return [np.asarray(o["logprobs"].tolist(), dtype=np.float32) for o in out.loss_fn_outputs]
+        outputs = train(sc.create_lora_training_client(BASE, rank=4, seed=5).result(), tinker, data, progress)
+    return [np.asarray(o["logprobs"].tolist(), dtype=np.float32) for o in outputs]
 
 
 def interrupted(stack: Stack, loop: Callable[[Stack, str, Callable[[int], None]], list[np.ndarray]],
