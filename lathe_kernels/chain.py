@@ -121,7 +121,8 @@ def _library() -> ctypes.CDLL | None:
     lib.lathe_chain_matmul.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count]
     lib.lathe_chain_lora.argtypes = [ptr, stride, ptr, stride, stride, ptr, stride, stride, ctypes.c_float, ptr, ptr,
                                      count, count, count, count, count, count]
-    lib.lathe_chain_lora_segments.argtypes = [ptr, stride, ptr, ptr, ptr, ptr, count, count, count, count, count]
+    longs, floats = ctypes.POINTER(ctypes.c_long), ctypes.POINTER(ctypes.c_float)
+    lib.lathe_chain_lora_segments.argtypes = [ptr, stride, longs, floats, ptr, ptr, count, count, count, count, count]
     lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, ptr, stride, stride, stride, ptr,
                                                  ctypes.c_float, ptr, *[count] * 7]
     lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
@@ -190,22 +191,30 @@ Segment = tuple[int, int, torch.Tensor, torch.Tensor, float, int]
 
 def chain_lora_segments(x: torch.Tensor, segments: list[Segment], n: int) -> torch.Tensor:
     """Every segment's ``chain_lora`` in one call: y[r0:r0 + rows] = chain_lora(x[r0:r0 + rows], a, b, scale, block)
-    for each segment (the segments disjoint), zeros in rows of no segment; x [T, K] -> y [T, n]. A segment's bits
-    are ``chain_lora``'s for it alone (several segments run one a thread; a lone one shares its expand's columns
-    over the threads, as ``chain_lora`` does)."""
+    for each segment (the segments disjoint, in row order), zeros in rows of no segment; x [T, K] -> y [T, n]. A
+    segment's bits are ``chain_lora``'s for it alone (several segments run one a thread; a lone one shares its
+    expand's columns over the threads, as ``chain_lora`` does)."""
     lib, x = _checked(x, max(blk for *_, blk in segments), *(t for s in segments for t in s[2:4]))
     (t, k), widest = x.shape, max(a.shape[0] for _, _, a, _, _, _ in segments)
+    table: list[int] = []
+    end = 0
     for r0, rows, a, b, _, block in segments:
+        if r0 < end:
+            raise ValueError(f"chain_lora_segments: the segment at row {r0} starts before row {end}, where the one "
+                             "before it ends (segments go in row order, disjoint)")
+        end = r0 + rows
         if r0 < 0 or rows < 1 or r0 + rows > t or a.shape[1] != k or b.shape != (n, a.shape[0]) or block < 1:
             raise ValueError(f"chain_lora_segments: segment at row {r0} of {rows} rows with a {list(a.shape)}, b "
                              f"{list(b.shape)} does not fit x [{t}, {k}] -> [{t}, {n}]")
-    table = torch.tensor([[r0, rows, a.shape[0], block, a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(),
-                           b.stride(1), b.stride(0)] for r0, rows, a, b, _, block in segments], dtype=torch.long)
-    scales = torch.tensor([scale for *_, scale, _ in segments], dtype=torch.float32)
-    v, y = torch.empty(t, widest, dtype=torch.float32), torch.zeros(t, n, dtype=torch.float32)
-    lib.lathe_chain_lora_segments(x.data_ptr(), x.stride(0), table.data_ptr(), scales.data_ptr(), v.data_ptr(),
-                                  y.data_ptr(), len(segments), k, n, widest,
-                                  _threads(sum(rows for _, rows, *_ in segments) * widest * n))
+        table += (r0, rows, a.shape[0], block, a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(), b.stride(1),
+                  b.stride(0))
+    covered = sum(rows for _, rows, *_ in segments)
+    v = torch.empty(t, widest, dtype=torch.float32)
+    y = torch.empty(t, n, dtype=torch.float32) if covered == t else torch.zeros(t, n, dtype=torch.float32)
+    lib.lathe_chain_lora_segments(x.data_ptr(), x.stride(0), (ctypes.c_long * len(table))(*table),
+                                  (ctypes.c_float * len(segments))(*(scale for *_, scale, _ in segments)),
+                                  v.data_ptr(), y.data_ptr(), len(segments), k, n, widest,
+                                  _threads(covered * widest * n))
     return y
 
 

@@ -49,7 +49,7 @@ problem whatever the batch and the thread count, and a row's bits depend only on
   chunks and fixed row tiles, in the same way.
 - ``log_softmax`` over the last dim is row-invariant in plain torch (its kernel splits the work over
   rows only), so both modes share the code. ``rms_norm`` is too, except that torch splits the mean of
-  a lone row across threads once it has more than 32768 elements; the invariant mode gives a lone row
+  a lone row across threads once it has more than ``LONE_ROW_SPLIT`` elements; the invariant mode gives a lone row
   a zero partner row.
 Backward passes go through torch autograd in both modes (only the forward is batch-invariant).
 
@@ -300,22 +300,27 @@ class _InvariantLinear(torch.autograd.Function):
         return dx, dw, None, None
 
 
+LONE_ROW_SPLIT = 32768
+"""Longest lone row torch reduces in one pass; the mean of a longer one is split across threads (measured, torch
+2.x on CPU), so the invariant ``rms_norm`` gives such a row a zero partner, as it would have in a batch."""
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bool) -> torch.Tensor:
     """y = weight * (x / sqrt(mean(x ** 2, -1) + eps)).to(x.dtype); x [..., D], weight [D] -> [..., D].
 
     The statistic is computed in fp32 (fp64 for fp64 input), as Llama-family models do. Row-invariant
-    in both modes except for a lone row of more than 32768 elements, which only the invariant mode
+    in both modes except for a lone row of more than ``LONE_ROW_SPLIT`` elements, which only the invariant mode
     handles (it reduces the row next to a zero row, as it would be in any batch).
     """
     wide = _wide(x.dtype)
     xf = x.to(wide)
     # a narrower x: backward reads its upcast again rather than autograd keeping the wide copy
     with contextlib.nullcontext() if xf is x else recomputed(xf, lambda: x.to(wide)):
-        rows = xf.reshape(-1, xf.shape[-1])
-        n = rows.shape[0]
-        if invariant and n == 1:
-            rows = _pad_rows(rows, 2)
-        mean_sq = rows.pow(2).mean(-1, keepdim=True)[:n].reshape(*x.shape[:-1], 1)
+        if invariant and x.shape[-1] > LONE_ROW_SPLIT and x.numel() == x.shape[-1]:
+            paired = _pad_rows(xf.reshape(1, -1), 2)
+            mean_sq = paired.pow(2).mean(-1, keepdim=True)[:1].reshape(*x.shape[:-1], 1)
+        else:
+            mean_sq = xf.pow(2).mean(-1, keepdim=True)
         return weight * (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype)
 
 

@@ -94,6 +94,8 @@ def test_segments_in_one_call_have_each_segments_own_bits(gen: torch.Generator, 
     assert not got[6:9].any()  # rows of no segment stay zero
     with pytest.raises(ValueError, match=r"segment at row 18 of 5 rows with a \[8, 96\], b \[40, 8\] does not fit"):
         chain.chain_lora_segments(x, [(18, 5, *segments[0][2:])], 40)
+    with pytest.raises(ValueError, match=r"segment at row 3 starts before row 5, where the one before it ends"):
+        chain.chain_lora_segments(x, [segments[0], (3, 4, *segments[0][2:])], 40)
 
 
 def test_bad_operands_are_refused_with_what_was_wrong() -> None:
