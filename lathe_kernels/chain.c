@@ -190,6 +190,29 @@ void lathe_chain_lora_segments(const float *x, long ldx, const long *seg, const 
     }
 }
 
+/* A base product and its LoRA corrections in one call (a lone decode row's linear): y = x @ w (lathe_chain_matmul),
+   then y = y + d, where d [m, n] is lathe_chain_lora_segments' result (d: the caller's scratch) and rows of no
+   segment add +0 (as adding a tensor of zeros does, which turns -0 into +0). No segments: y = x @ w alone. The
+   segments go in row order, disjoint. */
+void lathe_chain_linear(const float *x, long ldx, const float *w, long sk, long sn, float *y, int m, int k, int n,
+                        int block, int threads, const long *seg, const float *scale, float *v, float *d,
+                        int segments, int widest, int lora_threads) {
+    matmul(x, ldx, w, sk, sn, y, m, k, n, block, threads);
+    if (segments == 0) return;
+    lathe_chain_lora_segments(x, ldx, seg, scale, v, d, segments, k, n, widest, lora_threads);
+    int s = 0;
+    for (long i = 0; i < m; i++) {
+        while (s < segments && seg[10L * s] + seg[10L * s + 1] <= i) s++;
+        const int covered = s < segments && seg[10L * s] <= i;
+        float *yi = y + i * n;
+        const float *di = d + i * n;
+        if (covered)
+            for (int j = 0; j < n; j++) yi[j] = yi[j] + di[j];
+        else
+            for (int j = 0; j < n; j++) yi[j] = yi[j] + 0.f;
+    }
+}
+
 /* Invariant decode attention's products (lathe.kernels.attention.decode_attention states the attention; these are
    its two halves around the exponentials, which stay torch's). For each sequence s and kv head h, query rows
    r < g are query heads h * g + r, keys sit in chunks of KEY on the absolute key grid, and sequence s sees keys

@@ -12,6 +12,10 @@ with the machine's C compiler on first use and loaded with ctypes.
     chain_lora_segments(x, [(r0, rows, a, b, scale, block), ...], N) -> d   (a decode step's adapters in one call)
       d[r0:r0+rows] = chain_lora(x[r0:r0+rows], a, b, scale, block) per segment, 0 elsewhere  -> d: [T, N] fp32
 
+    chain_linear(x, w, block, segments) -> y   (a lone decode row's linear and its adapters' corrections in one call)
+      y = chain_matmul(x, w, block) + chain_lora_segments(x, segments, N), one rounding of the sum; no segments: the
+      product alone                                                                       -> y: [M, N] fp32
+
     attention_scores(q, k, positions, scale, block, table=None) -> x   (invariant decode attention, before its exp)
       q: [S, Hq, D]; k: [S, N, Hkv, D]; positions: [S] int64; g = Hq // Hkv; C = N // KEY_CHUNK
       or k: a paged cache's blocks [B, 64, Hkv, D] and table: [S, C] int64 block ids (chunk c of s is block
@@ -110,7 +114,7 @@ def _library() -> ctypes.CDLL | None:
                 os.replace(out, built)
         lib = ctypes.CDLL(str(built))
         ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_lora_segments,
+        for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_lora_segments, lib.lathe_chain_linear,
                    lib.lathe_chain_attention_scores, lib.lathe_chain_attention_values):
             fn.restype = None
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
@@ -123,6 +127,8 @@ def _library() -> ctypes.CDLL | None:
                                      count, count, count, count, count, count]
     longs, floats = ctypes.POINTER(ctypes.c_long), ctypes.POINTER(ctypes.c_float)
     lib.lathe_chain_lora_segments.argtypes = [ptr, stride, longs, floats, ptr, ptr, count, count, count, count, count]
+    lib.lathe_chain_linear.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count, longs,
+                                       floats, ptr, ptr, count, count, count]
     lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, ptr, stride, stride, stride, ptr,
                                                  ctypes.c_float, ptr, *[count] * 7]
     lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
@@ -189,32 +195,64 @@ Segment = tuple[int, int, torch.Tensor, torch.Tensor, float, int]
 """(first row, rows, a [R, K], b [N, R], scale, block): one adapter's rows of a ``chain_lora_segments`` call."""
 
 
+def _segment_table(segments: list[Segment], t: int, k: int, n: int, where: str
+                   ) -> tuple[ctypes.Array, ctypes.Array, int, int]:
+    """The C table of ``segments`` over ``t`` rows of ``k`` inputs and ``n`` outputs (10 longs a segment, as
+    ``chain.c`` reads them), their scales, the rows they cover and the widest rank; refused, naming ``where``, when
+    a segment does not fit or they are not in row order and disjoint."""
+    table: list[int] = []
+    end = covered = widest = 0
+    for r0, rows, a, b, _, block in segments:
+        if r0 < end:
+            raise ValueError(f"{where}: the segment at row {r0} starts before row {end}, where the one before it "
+                             "ends (segments go in row order, disjoint)")
+        end = r0 + rows
+        if r0 < 0 or rows < 1 or end > t or a.shape[1] != k or b.shape != (n, a.shape[0]) or block < 1:
+            raise ValueError(f"{where}: segment at row {r0} of {rows} rows with a {list(a.shape)}, b "
+                             f"{list(b.shape)} does not fit x [{t}, {k}] -> [{t}, {n}]")
+        table += (r0, rows, a.shape[0], block, a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(), b.stride(1),
+                  b.stride(0))
+        covered, widest = covered + rows, max(widest, a.shape[0])
+    scales = (ctypes.c_float * len(segments))(*(scale for *_, scale, _ in segments))
+    return (ctypes.c_long * len(table))(*table), scales, covered, widest
+
+
 def chain_lora_segments(x: torch.Tensor, segments: list[Segment], n: int) -> torch.Tensor:
     """Every segment's ``chain_lora`` in one call: y[r0:r0 + rows] = chain_lora(x[r0:r0 + rows], a, b, scale, block)
     for each segment (the segments disjoint, in row order), zeros in rows of no segment; x [T, K] -> y [T, n]. A
     segment's bits are ``chain_lora``'s for it alone (several segments run one a thread; a lone one shares its
     expand's columns over the threads, as ``chain_lora`` does)."""
     lib, x = _checked(x, max(blk for *_, blk in segments), *(t for s in segments for t in s[2:4]))
-    (t, k), widest = x.shape, max(a.shape[0] for _, _, a, _, _, _ in segments)
-    table: list[int] = []
-    end = 0
-    for r0, rows, a, b, _, block in segments:
-        if r0 < end:
-            raise ValueError(f"chain_lora_segments: the segment at row {r0} starts before row {end}, where the one "
-                             "before it ends (segments go in row order, disjoint)")
-        end = r0 + rows
-        if r0 < 0 or rows < 1 or r0 + rows > t or a.shape[1] != k or b.shape != (n, a.shape[0]) or block < 1:
-            raise ValueError(f"chain_lora_segments: segment at row {r0} of {rows} rows with a {list(a.shape)}, b "
-                             f"{list(b.shape)} does not fit x [{t}, {k}] -> [{t}, {n}]")
-        table += (r0, rows, a.shape[0], block, a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(), b.stride(1),
-                  b.stride(0))
-    covered = sum(rows for _, rows, *_ in segments)
+    t, k = x.shape
+    table, scales, covered, widest = _segment_table(segments, t, k, n, "chain_lora_segments")
     v = torch.empty(t, widest, dtype=torch.float32)
     y = torch.empty(t, n, dtype=torch.float32) if covered == t else torch.zeros(t, n, dtype=torch.float32)
-    lib.lathe_chain_lora_segments(x.data_ptr(), x.stride(0), (ctypes.c_long * len(table))(*table),
-                                  (ctypes.c_float * len(segments))(*(scale for *_, scale, _ in segments)),
-                                  v.data_ptr(), y.data_ptr(), len(segments), k, n, widest,
-                                  _threads(covered * widest * n))
+    lib.lathe_chain_lora_segments(x.data_ptr(), x.stride(0), table, scales, v.data_ptr(), y.data_ptr(), len(segments),
+                                  k, n, widest, _threads(covered * widest * n))
+    return y
+
+
+def chain_linear(x: torch.Tensor, w: torch.Tensor, block: int, segments: list[Segment]) -> torch.Tensor:
+    """A linear and its LoRA corrections in one call: y = chain_matmul(x, w, block) + chain_lora_segments(x, segments,
+    N), the sum rounded once per element (as the decoder adds a correction); x [M, K], w [K, N] -> [M, N]. With no
+    segments, ``chain_matmul`` alone (nothing is added)."""
+    if not segments:  # no adapter has this target: the product alone, with fewer steps between (a decode row's)
+        lib, x = _checked(x, block, w)
+        table = scales = None
+        covered = widest = 0
+    else:
+        lib, x = _checked(x, max(block, *(blk for *_, blk in segments)), w, *(t for s in segments for t in s[2:4]))
+    (m, k), n = x.shape, w.shape[1]
+    if w.shape[0] != k:
+        raise ValueError(f"chain_linear: x is [{m}, {k}] but w is {list(w.shape)}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    v = d = y
+    if segments:
+        table, scales, covered, widest = _segment_table(segments, m, k, n, "chain_linear")
+        v, d = torch.empty(m, widest, dtype=torch.float32), torch.empty(m, n, dtype=torch.float32)
+    lib.lathe_chain_linear(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(), m, k, n,
+                           block, _threads(m * k * n), table, scales, v.data_ptr(), d.data_ptr(), len(segments),
+                           widest, _threads(covered * widest * n))
     return y
 
 

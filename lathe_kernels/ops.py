@@ -264,6 +264,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def chained_block(x: torch.Tensor, weight: torch.Tensor, *, invariant: bool, ladder: Ladder) -> int:
+    """The k-block with which ``linear(x, weight, invariant=, ladder=)`` (no bias) runs ``x``'s rows through Lathe's
+    kernel (``lathe.kernels.chain``: fp32 rows on the CPU out of autograd, fewer than the smallest direct height, on a
+    ladder that admitted the kernel), else 0. A caller that runs those rows with more in the same call
+    (``chain.chain_linear``) asks here first, so that both ways give the rows the same bits."""
+    if not (invariant and ladder.chain and ladder.direct) or x.device.type != "cpu" or x.dim() != 2 \
+            or x.dtype != torch.float32 or x.shape[0] >= min(ladder.direct):
+        return 0
+    return 0 if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) else ladder.chain
+
+
 def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder, packed: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """rows [M, K] @ weight.T as ``direct_matmul`` over ``ladder.direct`` (CPU), else over

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
-from lathe.kernels import activations, ops, tiling
+from lathe.kernels import activations, chain, ops, tiling
 from lathe.kernels import attention as attn
 from lathe.models import moe
 from lathe.models.config import ModelConfig
@@ -178,9 +178,22 @@ class Decoder(torch.nn.Module):
 
     # ---- building blocks ----
 
+    def _chained(self, x: torch.Tensor, weight: torch.Tensor, key: tuple[int, str], lora: LoraDeltas | None
+                 ) -> torch.Tensor | None:
+        """x @ weight.T plus ``lora``'s correction of ``key`` in one call of Lathe's kernel (``chain.chain_linear``)
+        where both would run there anyway (a lone decode row: ``ops.chained_block``, ``LoraDeltas.chained``): the
+        bits of the product and the add below, without their separate calls. None elsewhere."""
+        block = ops.chained_block(x, weight, invariant=self.invariant, ladder=self.ladder)
+        segments = lora.chained(key, x, self.lora_ladders) if block and lora is not None else []
+        return chain.chain_linear(x, weight.t(), block, segments) if block and segments is not None else None
+
     def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraDeltas | None) -> torch.Tensor:
-        y = ops.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"), invariant=self.invariant,
-                       ladder=self.ladder, grad_ladder=self.grad_ladder, packed=self.packed.get(name + ".weight"))
+        weight, bias = self.w[name + ".weight"], self.w.get(name + ".bias")
+        y = self._chained(x, weight, key, lora) if bias is None else None
+        if y is not None:
+            return y
+        y = ops.linear(x, weight, bias, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder,
+                       packed=self.packed.get(name + ".weight"))
         if lora is not None:
             d = lora.delta(key, x, self.lora_ladders)
             if d is not None:
@@ -294,6 +307,9 @@ class Decoder(torch.nn.Module):
 
     def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
+        chained = self._chained(h, self.lm_head, (-1, UNEMBED), lora)
+        if chained is not None:
+            return chained
         y = ops.linear(h, self.lm_head, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:
             d = lora.delta((-1, UNEMBED), h, self.lora_ladders)

@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from lathe.kernels import tiling
+from lathe.kernels.chain import Segment
 from lathe.models.config import ModelConfig
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -226,6 +227,14 @@ class LoraDeltas(Protocol):
         """The correction ``[T, O]`` of target ``key`` for activations ``x [T, I]``, or None where no adapter of the
         batch has the target; ``ladders``: the pool's LoRA ladders by rank (``Decoder.lora_ladders``), for a backend
         that runs segments on them."""
+        ...
+
+    def chained(self, key: Key, x: torch.Tensor,
+                ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> list[Segment] | None:
+        """Where ``delta`` of target ``key`` would run every segment through Lathe's kernel, those segments
+        (``lathe.kernels.chain.Segment``; [] where none has ``key``), so that the decoder adds them to a lone row's
+        base product in one call (``chain.chain_linear``); None for every other way, and from the backends that
+        have no such way."""
         ...
 
     def rows(self, r0: int, r1: int) -> LoraDeltas:

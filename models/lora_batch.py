@@ -133,6 +133,15 @@ class LoraBatch:
             out = part if out is None else out + part  # each part is zero outside its own rows
         return out
 
+    def chained(self, key: Key, x: torch.Tensor,
+                ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> list[chain.Segment] | None:
+        """Target ``key``'s segments where ``delta`` runs every one through Lathe's kernel (invariant, out of
+        autograd, each ``_chained``), for a caller that adds them to its base product in the same call
+        (``chain.chain_linear``): [] where no segment has ``key``, None where ``delta`` runs otherwise."""
+        if not self.invariant or torch.is_grad_enabled():
+            return None
+        return self._chained_segments(key, x, ladders)
+
     def _per_segment(self, key: Key, x: torch.Tensor, holders: list[LoraWeights],
                      ladders: Mapping[int, tiling.Ladder]) -> bool:
         """Whether ``key`` runs faster per segment, over its ranks' ladders, than grouped: one segment, or an expand

@@ -39,6 +39,11 @@ class SgmvBatch:
     def parameters_of(self, key: Key) -> list[torch.Tensor]:
         return parameters_of(self._segments, key)
 
+    def chained(self, key: Key, x: torch.Tensor,
+                ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> None:
+        """None: the kernels never run a segment through ``lathe.kernels.chain`` (``LoraDeltas.chained``)."""
+        return None
+
     def delta(self, key: Key, x: torch.Tensor,
               ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The correction ``[T, O]`` of target ``key`` (None where no adapter with rows has it); ``ladders`` is

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ import torch
 from lathe.kernels import attention as attn
 from lathe.kernels import chain, ops
 from lathe.models import tiles, trials
+from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch
 
@@ -96,6 +98,23 @@ def test_segments_in_one_call_have_each_segments_own_bits(gen: torch.Generator, 
         chain.chain_lora_segments(x, [(18, 5, *segments[0][2:])], 40)
     with pytest.raises(ValueError, match=r"segment at row 3 starts before row 5, where the one before it ends"):
         chain.chain_lora_segments(x, [segments[0], (3, 4, *segments[0][2:])], 40)
+
+
+def test_a_linear_and_its_corrections_in_one_call_are_the_product_plus_the_segments(gen: torch.Generator,
+                                                                                     threads: int) -> None:
+    x, w = torch.randn(4, 96, generator=gen), torch.randn(96, 40, generator=gen).t().contiguous().t()
+    segments = [(0, 1, torch.randn(8, 96, generator=gen), torch.randn(40, 8, generator=gen), 0.5, 64),
+                (2, 2, torch.randn(16, 96, generator=gen).t().contiguous().t(), torch.randn(40, 16, generator=gen),
+                 2.0, 32)]
+    product = chain.chain_matmul(x, w, 192)
+    got = chain.chain_linear(x, w, 192, segments)
+    assert torch.equal(got, product + chain.chain_lora_segments(x, segments, 40))  # row 1 of no segment adds zeros
+    assert not torch.equal(got[2:], product[2:])
+    assert torch.equal(chain.chain_linear(x, w, 192, []), product)
+    with pytest.raises(ValueError, match=r"chain_linear: x is \[4, 96\] but w is \[95, 40\]"):
+        chain.chain_linear(x, w[:95], 192, segments)
+    with pytest.raises(ValueError, match=r"chain_linear: segment at row 3 of 2 rows"):
+        chain.chain_linear(x, w, 192, [(3, 2, *segments[0][2:])])
 
 
 def test_bad_operands_are_refused_with_what_was_wrong() -> None:
@@ -176,6 +195,34 @@ def test_a_frozen_adapters_decode_segments_run_through_the_kernel_with_the_group
     assert bool(adapters[1]._columns) == bool(ladder.chain)  # copies made only where the kernel runs
     with pytest.raises(ValueError, match="only a frozen adapter"):
         thawed[0].columns((0, "up_proj"))
+
+
+def test_a_lone_decode_rows_linear_with_its_adapters_in_one_call_has_the_two_calls_bits(gen: torch.Generator,
+                                                                                       tiny_dir: Path) -> None:
+    """The decoder's fused way (``Decoder._chained``) against its product and correction run apart, on a ladder with
+    the kernel: the same ops, so the same bits on any machine (whether a pool admits the kernel is tested above)."""
+    model = Decoder.from_dir(tiny_dir)
+    model.ladder = dataclasses.replace(model.ladder, direct=(4,), chain=64)
+    rank, cfg = 8, model.cfg
+    adapters = [LoraWeights.init(cfg, LoraSpec(rank=rank), seed) for seed in (1, 2)]
+    adapters = [LoraWeights(w.spec, {k: a.detach() for k, a in w.a.items()},
+                            {k: b.detach() + 0.02 * torch.randn(b.shape, generator=gen) for k, b in w.b.items()},
+                            frozen=True) for w in adapters]
+    model.lora_ladders = {rank: dataclasses.replace(model.ladder, chain=64)}
+    name, key = "model.layers.0.mlp.down_proj", (0, "down_proj")
+    weight = model.w[name + ".weight"]
+    with torch.no_grad():
+        for seg, ids in (([0, 1], [0]), ([0, 1, 3], [0, 1])):
+            x = torch.randn(seg[-1], weight.shape[1], generator=gen)
+            lora = LoraBatch(seg, ids, adapters)
+            got = model._linear(x, name, key, lora)
+            assert model._chained(x, weight, key, lora) is not None  # the fused way ran
+            apart = ops.linear(x, weight, invariant=True, ladder=model.ladder) + lora.delta(key, x, model.lora_ladders)
+            assert torch.equal(got, apart), seg
+            assert torch.equal(model.logits(x[:, :cfg.hidden_size], lora),
+                               ops.linear(x[:, :cfg.hidden_size], model.lm_head, invariant=True, ladder=model.ladder)
+                               + lora.delta((-1, "lm_head"), x[:, :cfg.hidden_size], model.lora_ladders))
+        assert model._chained(torch.randn(4, weight.shape[1]), weight, key, None) is None  # a direct tile's rows
 
 
 def _decode_case(gen: torch.Generator, positions: list[int], heads: int = 6, kv_heads: int = 2, d: int = 16,

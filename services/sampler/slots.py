@@ -149,6 +149,11 @@ class SlotBatch:
         """The same layout over rows ``rows`` (an expert's tokens)."""
         return SlotBatch(self.pool, self.idx[torch.tensor(rows, dtype=torch.long, device=self.idx.device)])
 
+    def chained(self, key: Key, x: torch.Tensor,
+                ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> None:
+        """None: BGMV never runs a slot through ``lathe.kernels.chain`` (``LoraDeltas.chained``)."""
+        return None
+
     def delta(self, key: Key, x: torch.Tensor,
               ladders: Mapping[int, tiling.Ladder] = REFERENCE_TILES) -> torch.Tensor | None:
         """The correction of target ``key`` for ``x [T, in]`` -> ``[T, out]`` in x's dtype (None: no slot has
