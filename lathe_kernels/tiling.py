@@ -38,12 +38,16 @@ class Ladder:
                 ``tiled_matmul`` tiles of this height (one of ``tiles``), or zero-padded to one direct tile (0)
         chain   where not 0, those rows run instead through Lathe's own fixed-order product with k-blocks of this
                 size (``lathe.kernels.chain``), admitted where it gives them the reference tile's bits
+        chain_rows  with ``chain``, a call of at most this many rows runs all of them through that product too (a
+                decode step's batch, where the pool timed it faster than the direct tiles: it reads each weight
+                once for all its rows, and a row's bits there do not depend on the others); 0: lone rows only
     """
 
     tiles: tuple[int, ...] = (ROW_TILE,)
     direct: tuple[int, ...] = ()
     lone: int = ROW_TILE
     chain: int = 0
+    chain_rows: int = 0
 
 
 REFERENCE = Ladder()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import chain, ops
+from lathe.kernels import chain, ops, tiling
 from lathe.models import tiles, trials
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
@@ -223,6 +223,31 @@ def test_a_lone_decode_rows_linear_with_its_adapters_in_one_call_has_the_two_cal
                                ops.linear(x[:, :cfg.hidden_size], model.lm_head, invariant=True, ladder=model.ladder)
                                + lora.delta((-1, "lm_head"), x[:, :cfg.hidden_size], model.lora_ladders))
         assert model._chained(torch.randn(4, weight.shape[1]), weight, key, None) is None  # a direct tile's rows
+
+
+def test_a_call_of_up_to_chain_rows_rows_runs_them_all_through_the_kernel(gen: torch.Generator) -> None:
+    w = torch.randn(40, 96, generator=gen)
+    ladder = tiling.Ladder(direct=(4,), chain=64, chain_rows=8)
+    few, more = torch.randn(8, 96, generator=gen), torch.randn(9, 96, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(ops.linear(few, w, invariant=True, ladder=ladder), chain.chain_matmul(few, w.t(), 64))
+        assert ops.chained_block(few, w, invariant=True, ladder=ladder) == 64
+        tiles_only = dataclasses.replace(ladder, chain_rows=0)  # more rows than chain_rows: the direct tiles
+        assert torch.equal(ops.linear(more, w, invariant=True, ladder=ladder),
+                           ops.linear(more, w, invariant=True, ladder=tiles_only))
+        assert ops.chained_block(more, w, invariant=True, ladder=ladder) == 0
+        assert ops.chained_block(few, w, invariant=True, ladder=tiles_only) == 0
+
+
+def test_a_sampling_pool_times_its_decode_rows_only_among_ways_with_the_reference_bits(tiny_dir: Path) -> None:
+    model, threads = Decoder.from_dir(tiny_dir), [1, 2]
+    ladder = tiles.choose_ladder(tiles.model_weights(model), threads, tiles_too=True)
+    got = tiles.choose_chain_rows(model, ladder, threads, repeats=1)
+    assert dataclasses.replace(got, chain_rows=0) == ladder  # only chain_rows is chosen here
+    assert got.chain_rows in (0, *tiles.CHAIN_ROW_CANDIDATES) and (ladder.chain or not got.chain_rows)
+    for rows in {1, 3, got.chain_rows} - {0}:  # whatever time chose, the rows keep the reference tile's bits
+        assert tiles.batch_failure(model, got, rows, threads) is None
+    assert tiles.choose_chain_rows(model, dataclasses.replace(ladder, chain=0), threads).chain_rows == 0
 
 
 def _decode_case(gen: torch.Generator, positions: list[int], heads: int = 6, kv_heads: int = 2, d: int = 16,

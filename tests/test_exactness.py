@@ -264,7 +264,8 @@ def test_report_serialises_with_every_check(tiny_dir: Path) -> None:
     assert d["tiles"] == {"row_tile": tiling.ROW_TILE, "row_tiles": [tiling.ROW_TILE],
                           "grad_row_tiles": [tiling.ROW_TILE], "direct_tiles": [], "grad_direct_tiles": [],
                           "lone_tile": tiling.ROW_TILE,
-                          "lone_packed": False, "lone_chain": 0, "attn_chain": 0, "lora_direct_tiles": {},
+                          "lone_packed": False, "lone_chain": 0, "chain_rows": 0, "attn_chain": 0,
+                          "lora_direct_tiles": {},
                           "attn_row_tile": attn.ATTN_ROW_TILE,
                           "attn_row_tiles": [attn.ATTN_ROW_TILE], "key_chunk": attn.KEY_CHUNK,
                           "col_block_bytes": tiling.COL_BLOCK_BYTES}
