@@ -224,34 +224,39 @@ class Decoder(torch.nn.Module):
                                       chain=self.attn_chain if q.device.type == "cpu" else 0, table=table)
             return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
         if kv is None:
-            o = self._attention_by_length(q, k, v, cu)
-        else:
-            outs = []
+            o = self._attention_by_length(q, k, v, cu, list(range(len(cu) - 1)))
+        else:  # each sequence's keys into its cache; those it held none of before, at once by length
+            outs, fresh = [q.new_empty(0)] * (len(cu) - 1), []
             for s in range(len(cu) - 1):
                 ks, vs, offset = kv.extend(i, s, k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]])
-                outs.append(attn.attention(q[cu[s]:cu[s + 1]], ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
-                                          invariant=self.invariant, tiles=self.attn_tiles))
-            o = torch.cat(outs, dim=0)
+                if offset == 0:
+                    fresh.append(s)
+                    continue
+                outs[s] = attn.attention(q[cu[s]:cu[s + 1]], ks, vs, q_offset=offset, scale=cfg.head_dim**-0.5,
+                                         invariant=self.invariant, tiles=self.attn_tiles)
+            o = self._attention_by_length(q, k, v, cu, fresh, outs) if fresh else torch.cat(outs, dim=0)
         return self._linear(o.reshape(t, cfg.num_heads * cfg.head_dim), p + "o_proj", (i, "o_proj"), lora)
 
-    def _attention_by_length(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]
-                             ) -> torch.Tensor:
-        """Attention of a packed batch's sequences (no KV cache), the sequences of each length at once
-        (``attn.attention_batch``, the bits of each alone); q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    def _attention_by_length(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],
+                             seqs: list[int], outs: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of a packed batch's sequences ``seqs`` from their first token, the sequences of each length
+        at once (``attn.attention_batch``, the bits of each alone: those of ``attn.attention`` over a cache that
+        held none of them before); q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D], the other sequences' rows from
+        ``outs`` (by sequence)."""
         by_length: dict[int, list[int]] = {}
-        for s in range(len(cu) - 1):
+        for s in seqs:
             by_length.setdefault(cu[s + 1] - cu[s], []).append(s)
-        outs: list[torch.Tensor] = [q.new_empty(0)] * (len(cu) - 1)
-        for length, seqs in by_length.items():
-            if len(seqs) == len(cu) - 1:  # every sequence has this length: the batch itself, viewed
-                qs, ks, vs = (x.view(len(seqs), length, *x.shape[1:]) for x in (q, k, v))
+        outs = outs or [q.new_empty(0)] * (len(cu) - 1)
+        for length, group in by_length.items():
+            if len(group) == len(cu) - 1:  # every sequence has this length: the batch itself, viewed
+                qs, ks, vs = (x.view(len(group), length, *x.shape[1:]) for x in (q, k, v))
             else:
-                qs, ks, vs = (torch.stack([x[cu[s]:cu[s + 1]] for s in seqs]) for x in (q, k, v))
+                qs, ks, vs = (torch.stack([x[cu[s]:cu[s + 1]] for s in group]) for x in (q, k, v))
             o = attn.attention_batch(qs, ks, vs, scale=self.cfg.head_dim**-0.5, invariant=self.invariant,
                                     tiles=self.attn_tiles)
-            if len(seqs) == len(cu) - 1:
+            if len(group) == len(cu) - 1:
                 return o.reshape(q.shape)
-            for j, s in enumerate(seqs):
+            for j, s in enumerate(group):
                 outs[s] = o[j]
         return torch.cat(outs, dim=0)
 
