@@ -12,9 +12,9 @@ with the machine's C compiler on first use and loaded with ctypes.
     chain_lora_segments(x, [(r0, rows, a, b, scale, block), ...], N) -> d   (a decode step's adapters in one call)
       d[r0:r0+rows] = chain_lora(x[r0:r0+rows], a, b, scale, block) per segment, 0 elsewhere  -> d: [T, N] fp32
 
-    chain_linear(x, w, block, segments) -> y   (a lone decode row's linear and its adapters' corrections in one call)
-      y = chain_matmul(x, w, block) + chain_lora_segments(x, segments, N), one rounding of the sum; no segments: the
-      product alone                                                                       -> y: [M, N] fp32
+    chain_linear(x, weight, block, segments) -> y   (a decode step's linear and its adapters' corrections in one call)
+      weight: [N, K] (a linear's); y = chain_matmul(x, weight.T, block) + chain_lora_segments(x, segments, N), one
+      rounding of the sum; no segments: the product alone                               -> y: [M, N] fp32
 
     attention_scores(q, k, positions, scale, block, table=None) -> x   (invariant decode attention, before its exp)
       q: [S, Hq, D]; k: [S, N, Hkv, D]; positions: [S] int64; g = Hq // Hkv; C = N // KEY_CHUNK
@@ -232,25 +232,27 @@ def chain_lora_segments(x: torch.Tensor, segments: list[Segment], n: int) -> tor
     return y
 
 
-def chain_linear(x: torch.Tensor, w: torch.Tensor, block: int, segments: list[Segment]) -> torch.Tensor:
-    """A linear and its LoRA corrections in one call: y = chain_matmul(x, w, block) + chain_lora_segments(x, segments,
-    N), the sum rounded once per element (as the decoder adds a correction); x [M, K], w [K, N] -> [M, N]. With no
-    segments, ``chain_matmul`` alone (nothing is added)."""
+def chain_linear(x: torch.Tensor, weight: torch.Tensor, block: int, segments: list[Segment]) -> torch.Tensor:
+    """A linear and its LoRA corrections in one call: y = chain_matmul(x, weight.T, block) + chain_lora_segments(x,
+    segments, N), the sum rounded once per element (as the decoder adds a correction); x [M, K], weight [N, K] (a
+    linear's, any strides) -> [M, N]. With no segments, ``chain_matmul`` alone (nothing is added)."""
     if not segments:  # no adapter has this target: the product alone, with fewer steps between (a decode row's)
-        lib, x = _checked(x, block, w)
+        lib, x = _checked(x, block, weight)
         table = scales = None
         covered = widest = 0
     else:
-        lib, x = _checked(x, max(block, *(blk for *_, blk in segments)), w, *(t for s in segments for t in s[2:4]))
-    (m, k), n = x.shape, w.shape[1]
-    if w.shape[0] != k:
-        raise ValueError(f"chain_linear: x is [{m}, {k}] but w is {list(w.shape)}")
+        lib, x = _checked(x, max(block, *(blk for *_, blk in segments)), weight,
+                          *(t for s in segments for t in s[2:4]))
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"chain_linear: x is [{m}, {k}] but the weight is {list(weight.shape)}")
     y = torch.empty(m, n, dtype=torch.float32)
     v = d = y
     if segments:
         table, scales, covered, widest = _segment_table(segments, m, k, n, "chain_linear")
         v, d = torch.empty(m, widest, dtype=torch.float32), torch.empty(m, n, dtype=torch.float32)
-    lib.lathe_chain_linear(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(), m, k, n,
+    lib.lathe_chain_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(1), weight.stride(0),
+                           y.data_ptr(), m, k, n,
                            block, _threads(m * k * n), table, scales, v.data_ptr(), d.data_ptr(), len(segments),
                            widest, _threads(covered * widest * n))
     return y

@@ -185,7 +185,7 @@ class Decoder(torch.nn.Module):
         bits of the product and the add below, without their separate calls. None elsewhere."""
         block = ops.chained_block(x, weight, invariant=self.invariant, ladder=self.ladder)
         segments = lora.chained(key, x, self.lora_ladders) if block and lora is not None else []
-        return chain.chain_linear(x, weight.t(), block, segments) if block and segments is not None else None
+        return chain.chain_linear(x, weight, block, segments) if block and segments is not None else None
 
     def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraDeltas | None) -> torch.Tensor:
         weight, bias = self.w[name + ".weight"], self.w.get(name + ".bias")
@@ -203,9 +203,12 @@ class Decoder(torch.nn.Module):
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return ops.rms_norm(x, self.w[name], self.cfg.rms_norm_eps, invariant=self.invariant)
 
-    def _attention(
-        self, i: int, x: torch.Tensor, batch: Packed, lora: LoraDeltas | None, kv: KVCache | None
-    ) -> torch.Tensor:
+    def _rope(self, batch: Packed, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, D]`` at the batch's positions (``dtype``), gathered once for every layer of a pass."""
+        return self.cos[batch.positions].to(dtype), self.sin[batch.positions].to(dtype)
+
+    def _attention(self, i: int, x: torch.Tensor, batch: Packed, rope: tuple[torch.Tensor, torch.Tensor],
+                   lora: LoraDeltas | None, kv: KVCache | None) -> torch.Tensor:
         cfg, p = self.cfg, f"model.layers.{i}.self_attn."
         t = x.shape[0]
         q = self._linear(x, p + "q_proj", (i, "q_proj"), lora).view(t, cfg.num_heads, cfg.head_dim)
@@ -214,8 +217,7 @@ class Decoder(torch.nn.Module):
         if cfg.qk_norm:
             q = self._norm(q, p + "q_norm.weight")
             k = self._norm(k, p + "k_norm.weight")
-        cos, sin = self.cos[batch.positions].to(x.dtype), self.sin[batch.positions].to(x.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
         cu = batch.cu_seqlens
         decode = getattr(kv, "decode", None)
         if decode is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence
@@ -297,16 +299,17 @@ class Decoder(torch.nn.Module):
         batch = batch.to(self.device)
         x = self.w["model.embed_tokens.weight"][batch.tokens]
         recompute = self.checkpoint_layers and kv is None and torch.is_grad_enabled()
+        rope = self._rope(batch, x.dtype)
         for i in range(self.cfg.num_layers):
             if recompute:
-                x = checkpoint(self._layer, i, x, batch, lora, kv, load, use_reentrant=False)
+                x = checkpoint(self._layer, i, x, batch, rope, lora, kv, load, use_reentrant=False)
             else:
-                x = self._layer(i, x, batch, lora, kv, load)
+                x = self._layer(i, x, batch, rope, lora, kv, load)
         return self._norm(x, "model.norm.weight")
 
-    def _layer(self, i: int, x: torch.Tensor, batch: Packed, lora: LoraDeltas | None, kv: KVCache | None,
-               load: ExpertLoad | None) -> torch.Tensor:
-        x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, lora, kv)
+    def _layer(self, i: int, x: torch.Tensor, batch: Packed, rope: tuple[torch.Tensor, torch.Tensor],
+               lora: LoraDeltas | None, kv: KVCache | None, load: ExpertLoad | None) -> torch.Tensor:
+        x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, rope, lora, kv)
         h = self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight")
         return x + (self._moe(i, h, lora, load) if self.cfg.sparse(i) and h.shape[0] else self._mlp(i, h, lora))
 

@@ -107,14 +107,14 @@ def test_a_linear_and_its_corrections_in_one_call_are_the_product_plus_the_segme
                 (2, 2, torch.randn(16, 96, generator=gen).t().contiguous().t(), torch.randn(40, 16, generator=gen),
                  2.0, 32)]
     product = chain.chain_matmul(x, w, 192)
-    got = chain.chain_linear(x, w, 192, segments)
+    got = chain.chain_linear(x, w.t(), 192, segments)
     assert torch.equal(got, product + chain.chain_lora_segments(x, segments, 40))  # row 1 of no segment adds zeros
     assert not torch.equal(got[2:], product[2:])
-    assert torch.equal(chain.chain_linear(x, w, 192, []), product)
-    with pytest.raises(ValueError, match=r"chain_linear: x is \[4, 96\] but w is \[95, 40\]"):
-        chain.chain_linear(x, w[:95], 192, segments)
+    assert torch.equal(chain.chain_linear(x, w.t(), 192, []), product)
+    with pytest.raises(ValueError, match=r"chain_linear: x is \[4, 96\] but the weight is \[40, 95\]"):
+        chain.chain_linear(x, w[:95].t(), 192, segments)
     with pytest.raises(ValueError, match=r"chain_linear: segment at row 3 of 2 rows"):
-        chain.chain_linear(x, w, 192, [(3, 2, *segments[0][2:])])
+        chain.chain_linear(x, w.t(), 192, [(3, 2, *segments[0][2:])])
 
 
 def test_bad_operands_are_refused_with_what_was_wrong() -> None:
