@@ -151,6 +151,50 @@ static void matmul(const float *x, long ldx, const float *w, long sk, long sn, f
     }
 }
 
+/* The same product with w stored in panels (lathe.kernels.chain.pack_panels): p [ceil(n / PANEL)][k][PANEL], panel q
+   holding columns q * PANEL onwards, zeros past n. A walk down k then reads one panel's memory in order, where a walk
+   down a row-major w reads one cache line a row, PANEL columns of every row of a group in registers
+   (panel). The same chains as matmul; threads split the panels. Returns 0 where built without AVX2 and FMA. */
+int lathe_chain_has_panels(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static void panel_matmul(const float *x, long ldx, const float *p, float *y, int m, int k, int n, int block,
+                         int threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int count = (n + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count > 1)
+    for (int q = 0; q < count; q++) {
+        const float *wq = p + (long)q * k * PANEL;
+        const int j = q * PANEL, cols = n - j < PANEL ? n - j : PANEL;
+        float spare[GROUP * PANEL];
+        for (int i = 0; i < m; i += GROUP) {
+            const float *xi = x + (long)i * ldx;
+            float *out = cols == PANEL ? y + (long)i * n + j : spare;
+            const long ldo = cols == PANEL ? n : PANEL;
+            const int mr = m - i < GROUP ? m - i : GROUP;
+            switch (mr) {
+                case 6: panel(xi, ldx, wq, PANEL, out, ldo, k, block, 6); break;
+                case 5: panel(xi, ldx, wq, PANEL, out, ldo, k, block, 5); break;
+                case 4: panel(xi, ldx, wq, PANEL, out, ldo, k, block, 4); break;
+                case 3: panel(xi, ldx, wq, PANEL, out, ldo, k, block, 3); break;
+                case 2: panel(xi, ldx, wq, PANEL, out, ldo, k, block, 2); break;
+                default: panel(xi, ldx, wq, PANEL, out, ldo, k, block, 1); break;
+            }
+            if (cols < PANEL)
+                for (int r = 0; r < mr; r++)
+                    for (int c = 0; c < cols; c++) y[(long)(i + r) * n + j + c] = spare[r * PANEL + c];
+        }
+    }
+#else
+    (void)x; (void)ldx; (void)p; (void)y; (void)m; (void)k; (void)n; (void)block; (void)threads;
+#endif
+}
+
 void lathe_chain_matmul(const float *x, long ldx, const float *w, long sk, long sn, float *y, int m, int k, int n,
                         int block, int threads) {
     matmul(x, ldx, w, sk, sn, y, m, k, n, block, threads);
@@ -190,14 +234,18 @@ void lathe_chain_lora_segments(const float *x, long ldx, const long *seg, const 
     }
 }
 
-/* A base product and its LoRA corrections in one call (a lone decode row's linear): y = x @ w (lathe_chain_matmul),
+/* A base product and its LoRA corrections in one call (a decode step's linear): y = x @ w (lathe_chain_matmul, or
+   panel_matmul over w's panels where given),
    then y = y + d, where d [m, n] is lathe_chain_lora_segments' result (d: the caller's scratch) and rows of no
    segment add +0 (as adding a tensor of zeros does, which turns -0 into +0). No segments: y = x @ w alone. The
    segments go in row order, disjoint. */
-void lathe_chain_linear(const float *x, long ldx, const float *w, long sk, long sn, float *y, int m, int k, int n,
-                        int block, int threads, const long *seg, const float *scale, float *v, float *d,
-                        int segments, int widest, int lora_threads) {
-    matmul(x, ldx, w, sk, sn, y, m, k, n, block, threads);
+void lathe_chain_linear(const float *x, long ldx, const float *w, long sk, long sn, const float *panels, float *y,
+                        int m, int k, int n, int block, int threads, const long *seg, const float *scale, float *v,
+                        float *d, int segments, int widest, int lora_threads) {
+    if (panels)
+        panel_matmul(x, ldx, panels, y, m, k, n, block, threads);
+    else
+        matmul(x, ldx, w, sk, sn, y, m, k, n, block, threads);
     if (segments == 0) return;
     lathe_chain_lora_segments(x, ldx, seg, scale, v, d, segments, k, n, widest, lora_threads);
     int s = 0;

@@ -117,6 +117,7 @@ def _library() -> ctypes.CDLL | None:
         for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_lora_segments, lib.lathe_chain_linear,
                    lib.lathe_chain_attention_scores, lib.lathe_chain_attention_values):
             fn.restype = None
+        lib.lathe_chain_has_panels.restype = ctypes.c_int
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("lathe.kernels.chain: building %s failed (%s %s); lone decode rows keep the padded tile",
@@ -127,8 +128,8 @@ def _library() -> ctypes.CDLL | None:
                                      count, count, count, count, count, count]
     longs, floats = ctypes.POINTER(ctypes.c_long), ctypes.POINTER(ctypes.c_float)
     lib.lathe_chain_lora_segments.argtypes = [ptr, stride, longs, floats, ptr, ptr, count, count, count, count, count]
-    lib.lathe_chain_linear.argtypes = [ptr, stride, ptr, stride, stride, ptr, count, count, count, count, count, longs,
-                                       floats, ptr, ptr, count, count, count]
+    lib.lathe_chain_linear.argtypes = [ptr, stride, ptr, stride, stride, ptr, ptr, count, count, count, count, count,
+                                       longs, floats, ptr, ptr, count, count, count]
     lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, ptr, stride, stride, stride, ptr,
                                                  ctypes.c_float, ptr, *[count] * 7]
     lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
@@ -232,10 +233,35 @@ def chain_lora_segments(x: torch.Tensor, segments: list[Segment], n: int) -> tor
     return y
 
 
-def chain_linear(x: torch.Tensor, weight: torch.Tensor, block: int, segments: list[Segment]) -> torch.Tensor:
+PANEL = 16
+"""Columns of a weight panel (``pack_panels``; ``chain.c``'s register panels)."""
+
+
+def has_panels() -> bool:
+    """Whether the library runs products over ``pack_panels`` copies here (built with AVX2 and FMA)."""
+    lib = _library()
+    return lib is not None and bool(lib.lathe_chain_has_panels())
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A linear's weight [N, K] (fp32) as panels [ceil(N / PANEL), K, PANEL]: panel q holds columns q * PANEL onwards
+    of x @ weight.T, each of its K rows contiguous, zeros past N (``chain_linear``'s ``panels``)."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def chain_linear(x: torch.Tensor, weight: torch.Tensor, block: int, segments: list[Segment],
+                 panels: torch.Tensor | None = None) -> torch.Tensor:
     """A linear and its LoRA corrections in one call: y = chain_matmul(x, weight.T, block) + chain_lora_segments(x,
     segments, N), the sum rounded once per element (as the decoder adds a correction); x [M, K], weight [N, K] (a
-    linear's, any strides) -> [M, N]. With no segments, ``chain_matmul`` alone (nothing is added)."""
+    linear's, any strides) -> [M, N]. With no segments, ``chain_matmul`` alone (nothing is added). ``panels``
+    (``pack_panels(weight)``, where ``has_panels``): the product reads those instead, the same chains in an order of
+    memory that streams (several rows of a decode step read each panel once)."""
+    if panels is not None and (panels.shape != (-(-weight.shape[0] // PANEL), weight.shape[1], PANEL)
+                               or panels.dtype != torch.float32 or not panels.is_contiguous()):
+        raise ValueError(f"chain_linear: panels {list(panels.shape)} ({panels.dtype}) are not pack_panels of a weight "
+                         f"{list(weight.shape)}")
     if not segments:  # no adapter has this target: the product alone, with fewer steps between (a decode row's)
         lib, x = _checked(x, block, weight)
         table = scales = None
@@ -252,7 +278,7 @@ def chain_linear(x: torch.Tensor, weight: torch.Tensor, block: int, segments: li
         table, scales, covered, widest = _segment_table(segments, m, k, n, "chain_linear")
         v, d = torch.empty(m, widest, dtype=torch.float32), torch.empty(m, n, dtype=torch.float32)
     lib.lathe_chain_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(1), weight.stride(0),
-                           y.data_ptr(), m, k, n,
+                           None if panels is None else panels.data_ptr(), y.data_ptr(), m, k, n,
                            block, _threads(m * k * n), table, scales, v.data_ptr(), d.data_ptr(), len(segments),
                            widest, _threads(covered * widest * n))
     return y

@@ -142,6 +142,7 @@ class Decoder(torch.nn.Module):
         self.attn_tiles = (attn.ATTN_ROW_TILE,)  # invariant prefill attention's ladder; likewise
         self.attn_chain = 0  # decode attention's products through Lathe's own kernel (its k-block), once admitted
         self.packed: dict[str, torch.Tensor] = {}  # layer weights prepacked for lone decode rows, once admitted
+        self.panels: dict[str, torch.Tensor] = {}  # linears' weights as the kernel's panels, by module, once chosen
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -178,18 +179,21 @@ class Decoder(torch.nn.Module):
 
     # ---- building blocks ----
 
-    def _chained(self, x: torch.Tensor, weight: torch.Tensor, key: tuple[int, str], lora: LoraDeltas | None
-                 ) -> torch.Tensor | None:
-        """x @ weight.T plus ``lora``'s correction of ``key`` in one call of Lathe's kernel (``chain.chain_linear``)
-        where both would run there anyway (a lone decode row: ``ops.chained_block``, ``LoraDeltas.chained``): the
-        bits of the product and the add below, without their separate calls. None elsewhere."""
+    def _chained(self, x: torch.Tensor, name: str, weight: torch.Tensor, key: tuple[int, str],
+                 lora: LoraDeltas | None) -> torch.Tensor | None:
+        """x @ weight.T plus ``lora``'s correction of ``key`` in one call of Lathe's kernel (``chain.chain_linear``,
+        over the weight's panels where the pool keeps them: ``panels[name]``) where both would run there anyway (a
+        decode step's rows: ``ops.chained_block``, ``LoraDeltas.chained``): the bits of the product and the add
+        below, without their separate calls. None elsewhere."""
         block = ops.chained_block(x, weight, invariant=self.invariant, ladder=self.ladder)
         segments = lora.chained(key, x, self.lora_ladders) if block and lora is not None else []
-        return chain.chain_linear(x, weight, block, segments) if block and segments is not None else None
+        if not block or segments is None:
+            return None
+        return chain.chain_linear(x, weight, block, segments, self.panels.get(name))
 
     def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraDeltas | None) -> torch.Tensor:
         weight, bias = self.w[name + ".weight"], self.w.get(name + ".bias")
-        y = self._chained(x, weight, key, lora) if bias is None else None
+        y = self._chained(x, name, weight, key, lora) if bias is None else None
         if y is not None:
             return y
         y = ops.linear(x, weight, bias, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder,
@@ -315,7 +319,7 @@ class Decoder(torch.nn.Module):
 
     def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
-        chained = self._chained(h, self.lm_head, (-1, UNEMBED), lora)
+        chained = self._chained(h, UNEMBED, self.lm_head, (-1, UNEMBED), lora)
         if chained is not None:
             return chained
         y = ops.linear(h, self.lm_head, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder)

@@ -149,10 +149,11 @@ class PoolExactness:
         return (report.fingerprint, report.exact) if report is not None else ("", False)
 
 
-UNPRINTED = ("lone_tile", "lone_packed", "lone_chain", "chain_rows", "attn_chain", "lora_direct_tiles")
+UNPRINTED = ("lone_tile", "lone_packed", "lone_chain", "chain_rows", "chain_panels", "attn_chain",
+             "lora_direct_tiles")
 """Keys of ``tiles`` left out of the fingerprint: the lone row's ways (its tile, its prepacked weights, Lathe's own
-fixed-order product) and the decode steps' rows that run through that product, chosen by time among ways of equal
-bits, decode attention's way (Lathe's own kernel, admitted
+fixed-order product) and the decode steps' rows that run through that product and whether they read its panels,
+chosen by time among ways of equal bits, decode attention's way (Lathe's own kernel, admitted
 only where it has the library's bits), and the LoRA ladders, chosen per adapter rank as adapters arrive (after the
 fingerprint is taken)."""
 
@@ -163,7 +164,7 @@ def tiles(model: Decoder) -> dict[str, object]:
             "grad_row_tiles": list(model.grad_ladder.tiles), "direct_tiles": list(model.ladder.direct),
             "grad_direct_tiles": list(model.grad_ladder.direct), "lone_tile": model.ladder.lone,
             "lone_packed": bool(model.packed), "lone_chain": model.ladder.chain,
-            "chain_rows": model.ladder.chain_rows, "attn_chain": model.attn_chain,
+            "chain_rows": model.ladder.chain_rows, "chain_panels": bool(model.panels), "attn_chain": model.attn_chain,
             "lora_direct_tiles": {rank: list(ladder.direct) for rank, ladder in sorted(model.lora_ladders.items())},
             "attn_row_tile": attn.ATTN_ROW_TILE,
             "attn_row_tiles": list(model.attn_tiles), "key_chunk": attn.KEY_CHUNK,

@@ -216,13 +216,13 @@ def test_a_lone_decode_rows_linear_with_its_adapters_in_one_call_has_the_two_cal
             x = torch.randn(seg[-1], weight.shape[1], generator=gen)
             lora = LoraBatch(seg, ids, adapters)
             got = model._linear(x, name, key, lora)
-            assert model._chained(x, weight, key, lora) is not None  # the fused way ran
+            assert model._chained(x, name, weight, key, lora) is not None  # the fused way ran
             apart = ops.linear(x, weight, invariant=True, ladder=model.ladder) + lora.delta(key, x, model.lora_ladders)
             assert torch.equal(got, apart), seg
             assert torch.equal(model.logits(x[:, :cfg.hidden_size], lora),
                                ops.linear(x[:, :cfg.hidden_size], model.lm_head, invariant=True, ladder=model.ladder)
                                + lora.delta((-1, "lm_head"), x[:, :cfg.hidden_size], model.lora_ladders))
-        assert model._chained(torch.randn(4, weight.shape[1]), weight, key, None) is None  # a direct tile's rows
+        assert model._chained(torch.randn(4, weight.shape[1]), name, weight, key, None) is None  # a direct tile's rows
 
 
 def test_a_call_of_up_to_chain_rows_rows_runs_them_all_through_the_kernel(gen: torch.Generator) -> None:
@@ -248,6 +248,37 @@ def test_a_sampling_pool_times_its_decode_rows_only_among_ways_with_the_referenc
     for rows in {1, 3, got.chain_rows} - {0}:  # whatever time chose, the rows keep the reference tile's bits
         assert tiles.batch_failure(model, got, rows, threads) is None
     assert tiles.choose_chain_rows(model, dataclasses.replace(ladder, chain=0), threads).chain_rows == 0
+
+
+@pytest.mark.skipif(not chain.has_panels(), reason="panels need the kernel built with AVX2 and FMA")
+def test_a_product_over_a_weights_panels_has_the_row_major_walks_bits(gen: torch.Generator, threads: int) -> None:
+    weight = torch.randn(40, 96, generator=gen).t().contiguous().t()  # [N, K] stored column-major, as the decoder's
+    panels = chain.pack_panels(weight)
+    assert panels.shape == (3, 96, chain.PANEL) and not panels[2, :, 8:].any()  # 40 columns: the last panel padded
+    segments = [(1, 2, torch.randn(8, 96, generator=gen), torch.randn(40, 8, generator=gen), 0.5, 64)]
+    for rows in (1, 5, 6, 13):
+        x = torch.randn(rows, 96, generator=gen)
+        assert torch.equal(chain.chain_linear(x, weight, 192, [], panels), chain.chain_matmul(x, weight.t(), 192))
+        assert torch.equal(chain.chain_linear(x, weight, 192, segments[:rows > 2], panels),
+                           chain.chain_linear(x, weight, 192, segments[:rows > 2]))
+    with pytest.raises(ValueError, match=r"panels \[3, 95, 16\] \(torch.float32\) are not pack_panels of a weight"):
+        chain.chain_linear(x, weight, 192, [], panels[:, :95].contiguous())
+
+
+def test_a_sampling_pool_keeps_panels_only_with_the_bits_of_the_walk_they_replace(tiny_dir: Path) -> None:
+    model, threads = Decoder.from_dir(tiny_dir), [1, 2]
+    model.ladder = tiles.choose_chain_rows(model, tiles.choose_ladder(tiles.model_weights(model), threads,
+                                                                      tiles_too=True), threads)
+    model.panels = tiles.choose_panels(model, threads, repeats=1)
+    if not model.ladder.chain_rows:  # no decode step runs through the kernel here: nothing to read panels
+        assert model.panels == {}
+        return
+    name, key = "model.layers.1.mlp.up_proj", (1, "up_proj")
+    x = torch.randn(model.ladder.chain_rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model._linear(x, name, key, None)
+        model.panels = {}
+        assert torch.equal(got, model._linear(x, name, key, None))
 
 
 def _decode_case(gen: torch.Generator, positions: list[int], heads: int = 6, kv_heads: int = 2, d: int = 16,
