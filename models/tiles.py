@@ -233,70 +233,73 @@ def choose_lone(model: Decoder, ladder: tiling.Ladder, threads: list[int], repea
 
 
 
-CHAIN_ROW_CANDIDATES = (8, 16, 32, 64)
-"""Row counts at which ``choose_chain_rows`` times Lathe's product against the direct tiles, in this order."""
+CHAIN_ROW_CANDIDATES = (8, 16, 32, 64, 128)
+"""Row counts at which ``choose_decode_rows`` times Lathe's product against the direct tiles, in this order."""
 
 
-def choose_chain_rows(model: Decoder, ladder: tiling.Ladder, threads: list[int], repeats: int = 2) -> tiling.Ladder:
-    """``ladder`` with ``chain_rows``: the most rows of ``CHAIN_ROW_CANDIDATES`` up to which every call runs all its
-    rows through Lathe's product (a sampling pool's decode steps), where one pass of that many rows through every layer
-    weight and the LM head is faster there than in the direct tiles, at that count and every smaller one; 0 where
-    the ladder has no admitted block. A row's bits in the kernel do not depend on its batch mates (``chain.c``), so
-    this is chosen by time, like ``choose_lone``; every candidate is still held to the reference tile's bits first.
+def choose_decode_rows(model: Decoder, ladder: tiling.Ladder, threads: list[int], repeats: int = 2
+                       ) -> tuple[tiling.Ladder, dict[str, torch.Tensor]]:
+    """How a sampling pool's decode steps run their rows where ``ladder`` admitted Lathe's product (``chain``): the
+    weights as the kernel's panels (``chain.pack_panels``, by module name, the LM head as ``lora.UNEMBED``) where
+    the kernel has them here and they give every distinct weight shape and the head the row-major walk's bits at
+    every thread count, and ``ladder`` with ``chain_rows``: the most rows of ``CHAIN_ROW_CANDIDATES`` up to which a
+    call runs all its rows through the kernel, where one pass of that many rows through every layer weight and the
+    LM head is faster there (over the panels) than in the direct tiles, at that count and every smaller one, each
+    count first held to the reference tile's bits (``batch_failure``). A row's bits in the kernel do not depend on
+    its batch mates or on the weight's layout (``chain.c``), so both are chosen by time, like ``choose_lone``.
 
-    Why timed: the kernel reads each weight once for all rows of a call, where each direct tile reads it again, but
-    its register panels are AVX2's; measured on an AVX2 EPYC (fp32, 2 threads), it ran every weight of SmolLM2
-    1.3-1.8x faster than MKL's direct tiles at 8-64 rows and 0.9x at 128."""
+    Why: the kernel reads each weight once for all rows of a call, where each direct tile reads it again, and a
+    panel's rows are contiguous, so its walk streams memory in order. Measured on an AVX2 EPYC (fp32, 2 threads,
+    SmolLM2, ``bench/bench_decode_rows.py``): over panels 2.9x MKL's direct tiles at 8 rows, 1.9x at 32, 1.5x at 64,
+    1.1x at 128. The panels are a second copy of the weights (538 MB for SmolLM2 in fp32)."""
     if not ladder.chain:
-        return ladder
+        return ladder, {}
+    weights = {n.removesuffix(".weight"): model.w[n] for n in layer_weight_names(model.cfg)} | {UNEMBED: model.lm_head}
+    panels = _panels(weights, ladder.chain, threads)
     chosen = 0
     for rows in CHAIN_ROW_CANDIDATES:
         way = dataclasses.replace(ladder, chain_rows=rows)
         if batch_failure(model, way, rows, threads) is not None:
             break
-        if _pass_seconds(model, way, {}, repeats, rows) >= _pass_seconds(model, ladder, {}, repeats, rows):
+        tiles_seconds = _pass_seconds(model, ladder, {}, repeats, rows)
+        if _kernel_seconds(weights, panels, ladder.chain, rows, repeats) >= tiles_seconds:
             break
         chosen = rows
-    return dataclasses.replace(ladder, chain_rows=chosen)
+    return dataclasses.replace(ladder, chain_rows=chosen), panels if chosen else {}
 
 
-def choose_panels(model: Decoder, threads: list[int], repeats: int = 2) -> dict[str, torch.Tensor]:
-    """The linears' weights as Lathe's kernel's panels (``chain.pack_panels``, by module name; the LM head as
-    ``lora.UNEMBED``), which a decode step's rows then read (``Decoder._chained``), where the ladder runs those rows
-    through the kernel (``Ladder.chain_rows``), the panels give every distinct weight shape and the head the same bits
-    at every thread count, and a pass of that many rows through every weight is faster over them; else {}.
-
-    Why timed: panels cost a second copy of every weight, and pay only where the rows a step reads them for are many
-    enough. Measured on an AVX2 EPYC (fp32, 2 threads, SmolLM2's weights): 1.8x the row-major walk at 8 rows, 1.4x at
-    32 and 64, equal for one row."""
-    ladder = model.ladder
-    if not (ladder.chain and ladder.chain_rows and chain.has_panels()) or model.dtype != torch.float32:
+def _panels(weights: dict[str, torch.Tensor], block: int, threads: list[int]) -> dict[str, torch.Tensor]:
+    """``weights`` as the kernel's panels, where it has them here and they give the walk's bits; else {}."""
+    if not chain.has_panels() or any(w.dtype != torch.float32 for w in weights.values()):
         return {}
-    names = layer_weight_names(model.cfg)
-    weights = {n.removesuffix(".weight"): model.w[n] for n in names} | {UNEMBED: model.lm_head}
     panels = {name: chain.pack_panels(w) for name, w in weights.items()}
-    rows, gen = ladder.chain_rows, torch.Generator().manual_seed(1)
-    xs = {k: torch.randn(rows, k, generator=gen) for k in sorted({w.shape[1] for w in weights.values()})}
-    distinct = {tuple(w.shape): name for name, w in weights.items()}.values()
+    gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for n in threads:
-            with at_threads(n):
-                for name in distinct:
-                    w = weights[name]
-                    plain = chain.chain_linear(xs[w.shape[1]], w, ladder.chain, [])
-                    if differing(chain.chain_linear(xs[w.shape[1]], w, ladder.chain, [], panels[name]), plain):
+        for name in {tuple(w.shape): name for name, w in weights.items()}.values():
+            w = weights[name]
+            x = torch.randn(13, w.shape[1], generator=gen)  # two whole groups of register rows and one short
+            for n in threads:
+                with at_threads(n):
+                    walk = chain.chain_linear(x, w, block, [])
+                    if differing(chain.chain_linear(x, w, block, [], panels[name]), walk):
                         return {}
+    return panels
 
-    def seconds(over: dict[str, torch.Tensor]) -> float:
-        best = float("inf")
+
+def _kernel_seconds(weights: dict[str, torch.Tensor], panels: dict[str, torch.Tensor], block: int, rows: int,
+                    repeats: int) -> float:
+    """Best of ``repeats`` passes of ``rows`` rows through every weight in Lathe's kernel, over ``panels`` where
+    given."""
+    gen = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(rows, k, generator=gen) for k in sorted({w.shape[1] for w in weights.values()})}
+    best = float("inf")
+    with torch.no_grad():
         for _ in range(repeats):
             start = time.perf_counter()
             for name, w in weights.items():
-                chain.chain_linear(xs[w.shape[1]], w, ladder.chain, [], over.get(name))
+                chain.chain_linear(xs[w.shape[1]], w, block, [], panels.get(name))
             best = min(best, time.perf_counter() - start)
-        return best
-
-    return panels if seconds(panels) < seconds({}) else {}
+    return best
 
 
 def batch_failure(model: Decoder, ladder: tiling.Ladder, rows: int, threads: list[int]) -> str | None:
@@ -455,8 +458,7 @@ def choose_tiles(model: Decoder, lora_rank: int, *, backward: bool) -> None:
     threads = default_threads(model)
     model.ladder = choose_lone(model, choose_ladder(model_weights(model), threads, tiles_too=True), threads)
     if not backward:
-        model.ladder = choose_chain_rows(model, model.ladder, threads)
-        model.panels = choose_panels(model, threads)
+        model.ladder, model.panels = choose_decode_rows(model, model.ladder, threads)
         model.packed = choose_packed(model, threads)
     model.lora_ladders = {lora_rank: choose_lora_ladder(model, lora_rank, threads)}
     if backward:

@@ -242,15 +242,24 @@ def test_a_call_of_up_to_chain_rows_rows_runs_them_all_through_the_kernel(gen: t
 def test_a_sampling_pool_times_its_decode_rows_only_among_ways_with_the_reference_bits(tiny_dir: Path) -> None:
     model, threads = Decoder.from_dir(tiny_dir), [1, 2]
     ladder = tiles.choose_ladder(tiles.model_weights(model), threads, tiles_too=True)
-    got = tiles.choose_chain_rows(model, ladder, threads, repeats=1)
+    got, panels = tiles.choose_decode_rows(model, ladder, threads, repeats=1)
     assert dataclasses.replace(got, chain_rows=0) == ladder  # only chain_rows is chosen here
     assert got.chain_rows in (0, *tiles.CHAIN_ROW_CANDIDATES) and (ladder.chain or not got.chain_rows)
+    assert bool(panels) <= bool(got.chain_rows)  # panels only for a step that reads them
     for rows in {1, 3, got.chain_rows} - {0}:  # whatever time chose, the rows keep the reference tile's bits
         assert tiles.batch_failure(model, got, rows, threads) is None
-    assert tiles.choose_chain_rows(model, dataclasses.replace(ladder, chain=0), threads).chain_rows == 0
+    assert tiles.choose_decode_rows(model, dataclasses.replace(ladder, chain=0), threads) == (
+        dataclasses.replace(ladder, chain=0), {})
+    if panels:  # the decoder's step over them has the walk's bits
+        model.ladder, model.panels = got, panels
+        name, key = "model.layers.1.mlp.up_proj", (1, "up_proj")
+        x = torch.randn(got.chain_rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            over = model._linear(x, name, key, None)
+            model.panels = {}
+            assert torch.equal(over, model._linear(x, name, key, None))
 
 
-@pytest.mark.skipif(not chain.has_panels(), reason="panels need the kernel built with AVX2 and FMA")
 def test_a_product_over_a_weights_panels_has_the_row_major_walks_bits(gen: torch.Generator, threads: int) -> None:
     weight = torch.randn(40, 96, generator=gen).t().contiguous().t()  # [N, K] stored column-major, as the decoder's
     panels = chain.pack_panels(weight)
@@ -263,22 +272,6 @@ def test_a_product_over_a_weights_panels_has_the_row_major_walks_bits(gen: torch
                            chain.chain_linear(x, weight, 192, segments[:rows > 2]))
     with pytest.raises(ValueError, match=r"panels \[3, 95, 16\] \(torch.float32\) are not pack_panels of a weight"):
         chain.chain_linear(x, weight, 192, [], panels[:, :95].contiguous())
-
-
-def test_a_sampling_pool_keeps_panels_only_with_the_bits_of_the_walk_they_replace(tiny_dir: Path) -> None:
-    model, threads = Decoder.from_dir(tiny_dir), [1, 2]
-    model.ladder = tiles.choose_chain_rows(model, tiles.choose_ladder(tiles.model_weights(model), threads,
-                                                                      tiles_too=True), threads)
-    model.panels = tiles.choose_panels(model, threads, repeats=1)
-    if not model.ladder.chain_rows:  # no decode step runs through the kernel here: nothing to read panels
-        assert model.panels == {}
-        return
-    name, key = "model.layers.1.mlp.up_proj", (1, "up_proj")
-    x = torch.randn(model.ladder.chain_rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        got = model._linear(x, name, key, None)
-        model.panels = {}
-        assert torch.equal(got, model._linear(x, name, key, None))
 
 
 def _decode_case(gen: torch.Generator, positions: list[int], heads: int = 6, kv_heads: int = 2, d: int = 16,
