@@ -234,11 +234,10 @@ void lathe_chain_lora_segments(const float *x, long ldx, const long *seg, const 
     }
 }
 
-/* A base product and its LoRA corrections in one call (a decode step's linear): y = x @ w (lathe_chain_matmul, or
-   panel_matmul over w's panels where given),
-   then y = y + d, where d [m, n] is lathe_chain_lora_segments' result (d: the caller's scratch) and rows of no
-   segment add +0 (as adding a tensor of zeros does, which turns -0 into +0). No segments: y = x @ w alone. The
-   segments go in row order, disjoint. */
+/* A base product and its LoRA corrections in one call (a decode step's linear): y = x @ w (as lathe_chain_matmul,
+   or panel_matmul over w's panels where given), then y = y + d, where d [m, n] is lathe_chain_lora_segments' result
+   (d: the caller's scratch) and rows of no segment add +0 (as adding a tensor of zeros does, which turns -0 into
+   +0). No segments: y = x @ w alone. The segments go in row order, disjoint. */
 void lathe_chain_linear(const float *x, long ldx, const float *w, long sk, long sn, const float *panels, float *y,
                         int m, int k, int n, int block, int threads, const long *seg, const float *scale, float *v,
                         float *d, int segments, int widest, int lora_threads) {

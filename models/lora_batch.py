@@ -119,10 +119,9 @@ class LoraBatch:
         holders = [w for _, _, w in self._segments if key in w.a]
         if not holders:
             return None
-        if self.invariant and not torch.is_grad_enabled():
-            chained = self._chained_segments(key, x, ladders)
-            if chained is not None:
-                return chain_lora_segments(_as(x, torch.float32), chained, holders[0].b[key].shape[0])
+        chained = self.chained(key, x, ladders)
+        if chained is not None:
+            return chain_lora_segments(_as(x, torch.float32), chained, holders[0].b[key].shape[0])
         if not self.invariant or (not torch.is_grad_enabled() and self._per_segment(key, x, holders, ladders)):
             return self.delta_per_segment(key, x, ladders)
         out = None

@@ -290,14 +290,24 @@ def _kernel_seconds(weights: dict[str, torch.Tensor], panels: dict[str, torch.Te
                     repeats: int) -> float:
     """Best of ``repeats`` passes of ``rows`` rows through every weight in Lathe's kernel, over ``panels`` where
     given."""
+    def one_pass(xs: dict[int, torch.Tensor]) -> None:
+        for name, w in weights.items():
+            chain.chain_linear(xs[w.shape[1]], w, block, [], panels.get(name))
+
+    return _best_pass(list(weights.values()), rows, repeats, one_pass)
+
+
+def _best_pass(weights: list[torch.Tensor], rows: int, repeats: int,
+               one_pass: Callable[[dict[int, torch.Tensor]], object]) -> float:
+    """Best of ``repeats`` timed ``one_pass(xs)`` out of autograd, ``xs``: ``rows`` random rows (seed 0) of each of
+    ``weights``' input widths, in their dtype on their device."""
     gen = torch.Generator().manual_seed(0)
-    xs = {k: torch.randn(rows, k, generator=gen) for k in sorted({w.shape[1] for w in weights.values()})}
+    xs = {k: torch.randn(rows, k, generator=gen).to(weights[0]) for k in sorted({w.shape[1] for w in weights})}
     best = float("inf")
     with torch.no_grad():
         for _ in range(repeats):
             start = time.perf_counter()
-            for name, w in weights.items():
-                chain.chain_linear(xs[w.shape[1]], w, block, [], panels.get(name))
+            one_pass(xs)
             best = min(best, time.perf_counter() - start)
     return best
 
@@ -324,17 +334,12 @@ def _pass_seconds(model: Decoder, ladder: tiling.Ladder, packed: dict[str, torch
     holds, streamed as in decode) over ``ladder``, through the prepacked copies in ``packed`` where it has one."""
     names = layer_weight_names(model.cfg)
     weights = [(model.w[n], packed.get(n)) for n in names] + [(model.lm_head, None)]
-    gen = torch.Generator().manual_seed(0)
-    widths = sorted({w.shape[1] for w, _ in weights})
-    xs = {k: torch.randn(rows, k, generator=gen).to(model.w[names[0]]) for k in widths}
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for w, p in weights:
-                ops.linear(xs[w.shape[1]], w, invariant=True, ladder=ladder, packed=p)
-            best = min(best, time.perf_counter() - start)
-    return best
+
+    def one_pass(xs: dict[int, torch.Tensor]) -> None:
+        for w, p in weights:
+            ops.linear(xs[w.shape[1]], w, invariant=True, ladder=ladder, packed=p)
+
+    return _best_pass([w for w, _ in weights], rows, repeats, one_pass)
 
 
 def packed_agrees(model: Decoder, threads: list[int]) -> bool:
