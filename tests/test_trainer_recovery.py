@@ -4,15 +4,18 @@ operations after it, and ends with the weights of an uninterrupted run, bit for 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lathe.checkpoints.service import CheckpointService
 from lathe.checkpoints.store import open_store
 from lathe.errors import NotFound
 from lathe.models.catalog import ModelCatalog
+from lathe.trainer.answers import Answers
 from lathe.trainer.engine import TrainerConfig, TrainerEngine
 from lathe.trainer.ops import OptimStep
 from lathe.trainer.recovery import SnapshotPolicy
@@ -157,6 +160,37 @@ class GatedStore(ServiceStore):
             self.waiting.set()
             assert self.gate.wait(timeout=120)
         return super().put(**kw)
+
+
+def test_snapshot_writers_run_no_aten_op(model_cache: Path, store: ServiceStore, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """A snapshot is serialized on the cycle thread; the writer threads only store bytes. A writer that copied
+    tensors itself would enter ATen's parallel regions and keep an OpenMP team of its own, and more workers than
+    CPUs slow every later cycle's parallel ops (``RunMaker.take_snapshot``)."""
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Callable[..., object], types: object, args: tuple = (),
+                               kwargs: dict | None = None) -> object:
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    drain = Answers._drain
+
+    def recorded(self: Answers, run_id: str) -> None:
+        with Record():  # dispatch modes are per thread: this sees the writer's ops only
+            drain(self, run_id)
+
+    monkeypatch.setattr(Answers, "_drain", recorded)
+    eng = trainer(model_cache, store, every=1)
+    try:
+        eng.create_adapter(pb.CreateAdapterRequest(model_id="m", tenant="t", base_model=BASE, lora_config=LORA))
+        answers = run(eng, [fb("m", 1, batch(1)), opt("m", 2), fb("m", 3, batch(2)), opt("m", 4)])
+    finally:
+        eng.stop()
+    assert [r.receipt.recovery_seq_id for r in answers] == [0, 2, 0, 4]  # two snapshots, each through a writer
+    assert store.service.get("t", recovery_path("m"))[1]["adapter_model.safetensors"]
+    assert seen == []
 
 
 def test_a_slow_snapshot_write_holds_its_own_runs_answers_and_no_one_elses(model_cache: Path, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ A recovery snapshot records the answer of the operation it follows and must be d
 leaves (``lathe.trainer.recovery``). Written on the cycle thread, it stalled every tenant of the pool: a
 SmolLM2 rank-16 run's snapshot is ~70 MB, about a second through the checkpoints service on a 2-core machine,
 so eight runs reaching their tenth step together held one cycle for eight seconds. Here the cycle thread
-copies the run's state (``RunMaker.copy_snapshot``) and hands the write to a writer thread; the operation is
+serializes the run's state (``RunMaker.take_snapshot``) and hands the write to a writer thread; the operation is
 answered when its snapshot is written (or has failed, which fails nothing: ``recovery``), and every later answer
 of that run waits behind it, so a run's answers still leave in the order it applied them. Runs with no write
 pending are answered at once, on the calling thread.

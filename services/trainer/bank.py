@@ -31,7 +31,7 @@ from lathe.errors import FailedPrecondition, InvalidArgument
 from lathe.models.config import ModelConfig
 from lathe.models.host import safetensors_bytes, to_device
 from lathe.models.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED, LoraSpec, LoraWeights
-from lathe.trainer.optim_state import OptimState, copy_state, family_of, new_state, state_from_tensors, state_tensors
+from lathe.trainer.optim_state import OptimState, family_of, new_state, state_from_tensors, state_tensors
 
 FORMAT_VERSION = 1
 
@@ -58,19 +58,6 @@ class Adapter:
               seed: int, device: str | torch.device = "cpu", optimizer: str = "adamw") -> Adapter:
         weights = LoraWeights.init(cfg, spec, seed, device)
         return cls(model_id, tenant, base_model, weights, new_state(optimizer, weights.named_parameters()))
-
-    def copy(self) -> Adapter:
-        """A copy that shares no tensor with this adapter: its weights with their accumulated gradients and its
-        optimizer state, as they are now. This adapter may go on training while the copy is written out on
-        another thread (a recovery snapshot): cloning is a memory copy, serializing it several."""
-        a, b = {}, {}
-        for src, dst in ((self.weights.a, a), (self.weights.b, b)):
-            for key, t in src.items():
-                dst[key] = t.detach().clone()
-                if t.grad is not None:
-                    dst[key].grad = t.grad.clone()
-        weights = LoraWeights(self.spec, a, b)
-        return Adapter(self.model_id, self.tenant, self.base_model, weights, copy_state(self.opt), self.last_used)
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.weights.parameters())

@@ -38,13 +38,6 @@ def new_state(family: str, params: dict[str, torch.Tensor]) -> OptimState:
     return DimuonState.zeros(params) if check_family(family) == "dimuon" else AdamState.zeros(params)
 
 
-def copy_state(state: OptimState) -> OptimState:
-    """A copy of ``state`` that shares no tensor with it (its step too)."""
-    slots = {slot: {n: t.detach().clone() for n, t in getattr(state, slot).items()}
-             for slot in _SLOTS[family_of(state)]}
-    return type(state)(**slots, step=state.step)
-
-
 def optim_step(params: dict[str, torch.Tensor], state: OptimState, hp: OptimParams) -> dict[str, float]:
     """One step of the run's optimizer; ``hp`` must be its family's params (``InvalidArgument`` otherwise)."""
     if isinstance(state, DimuonState) and isinstance(hp, DimuonParams):

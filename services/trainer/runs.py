@@ -91,7 +91,7 @@ class Runs:
         else:
             adapter = self.maker.fresh(req)
         if snapshot is None and self.writes:  # recovery never depends on anything else
-            self.maker.write_snapshot(self.maker.copy_snapshot(adapter, state=record.state), record)
+            self.maker.write_snapshot(self.maker.take_snapshot(adapter, state=record.state), record)
         with self.lock:
             live = self.live(req.model_id)
             if live is not None:
@@ -173,7 +173,7 @@ class Runs:
 
     def snapshot(self, m: Run, item: Request, result: Result) -> Callable[[], None] | None:
         """The write of ``m``'s recovery snapshot if one is due after ``item`` (applied with ``result``, its receipt
-        made, not yet answered), its state copied now; None if none is due. ``result.recovery_path`` names it, and
+        made, not yet answered), its state serialized now; None if none is due. ``result.recovery_path`` names it, and
         is emptied again if the write fails.
 
         The write runs on the writer thread (``Answers``), before ``item`` is answered: the snapshot records the
@@ -189,7 +189,7 @@ class Runs:
             return None
         result.recovery_path = recovery_path(m.model_id)  # as the record answers it
         m.snapshot_tried = item.seq_id
-        snapshot = self.maker.copy_snapshot(adapter)
+        snapshot = self.maker.take_snapshot(adapter)
 
         def write() -> None:
             with self.lock:  # submit() may pass skips into ``answered`` meanwhile
