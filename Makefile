@@ -47,7 +47,7 @@ serve: $(GEN_STAMP)
 test: $(GEN_STAMP) $(CHROMEDRIVER)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# the in-process tests only: no service processes, no stacks (a quick loop while editing)
+# the in-process tests only: no service processes, no stacks, no child Python (a quick loop while editing)
 test-fast: $(GEN_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not processes"
 

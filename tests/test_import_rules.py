@@ -19,6 +19,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 # import name -> folder, as pyproject's package-dir maps them (the generated protos, lathe.v1, left out)
 PACKAGES = {name: folder for name, folder in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]
@@ -198,6 +200,7 @@ print(json.dumps({"imported": imported, "culprit": culprit}))
 """
 
 
+@pytest.mark.processes
 def test_sdk_runtime_and_gateway_import_no_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

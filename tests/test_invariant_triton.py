@@ -15,6 +15,7 @@ from lathe.kernels import invariant_triton
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.processes
 def test_kernel_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

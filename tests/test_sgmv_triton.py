@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 # --- parent process ----------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_kernels_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(REPO / "tests" / "sgmv_interpreted.py")]
@@ -34,6 +35,7 @@ def test_kernels_under_interpreter() -> None:
     assert run.returncode == 0 and "skipped" not in summary, run.stdout + run.stderr
 
 
+@pytest.mark.processes
 def test_import_needs_no_triton() -> None:
     code = "import sys, lathe.kernels.sgmv_triton; assert 'triton' not in sys.modules"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -110,6 +110,7 @@ def test_slots_are_lru_never_evicting_busy_ones(tiny_dir: Path) -> None:
     assert not pool.a[mlp][slot].any() and not pool.b[key][slot][:, 2:].any()  # untrained key and padding: 0
 
 
+@pytest.mark.processes
 def test_triton_bgmv_matches_the_torch_reference_interpreted() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(REPO / "tests" / "bgmv_interpreted.py")]

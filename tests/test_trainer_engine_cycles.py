@@ -243,6 +243,7 @@ def test_a_run_that_does_not_rejoin_delays_the_next_cycle_a_bounded_time(model_c
         TrainerConfig(rejoin_fraction=-1.0)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("flag", "said"), [
     ("--rejoin-fraction", "rejoin_fraction, rejoin_max_s and rejoin_write_max_s must be >= 0, got -1.0, 0.1 and 2.0"),
     ("--rejoin-write-max-s", "rejoin_fraction, rejoin_max_s and rejoin_write_max_s must be >= 0, got 0.05, 0.1 and "
