@@ -157,7 +157,7 @@ def _lone_tile(t: torch.Tensor, w: torch.Tensor, blocks: list[tuple[int, int]]) 
 
 
 def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lone: int = ROW_TILE,
-                  packed: torch.Tensor | None = None, chain: int = 0, chain_rows: int = 0) -> torch.Tensor:
+                  packed: torch.Tensor | None = None, chain: int = 0) -> torch.Tensor:
     """y = x @ w as direct products; x [M, K], w [K, N] -> y [M, N].
 
     Rows are cut largest height first (each height taking as many whole tiles as fit) and each tile is one
@@ -168,8 +168,8 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
     admitted ``heights`` (``choose_direct_tiles``, whose trial runs this function with ``lone=0``) and ``lone``
     (a height of its tile ladder). With ``packed`` (``prepack(w.T, smallest height)``), a zero-padded lone tile is
     multiplied by that copy instead of ``w`` (``prepacked_tile``; the pool admits it by bits: ``choose_packed``).
-    With ``chain`` (``Ladder.chain``), those rows run through ``lathe.kernels.chain`` instead of any tile, and so do
-    all rows of a call of at most ``chain_rows`` (``Ladder.chain_rows``).
+    With ``chain`` (``Ladder.chain``), those rows run through ``lathe.kernels.chain`` instead of any tile (a call
+    whose rows run there all together is the caller's to route: ``Ladder.chains``).
     """
     x = x.contiguous()  # the rows' layout the self-check admitted the heights with
     m = x.shape[0]
@@ -185,7 +185,7 @@ def direct_matmul(x: torch.Tensor, w: torch.Tensor, heights: tuple[int, ...], lo
         y = product(tile, x.new_empty(smallest, n)) if packed is None else prepacked_tile(tile, packed)
         return y[:rows.shape[0]]
 
-    if chain and (m < smallest or m <= chain_rows):
+    if chain and m < smallest:
         return chain_matmul(x, w, chain)
     if m < smallest and not lone:  # a decode step's lone row: its product is a view of the padded tile's
         return padded(x)
@@ -268,10 +268,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def chained_block(x: torch.Tensor, weight: torch.Tensor, *, invariant: bool, ladder: Ladder) -> int:
     """The k-block with which ``linear(x, weight, invariant=, ladder=)`` (no bias) runs ``x``'s rows through Lathe's
     kernel (``lathe.kernels.chain``: fp32 rows on the CPU out of autograd, fewer than the smallest direct height or
-    at most ``ladder.chain_rows``, on a ladder that admitted the kernel), else 0. A caller that runs those rows with
+    at most ``ladder.chain_rows``: ``Ladder.chains``), else 0. A caller that runs those rows with
     more in the same call (``chain.chain_linear``) asks here first, so that both ways give the rows the same bits."""
-    if not (invariant and ladder.chain and ladder.direct) or x.device.type != "cpu" or x.dim() != 2 \
-            or x.dtype != torch.float32 or (x.shape[0] >= min(ladder.direct) and x.shape[0] > ladder.chain_rows):
+    if not invariant or x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.float32 \
+            or not ladder.chains(x.shape[0]):
         return 0
     return 0 if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) else ladder.chain
 
@@ -282,7 +282,9 @@ def _tiled_linear(rows: torch.Tensor, weight: torch.Tensor, ladder: Ladder, pack
     ``row_groups(M, ladder.tiles)`` -> [M, N]."""
     w = weight.t()
     if ladder.direct and rows.device.type == "cpu":
-        return direct_matmul(rows, w, ladder.direct, ladder.lone, packed, ladder.chain, ladder.chain_rows)
+        if ladder.chains(rows.shape[0]):  # every row through Lathe's kernel, in the layout the tiles would read
+            return chain_matmul(rows.contiguous(), w, ladder.chain)
+        return direct_matmul(rows, w, ladder.direct, ladder.lone, packed, ladder.chain)
     least = torch.get_num_threads() if rows.device.type == "cpu" else 1
     groups = row_groups(rows.shape[0], ladder.tiles, least)
     parts = [tiled_matmul(rows[a:b], w, tile=tile) for a, b, tile in groups]

@@ -49,6 +49,11 @@ class Ladder:
     chain: int = 0
     chain_rows: int = 0
 
+    def chains(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows runs all of them through Lathe's product (``chain``): fewer rows than
+        the smallest direct height (lone decode rows) or at most ``chain_rows``; never without direct heights."""
+        return bool(self.chain and self.direct and (rows < min(self.direct) or rows <= self.chain_rows))
+
 
 REFERENCE = Ladder()
 """The reference tile alone: what a linear runs before (or without) a self-check."""
