@@ -24,8 +24,12 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
-CHUNK_BYTES = 4 << 20
-"""The size of the chunks ``get_stream`` yields (and checkpoint bytes travel in between services)."""
+CHUNK_BYTES = 256 << 10
+"""The size of the chunks ``get_stream`` yields (and checkpoint bytes travel in between services). Each chunk is
+copied several times on its way (gRPC's frames into one message, the message's bytes, the hash, the file write);
+a chunk that stays in the core's cache makes those copies cheap. A 69 MB PutStream cost the receiving service
+0.41-0.46 CPU-s in 4 MiB chunks, 0.21-0.26 in 256-512 KiB ones and 0.52 in 64 KiB ones (per-message overhead
+takes over below ~128 KiB), on a Zen 3 with 512 KiB of L2 per core."""
 
 
 class ObjectStore(Protocol):
