@@ -381,3 +381,20 @@ void lathe_chain_attention_values(const float *p, const float *den, const float 
         }
     }
 }
+
+/* RoPE in the rotate-half convention, on the calling thread: y[t, h, e] = x[t, h, e] * c[t, e] + r[t, h, e] * s[t, e]
+   with r = (-x[..., half:], x[..., :half]); the two products and their sum each rounded on its own, as torch's
+   elementwise ops compute x * cos + rotate_half(x) * sin (-ffp-contract=off keeps them from fusing), so the bits
+   are theirs. x [t, h, d] (strides xt, xh; elements contiguous), c, s [t, d] and y [t, h, d] contiguous. */
+void lathe_rope(const float *x, long xt, long xh, const float *c, const float *s, float *y, int t, int h, int d) {
+    const int half = d / 2;
+    for (long i = 0; i < t; i++) {
+        const float *ci = c + i * d, *si = s + i * d;
+        for (long j = 0; j < h; j++) {
+            const float *xj = x + i * xt + j * xh;
+            float *yj = y + (i * h + j) * d;
+            for (int e = 0; e < half; e++) yj[e] = xj[e] * ci[e] + (-xj[e + half]) * si[e];
+            for (int e = half; e < d; e++) yj[e] = xj[e] * ci[e] + xj[e - half] * si[e];
+        }
+    }
+}

@@ -115,7 +115,7 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(built))
         ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_lora_segments, lib.lathe_chain_linear,
-                   lib.lathe_chain_attention_scores, lib.lathe_chain_attention_values):
+                   lib.lathe_chain_attention_scores, lib.lathe_chain_attention_values, lib.lathe_rope):
             fn.restype = None
         lib.lathe_chain_has_panels.restype = ctypes.c_int
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
@@ -134,6 +134,7 @@ def _library() -> ctypes.CDLL | None:
                                                  ctypes.c_float, ptr, *[count] * 7]
     lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
                                                  *[count] * 7]
+    lib.lathe_rope.argtypes = [ptr, stride, stride, ptr, ptr, ptr, count, count, count]
     return lib
 
 
@@ -144,21 +145,26 @@ def available() -> bool:
 
 def _lib(block: int, dims: int, *operands: torch.Tensor) -> ctypes.CDLL:
     """The library, after checking the block and that every operand is a ``dims``-d fp32 CPU tensor."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("lathe.kernels.chain is not available on this machine (see the log for why)")
+    lib = _loaded()
     if not 0 < block <= BLOCKS[-1]:
         raise ValueError(f"lathe.kernels.chain: block must be in [1, {BLOCKS[-1]}], got {block}")
     for t in operands:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dims:
+        if t.dtype != torch.float32 or not t.is_cpu or t.dim() != dims:
             raise TypeError(f"lathe.kernels.chain takes {dims}-d fp32 CPU tensors, got {t.dtype} "
                             f"{list(t.shape)} on {t.device}")
     return lib
 
 
+def _loaded() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("lathe.kernels.chain is not available on this machine (see the log for why)")
+    return lib
+
+
 def _checked(x: torch.Tensor, block: int, *weights: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
     """The library and ``x`` with contiguous rows, after ``_lib``'s checks of 2-d operands."""
-    return _lib(block, 2, x, *weights), x if x.stride(1) == 1 else x.contiguous()
+    return _lib(block, 2, x, *weights), x if x.stride()[1] == 1 else x.contiguous()
 
 
 def _threads(flops: int) -> int:
@@ -208,13 +214,14 @@ def _segment_table(segments: list[Segment], t: int, k: int, n: int, where: str
             raise ValueError(f"{where}: the segment at row {r0} starts before row {end}, where the one before it "
                              "ends (segments go in row order, disjoint)")
         end = r0 + rows
-        if r0 < 0 or rows < 1 or end > t or a.shape[1] != k or b.shape != (n, a.shape[0]) or block < 1:
+        (rank, ka), (nb, rb) = a.shape, b.shape
+        if r0 < 0 or rows < 1 or end > t or ka != k or nb != n or rb != rank or block < 1:
             raise ValueError(f"{where}: segment at row {r0} of {rows} rows with a {list(a.shape)}, b "
                              f"{list(b.shape)} does not fit x [{t}, {k}] -> [{t}, {n}]")
-        table += (r0, rows, a.shape[0], block, a.data_ptr(), a.stride(1), a.stride(0), b.data_ptr(), b.stride(1),
-                  b.stride(0))
-        covered, widest = covered + rows, max(widest, a.shape[0])
-    scales = (ctypes.c_float * len(segments))(*(scale for *_, scale, _ in segments))
+        sa, sb = a.stride(), b.stride()
+        table += (r0, rows, rank, block, a.data_ptr(), sa[1], sa[0], b.data_ptr(), sb[1], sb[0])
+        covered, widest = covered + rows, max(widest, rank)
+    scales = (ctypes.c_float * len(segments))(*[segment[4] for segment in segments])
     return (ctypes.c_long * len(table))(*table), scales, covered, widest
 
 
@@ -258,29 +265,34 @@ def chain_linear(x: torch.Tensor, weight: torch.Tensor, block: int, segments: li
     linear's, any strides) -> [M, N]. With no segments, ``chain_matmul`` alone (nothing is added). ``panels``
     (``pack_panels(weight)``, where ``has_panels``): the product reads those instead, the same chains in an order of
     memory that streams (several rows of a decode step read each panel once)."""
-    if panels is not None and (panels.shape != (-(-weight.shape[0] // PANEL), weight.shape[1], PANEL)
-                               or panels.dtype != torch.float32 or not panels.is_contiguous()):
+    n, k = weight.shape
+    if panels is not None and (panels.shape != (-(-n // PANEL), k, PANEL) or panels.dtype != torch.float32
+                               or not panels.is_contiguous()):
         raise ValueError(f"chain_linear: panels {list(panels.shape)} ({panels.dtype}) are not pack_panels of a weight "
                          f"{list(weight.shape)}")
-    if not segments:  # no adapter has this target: the product alone, with fewer steps between (a decode row's)
-        lib, x = _checked(x, block, weight)
-        table = scales = None
-        covered = widest = 0
-    else:
-        lib, x = _checked(x, max(block, *(blk for *_, blk in segments)), weight,
-                          *(t for s in segments for t in s[2:4]))
-    (m, k), n = x.shape, weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"chain_linear: x is [{m}, {k}] but the weight is {list(weight.shape)}")
+    operands, widest_block = [weight], block  # a decode step makes ~200 of these calls: no generators here
+    for segment in segments:
+        operands += segment[2:4]
+        widest_block = max(widest_block, segment[5])
+    lib, x = _checked(x, widest_block, *operands)
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"chain_linear: x is [{m}, {x.shape[1]}] but the weight is {list(weight.shape)}")
     y = torch.empty(m, n, dtype=torch.float32)
-    v = d = y
+    threads = torch.get_num_threads()
     if segments:
         table, scales, covered, widest = _segment_table(segments, m, k, n, "chain_linear")
-        v, d = torch.empty(m, widest, dtype=torch.float32), torch.empty(m, n, dtype=torch.float32)
-    lib.lathe_chain_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(1), weight.stride(0),
+        scratch = torch.empty(m * (widest + n), dtype=torch.float32)  # v [M, widest], then d [M, N]
+        v = scratch.data_ptr()
+        d, lora_threads = v + 4 * m * widest, threads if covered * widest * n >= THREADED_FLOPS else 1
+    else:  # no adapter has this target: the product alone, with fewer steps between (a decode row's)
+        table = scales = v = d = None
+        widest, lora_threads = 0, 1
+    ws = weight.stride()
+    lib.lathe_chain_linear(x.data_ptr(), x.stride()[0], weight.data_ptr(), ws[1], ws[0],
                            None if panels is None else panels.data_ptr(), y.data_ptr(), m, k, n,
-                           block, _threads(m * k * n), table, scales, v.data_ptr(), d.data_ptr(), len(segments),
-                           widest, _threads(covered * widest * n))
+                           block, threads if m * k * n >= THREADED_FLOPS else 1, table, scales, v, d, len(segments),
+                           widest, lora_threads)
     return y
 
 
@@ -366,3 +378,25 @@ def attention_values(p: torch.Tensor, den: torch.Tensor, v: torch.Tensor, positi
                                      positions.data_ptr(), o.data_ptr(), o.stride(0), o.stride(1), s, hkv, g, d,
                                      chunks, block, _attention_threads(s, hkv, g, d, chunks))
     return o
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half convention (HF Llama's) in one call: x [T, H, D], cos and sin [T, D], fp32 on the CPU
+    -> y [T, H, D] = x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Each
+    element's two products and sum are rounded as torch's elementwise ops round them, so the bits equal that
+    expression's in torch (``lathe.models.decoder``'s autograd path), in one call instead of six ops (a decode
+    step makes two a layer)."""
+    lib = _loaded()
+    for name, u, dims in (("x", x, 3), ("cos", cos, 2), ("sin", sin, 2)):
+        if u.dtype != torch.float32 or not u.is_cpu or u.dim() != dims:
+            raise TypeError(f"rope takes {dims}-d fp32 CPU tensors as {name}, got {u.dtype} {list(u.shape)} on "
+                            f"{u.device}")
+    x = x if x.stride()[2] == 1 else x.contiguous()
+    t, h, d = x.shape
+    if d % 2 or cos.shape != (t, d) or sin.shape != (t, d) or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"rope: x {list(x.shape)} needs an even D and contiguous cos, sin [{t}, {d}], got "
+                         f"{list(cos.shape)} and {list(sin.shape)}")
+    y = torch.empty(t, h, d, dtype=torch.float32)
+    xs = x.stride()
+    lib.lathe_rope(x.data_ptr(), xs[0], xs[1], cos.data_ptr(), sin.data_ptr(), y.data_ptr(), t, h, d)
+    return y
