@@ -382,6 +382,16 @@ void lathe_chain_attention_values(const float *p, const float *den, const float 
     }
 }
 
+/* Several linears of the same rows in one call (a decode layer's q, k and v, or its gate and up): job j is
+   lathe_chain_linear(x, ldx, ..., m, k, ...) with the 15 operands a[15 j .. 15 j + 14] (pointers as longs) in this
+   order: w, sk, sn, panels, y, n, block, threads, seg, scale, v, d, segments, widest, lora_threads. */
+void lathe_chain_linears(const float *x, long ldx, int m, int k, int jobs, const long *a) {
+    for (int j = 0; j < jobs; j++, a += 15)
+        lathe_chain_linear(x, ldx, (const float *)a[0], a[1], a[2], (const float *)a[3], (float *)a[4], m, k, (int)a[5],
+                           (int)a[6], (int)a[7], (const long *)a[8], (const float *)a[9], (float *)a[10],
+                           (float *)a[11], (int)a[12], (int)a[13], (int)a[14]);
+}
+
 /* RoPE in the rotate-half convention, on the calling thread: y[t, h, e] = x[t, h, e] * c[t, e] + r[t, h, e] * s[t, e]
    with r = (-x[..., half:], x[..., :half]); the two products and their sum each rounded on its own, as torch's
    elementwise ops compute x * cos + rotate_half(x) * sin (-ffp-contract=off keeps them from fusing), so the bits

@@ -15,6 +15,12 @@ with the machine's C compiler on first use and loaded with ctypes.
     chain_linear(x, weight, block, segments) -> y   (a decode step's linear and its adapters' corrections in one call)
       weight: [N, K] (a linear's); y = chain_matmul(x, weight.T, block) + chain_lora_segments(x, segments, N), one
       rounding of the sum; no segments: the product alone                               -> y: [M, N] fp32
+    chain_linears(x, [(weight, block, segments, panels), ...]) -> [y, ...]   (a decode layer's q, k, v in one call)
+      each y the chain_linear of its job, with the bits of its own call                -> one [M, N_j] fp32 a job
+
+    rope(x, cos, sin) -> y   (RoPE, rotate-half, in one call; no products, so no order to choose)
+      x: [T, H, D]; cos, sin: [T, D]; y = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin, each product and the sum
+      rounded on its own, as torch's elementwise ops round them                        -> y: [T, H, D] fp32
 
     attention_scores(q, k, positions, scale, block, table=None) -> x   (invariant decode attention, before its exp)
       q: [S, Hq, D]; k: [S, N, Hkv, D]; positions: [S] int64; g = Hq // Hkv; C = N // KEY_CHUNK
@@ -114,7 +120,7 @@ def _library() -> ctypes.CDLL | None:
                 os.replace(out, built)
         lib = ctypes.CDLL(str(built))
         ptr, stride, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_lora_segments, lib.lathe_chain_linear,
+        for fn in (lib.lathe_chain_matmul, lib.lathe_chain_lora, lib.lathe_chain_lora_segments, lib.lathe_chain_linears,
                    lib.lathe_chain_attention_scores, lib.lathe_chain_attention_values, lib.lathe_rope):
             fn.restype = None
         lib.lathe_chain_has_panels.restype = ctypes.c_int
@@ -128,12 +134,11 @@ def _library() -> ctypes.CDLL | None:
                                      count, count, count, count, count, count]
     longs, floats = ctypes.POINTER(ctypes.c_long), ctypes.POINTER(ctypes.c_float)
     lib.lathe_chain_lora_segments.argtypes = [ptr, stride, longs, floats, ptr, ptr, count, count, count, count, count]
-    lib.lathe_chain_linear.argtypes = [ptr, stride, ptr, stride, stride, ptr, ptr, count, count, count, count, count,
-                                       longs, floats, ptr, ptr, count, count, count]
     lib.lathe_chain_attention_scores.argtypes = [ptr, stride, stride, ptr, ptr, stride, stride, stride, ptr,
                                                  ctypes.c_float, ptr, *[count] * 7]
     lib.lathe_chain_attention_values.argtypes = [ptr, ptr, ptr, ptr, stride, stride, stride, ptr, ptr, stride, stride,
                                                  *[count] * 7]
+    lib.lathe_chain_linears.argtypes = [ptr, stride, count, count, count, longs]
     lib.lathe_rope.argtypes = [ptr, stride, stride, ptr, ptr, ptr, count, count, count]
     return lib
 
@@ -258,6 +263,10 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
+Job = tuple[torch.Tensor, int, list[Segment], torch.Tensor | None]
+"""(weight, block, segments, panels): one linear of a ``chain_linears`` call, as ``chain_linear`` takes them."""
+
+
 def chain_linear(x: torch.Tensor, weight: torch.Tensor, block: int, segments: list[Segment],
                  panels: torch.Tensor | None = None) -> torch.Tensor:
     """A linear and its LoRA corrections in one call: y = chain_matmul(x, weight.T, block) + chain_lora_segments(x,
@@ -265,35 +274,44 @@ def chain_linear(x: torch.Tensor, weight: torch.Tensor, block: int, segments: li
     linear's, any strides) -> [M, N]. With no segments, ``chain_matmul`` alone (nothing is added). ``panels``
     (``pack_panels(weight)``, where ``has_panels``): the product reads those instead, the same chains in an order of
     memory that streams (several rows of a decode step read each panel once)."""
-    n, k = weight.shape
-    if panels is not None and (panels.shape != (-(-n // PANEL), k, PANEL) or panels.dtype != torch.float32
-                               or not panels.is_contiguous()):
-        raise ValueError(f"chain_linear: panels {list(panels.shape)} ({panels.dtype}) are not pack_panels of a weight "
-                         f"{list(weight.shape)}")
-    operands, widest_block = [weight], block  # a decode step makes ~200 of these calls: no generators here
-    for segment in segments:
-        operands += segment[2:4]
-        widest_block = max(widest_block, segment[5])
-    lib, x = _checked(x, widest_block, *operands)
-    m = x.shape[0]
-    if x.shape[1] != k:
-        raise ValueError(f"chain_linear: x is [{m}, {x.shape[1]}] but the weight is {list(weight.shape)}")
-    y = torch.empty(m, n, dtype=torch.float32)
+    return chain_linears(x, [(weight, block, segments, panels)])[0]
+
+
+def chain_linears(x: torch.Tensor, jobs: list[Job]) -> list[torch.Tensor]:
+    """Several linears of the same rows in one call (a decode layer's q, k and v): [chain_linear(x, weight, block,
+    segments, panels) for each job], each with the bits of its own call; x [M, K] -> one [M, N_j] per job."""
+    lib, x = _checked(x, max(job[1] for job in jobs), *[job[0] for job in jobs])
+    m, k = x.shape
     threads = torch.get_num_threads()
-    if segments:
-        table, scales, covered, widest = _segment_table(segments, m, k, n, "chain_linear")
-        scratch = torch.empty(m * (widest + n), dtype=torch.float32)  # v [M, widest], then d [M, N]
-        v = scratch.data_ptr()
-        d, lora_threads = v + 4 * m * widest, threads if covered * widest * n >= THREADED_FLOPS else 1
-    else:  # no adapter has this target: the product alone, with fewer steps between (a decode row's)
-        table = scales = v = d = None
+    args: list[int] = []
+    keep: list[object] = []  # the tables and buffers the call reads, alive until it returns
+    ys = []
+    for weight, block, segments, panels in jobs:
+        n = weight.shape[0]
+        if weight.shape[1] != k:
+            raise ValueError(f"chain_linear: x is [{m}, {k}] but the weight is {list(weight.shape)}")
+        if panels is not None and (panels.shape != (-(-n // PANEL), k, PANEL) or panels.dtype != torch.float32
+                                   or not panels.is_contiguous()):
+            raise ValueError(f"chain_linear: panels {list(panels.shape)} ({panels.dtype}) are not pack_panels of a "
+                             f"weight {list(weight.shape)}")
+        y = torch.empty(m, n, dtype=torch.float32)
+        ys.append(y)
+        table = scales = v = d = 0
         widest, lora_threads = 0, 1
-    ws = weight.stride()
-    lib.lathe_chain_linear(x.data_ptr(), x.stride()[0], weight.data_ptr(), ws[1], ws[0],
-                           None if panels is None else panels.data_ptr(), y.data_ptr(), m, k, n,
-                           block, threads if m * k * n >= THREADED_FLOPS else 1, table, scales, v, d, len(segments),
-                           widest, lora_threads)
-    return y
+        if segments:
+            _lib(max(block, *[segment[5] for segment in segments]), 2, *[t for s in segments for t in s[2:4]])
+            ctable, cscales, covered, widest = _segment_table(segments, m, k, n, "chain_linear")
+            scratch = torch.empty(m * (widest + n), dtype=torch.float32)  # v [M, widest], then d [M, N]
+            keep += (ctable, cscales, scratch)
+            table, scales = ctypes.addressof(ctable), ctypes.addressof(cscales)
+            v = scratch.data_ptr()
+            d, lora_threads = v + 4 * m * widest, threads if covered * widest * n >= THREADED_FLOPS else 1
+        ws = weight.stride()
+        args += (weight.data_ptr(), ws[1], ws[0], 0 if panels is None else panels.data_ptr(), y.data_ptr(), n, block,
+                 threads if m * k * n >= THREADED_FLOPS else 1, table, scales, v, d, len(segments), widest,
+                 lora_threads)
+    lib.lathe_chain_linears(x.data_ptr(), x.stride()[0], m, k, len(jobs), (ctypes.c_long * len(args))(*args))
+    return ys
 
 
 KEY_CHUNK = 64
@@ -304,11 +322,11 @@ MAX_HEAD = 512
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return t if t.stride()[-1] == 1 else t.contiguous()
 
 
 def _long(name: str, t: torch.Tensor) -> torch.Tensor:
-    if t.dtype != torch.long or not t.is_contiguous() or t.device.type != "cpu":
+    if t.dtype != torch.long or not t.is_contiguous() or not t.is_cpu:
         raise ValueError(f"lathe.kernels.chain attention: {name} must be a contiguous int64 CPU tensor, got "
                          f"{t.dtype} on {t.device}")
     return t

@@ -184,9 +184,9 @@ class Decoder(torch.nn.Module):
 
     # ---- building blocks ----
 
-    def _chained(self, x: torch.Tensor, name: str, weight: torch.Tensor, key: tuple[int, str],
-                 lora: LoraDeltas | None) -> torch.Tensor | None:
-        """x @ weight.T plus ``lora``'s correction of ``key`` in one call of Lathe's kernel (``chain.chain_linear``,
+    def _chain_job(self, x: torch.Tensor, name: str, weight: torch.Tensor, key: tuple[int, str],
+                   lora: LoraDeltas | None) -> chain.Job | None:
+        """x @ weight.T plus ``lora``'s correction of ``key`` as one job of Lathe's kernel (``chain.chain_linears``,
         over the weight's panels where the pool keeps them: ``panels[name]``) where both would run there anyway (a
         decode step's rows: ``ops.chained_block``, ``LoraDeltas.chained``): the bits of the product and the add
         below, without their separate calls. None elsewhere."""
@@ -194,13 +194,26 @@ class Decoder(torch.nn.Module):
         segments = lora.chained(key, x, self.lora_ladders) if block and lora is not None else []
         if not block or segments is None:
             return None
-        return chain.chain_linear(x, weight, block, segments, self.panels.get(name))
+        return weight, block, segments, self.panels.get(name)
+
+    def _linears(self, x: torch.Tensor, prefix: str, i: int, targets: tuple[str, ...], lora: LoraDeltas | None
+                 ) -> list[torch.Tensor]:
+        """``_linear`` of each of layer ``i``'s ``targets`` (under ``prefix``) on the same rows: where every one runs
+        through Lathe's kernel (``_chain_job``), all in one call (a decode layer's q, k and v), else one by one."""
+        jobs = []
+        for t in targets:
+            name = prefix + t
+            job = None if name + ".bias" in self.w else self._chain_job(x, name, self.w[name + ".weight"], (i, t), lora)
+            if job is None:
+                return [self._linear(x, prefix + t, (i, t), lora) for t in targets]
+            jobs.append(job)
+        return chain.chain_linears(x, jobs)
 
     def _linear(self, x: torch.Tensor, name: str, key: tuple[int, str], lora: LoraDeltas | None) -> torch.Tensor:
         weight, bias = self.w[name + ".weight"], self.w.get(name + ".bias")
-        y = self._chained(x, name, weight, key, lora) if bias is None else None
-        if y is not None:
-            return y
+        job = self._chain_job(x, name, weight, key, lora) if bias is None else None
+        if job is not None:
+            return chain.chain_linears(x, [job])[0]
         y = ops.linear(x, weight, bias, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder,
                        packed=self.packed.get(name + ".weight"))
         if lora is not None:
@@ -220,9 +233,9 @@ class Decoder(torch.nn.Module):
                    lora: LoraDeltas | None, kv: KVCache | None) -> torch.Tensor:
         cfg, p = self.cfg, f"model.layers.{i}.self_attn."
         t = x.shape[0]
-        q = self._linear(x, p + "q_proj", (i, "q_proj"), lora).view(t, cfg.num_heads, cfg.head_dim)
-        k = self._linear(x, p + "k_proj", (i, "k_proj"), lora).view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self._linear(x, p + "v_proj", (i, "v_proj"), lora).view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self._linears(x, p, i, ("q_proj", "k_proj", "v_proj"), lora)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k, v = k.view(t, cfg.num_kv_heads, cfg.head_dim), v.view(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = self._norm(q, p + "q_norm.weight")
             k = self._norm(k, p + "k_norm.weight")
@@ -273,9 +286,8 @@ class Decoder(torch.nn.Module):
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraDeltas | None, expert: str = "") -> torch.Tensor:
         """The SwiGLU MLP of layer ``i``, or of its expert ``expert`` (``"experts.3."``) over that expert's rows."""
+        gate, up = self._linears(x, f"model.layers.{i}.mlp.", i, (expert + "gate_proj", expert + "up_proj"), lora)
         p = f"model.layers.{i}.mlp.{expert}"
-        gate = self._linear(x, p + "gate_proj", (i, expert + "gate_proj"), lora)
-        up = self._linear(x, p + "up_proj", (i, expert + "up_proj"), lora)
         h = activations.swiglu(gate, up)
         with activations.recomputed(h, lambda: activations.swiglu(gate, up)):  # backward rebuilds h from gate, up
             return self._linear(h, p + "down_proj", (i, expert + "down_proj"), lora)
@@ -324,9 +336,9 @@ class Decoder(torch.nn.Module):
 
     def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""
-        chained = self._chained(h, UNEMBED, self.lm_head, (-1, UNEMBED), lora)
-        if chained is not None:
-            return chained
+        job = self._chain_job(h, UNEMBED, self.lm_head, (-1, UNEMBED), lora)
+        if job is not None:
+            return chain.chain_linears(h, [job])[0]
         y = ops.linear(h, self.lm_head, invariant=self.invariant, ladder=self.ladder, grad_ladder=self.grad_ladder)
         if lora is not None:
             d = lora.delta((-1, UNEMBED), h, self.lora_ladders)

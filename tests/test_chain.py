@@ -234,8 +234,9 @@ def test_a_frozen_adapters_decode_segments_run_through_the_kernel_with_the_group
 
 def test_a_lone_decode_rows_linear_with_its_adapters_in_one_call_has_the_two_calls_bits(gen: torch.Generator,
                                                                                        tiny_dir: Path) -> None:
-    """The decoder's fused way (``Decoder._chained``) against its product and correction run apart, on a ladder with
-    the kernel: the same ops, so the same bits on any machine (whether a pool admits the kernel is tested above)."""
+    """The decoder's fused way (``Decoder._chain_job``; a layer's q, k and v in one call, ``Decoder._linears``) against
+    each product and correction run apart, on a ladder with the kernel: the same ops, so the same bits on any machine
+    (whether a pool admits the kernel is tested above)."""
     model = Decoder.from_dir(tiny_dir)
     model.ladder = dataclasses.replace(model.ladder, direct=(4,), chain=64)
     rank, cfg = 8, model.cfg
@@ -251,13 +252,18 @@ def test_a_lone_decode_rows_linear_with_its_adapters_in_one_call_has_the_two_cal
             x = torch.randn(seg[-1], weight.shape[1], generator=gen)
             lora = LoraBatch(seg, ids, adapters)
             got = model._linear(x, name, key, lora)
-            assert model._chained(x, name, weight, key, lora) is not None  # the fused way ran
+            assert model._chain_job(x, name, weight, key, lora) is not None  # the fused way ran
             apart = ops.linear(x, weight, invariant=True, ladder=model.ladder) + lora.delta(key, x, model.lora_ladders)
             assert torch.equal(got, apart), seg
+            h, prefix, targets = x[:, :cfg.hidden_size], "model.layers.0.self_attn.", ("q_proj", "k_proj", "v_proj")
+            for t, y in zip(targets, model._linears(h, prefix, 0, targets, lora), strict=True):
+                w = model.w[prefix + t + ".weight"]
+                assert torch.equal(y, ops.linear(h, w, invariant=True, ladder=model.ladder)
+                                   + lora.delta((0, t), h, model.lora_ladders)), (seg, t)
             assert torch.equal(model.logits(x[:, :cfg.hidden_size], lora),
                                ops.linear(x[:, :cfg.hidden_size], model.lm_head, invariant=True, ladder=model.ladder)
                                + lora.delta((-1, "lm_head"), x[:, :cfg.hidden_size], model.lora_ladders))
-        assert model._chained(torch.randn(4, weight.shape[1]), name, weight, key, None) is None  # a direct tile's rows
+        assert model._chain_job(torch.randn(4, weight.shape[1]), name, weight, key, None) is None  # a tile's rows
 
 
 def test_a_call_of_up_to_chain_rows_rows_runs_them_all_through_the_kernel(gen: torch.Generator) -> None:
