@@ -20,7 +20,8 @@ time"); and (packed round - one-big round) / tenants, what a tenant costs a cycl
 
 Shared VMs drift (the same round read 1.8 and 2.6 s minutes apart on one 2-core machine), so both servers run
 at once (only the one being measured works) and every case is measured ``--repeats`` times, packed, serial and
-one-big in turn, and the median is printed.
+one-big in turn, and the median is printed. Beside it, the paired ratios: each repeat's packed run over the serial
+and one-big runs right after it (the same phase of the VM), their median.
 """
 
 from __future__ import annotations
@@ -138,10 +139,10 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def measure(stacks: dict[str, Stack], model: str, tenants: int, n: int, length: int, steps: int,
-            repeats: int) -> dict[str, dict[str, float]]:
+            repeats: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Every case ``repeats`` times, the cases alternating, and the median run of each: ``tenants`` tenants
     stepping at once on each stack (``packed``, ``serial``), and one tenant with their whole batch on the packed
-    stack (``big``)."""
+    stack (``big``); and the median over repeats of packed's throughput over each other case's in that repeat."""
     clients = [lathe.ServiceClient(base_url=stack.gateway, api_key="tml-bench") for stack in stacks.values()]
     try:
         by_stack = dict(zip(stacks, clients, strict=True))
@@ -154,7 +155,10 @@ def measure(stacks: dict[str, Stack], model: str, tenants: int, n: int, length: 
     finally:
         for c in clients:
             c.close()
-    return {label: median_run(r) for label, r in runs.items()}
+    paired = {label: statistics.median(p["tokens_per_s"] / o["tokens_per_s"]
+                                       for p, o in zip(runs["packed"], runs[label], strict=True))
+              for label in ("serial", "big")}
+    return {label: median_run(r) for label, r in runs.items()}, paired
 
 
 def planning_share(stack: Stack) -> float:
@@ -179,8 +183,10 @@ def run_model(key: str, args: argparse.Namespace) -> None:
                               trainer_threads=args.threads, sampler_threads=1, trainer_dtype=args.dtype,
                               trainer_args=("--metrics-port", "0", "--cycle-tokens", str(args.cycle_tokens), *extra))
             stacks[label] = up.enter_context(Stack(cfg))
+        paired = {}
         for n, length in shapes:
-            for label, row in measure(stacks, model, args.tenants, n, length, args.steps, args.repeats).items():
+            medians, paired[(n, length)] = measure(stacks, model, args.tenants, n, length, args.steps, args.repeats)
+            for label, row in medians.items():
                 rows[(label, n, length)] = row
         share = planning_share(stacks["packed"])
     for n, length in shapes:
@@ -188,6 +194,10 @@ def run_model(key: str, args: argparse.Namespace) -> None:
         print(f"{f'{n}x{length}':<14}{p['tokens_per_s']:>13.0f}{s['tokens_per_s']:>13.0f}{b['tokens_per_s']:>14.0f}"
               f"{p['tokens_per_s'] / s['tokens_per_s']:>14.2f}{p['tokens_per_s'] / b['tokens_per_s']:>15.2f}"
               f"{p['latency_s']:>13.3f}{s['latency_s']:>13.3f}")
+    for n, length in shapes:
+        pair = paired[(n, length)]
+        print(f"{f'{n}x{length}':<14}paired, median of {args.repeats} repeats: packed/serial {pair['serial']:.2f}, "
+              f"packed/one-big {pair['big']:.2f}")
     print(f"cycle planning time / cycle time (packed run): {share:.4f}")
     dtype = resolve_dtype(args.dtype, "cpu")  # the base products' dtype (LoRA's few FLOPs are fp32 in both)
     rate = gemm_gflops(args.threads, dtype=dtype)
