@@ -18,9 +18,7 @@ with the machine's C compiler on first use and loaded with ctypes.
     chain_linears(x, [(weight, block, segments, panels), ...]) -> [y, ...]   (a decode layer's q, k, v in one call)
       each y the chain_linear of its job, with the bits of its own call                -> one [M, N_j] fp32 a job
 
-    rope(x, cos, sin) -> y   (RoPE, rotate-half, in one call; no products, so no order to choose)
-      x: [T, H, D]; cos, sin: [T, D]; y = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin, each product and the sum
-      rounded on its own, as torch's elementwise ops round them                        -> y: [T, H, D] fp32
+    (and ``lathe_rope``, RoPE in one call, for ``lathe.kernels.rotary``)
 
     attention_scores(q, k, positions, scale, block, table=None) -> x   (invariant decode attention, before its exp)
       q: [S, Hq, D]; k: [S, N, Hkv, D]; positions: [S] int64; g = Hq // Hkv; C = N // KEY_CHUNK
@@ -150,7 +148,7 @@ def available() -> bool:
 
 def _lib(block: int, dims: int, *operands: torch.Tensor) -> ctypes.CDLL:
     """The library, after checking the block and that every operand is a ``dims``-d fp32 CPU tensor."""
-    lib = _loaded()
+    lib = library()
     if not 0 < block <= BLOCKS[-1]:
         raise ValueError(f"lathe.kernels.chain: block must be in [1, {BLOCKS[-1]}], got {block}")
     for t in operands:
@@ -160,7 +158,8 @@ def _lib(block: int, dims: int, *operands: torch.Tensor) -> ctypes.CDLL:
     return lib
 
 
-def _loaded() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
+    """The built library (``lathe.kernels.rotary`` calls it too); RuntimeError where it does not build here."""
     lib = _library()
     if lib is None:
         raise RuntimeError("lathe.kernels.chain is not available on this machine (see the log for why)")
@@ -397,24 +396,3 @@ def attention_values(p: torch.Tensor, den: torch.Tensor, v: torch.Tensor, positi
                                      chunks, block, _attention_threads(s, hkv, g, d, chunks))
     return o
 
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the rotate-half convention (HF Llama's) in one call: x [T, H, D], cos and sin [T, D], fp32 on the CPU
-    -> y [T, H, D] = x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Each
-    element's two products and sum are rounded as torch's elementwise ops round them, so the bits equal that
-    expression's in torch (``lathe.models.decoder``'s autograd path), in one call instead of six ops (a decode
-    step makes two a layer)."""
-    lib = _loaded()
-    for name, u, dims in (("x", x, 3), ("cos", cos, 2), ("sin", sin, 2)):
-        if u.dtype != torch.float32 or not u.is_cpu or u.dim() != dims:
-            raise TypeError(f"rope takes {dims}-d fp32 CPU tensors as {name}, got {u.dtype} {list(u.shape)} on "
-                            f"{u.device}")
-    x = x if x.stride()[2] == 1 else x.contiguous()
-    t, h, d = x.shape
-    if d % 2 or cos.shape != (t, d) or sin.shape != (t, d) or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(f"rope: x {list(x.shape)} needs an even D and contiguous cos, sin [{t}, {d}], got "
-                         f"{list(cos.shape)} and {list(sin.shape)}")
-    y = torch.empty(t, h, d, dtype=torch.float32)
-    xs = x.stride()
-    lib.lathe_rope(x.data_ptr(), xs[0], xs[1], cos.data_ptr(), sin.data_ptr(), y.data_ptr(), t, h, d)
-    return y

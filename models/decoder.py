@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
-from lathe.kernels import activations, chain, ops, tiling
+from lathe.kernels import activations, chain, ops, rotary, tiling
 from lathe.kernels import attention as attn
 from lathe.models import moe
 from lathe.models.config import ModelConfig
@@ -102,26 +102,6 @@ def shape_weight_names(cfg: ModelConfig) -> list[str]:
     return names + [router_name(i) for i in range(cfg.num_layers) if cfg.sparse(i)][:1]
 
 
-def _rope_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x [T, H, D]`` with ``cos, sin [T, D]`` (the rotate-half convention of HF Llama). Out of autograd, fp32
-    on the CPU, in one call of Lathe's kernel library where it builds (``chain.rope``: the same bits, one call
-    instead of six ops)."""
-    if x.dtype == torch.float32 and x.is_cpu and not (torch.is_grad_enabled() and x.requires_grad) \
-            and chain.available():
-        return chain.rope(x, cos, sin)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
-
-
 def _column_major(w: torch.Tensor) -> torch.Tensor:
     """The same ``[out, in]`` matrix stored column-major, so ``x @ w.T`` reads a contiguous ``[in, out]``.
 
@@ -152,7 +132,8 @@ class Decoder(torch.nn.Module):
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
         # computed on the CPU in fp32 on every device, so the table has the same bits everywhere
-        self.cos, self.sin = (t.to(self.device) for t in _rope_table(cfg))
+        self.cos, self.sin = (t.to(self.device) for t in rotary.table(cfg.head_dim, cfg.rope_theta,
+                                                                     cfg.max_position_embeddings))
         self.lm_head = _column_major(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
 
     @classmethod
@@ -239,7 +220,7 @@ class Decoder(torch.nn.Module):
         if cfg.qk_norm:
             q = self._norm(q, p + "q_norm.weight")
             k = self._norm(k, p + "k_norm.weight")
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k = rotary.rotate(q, *rope), rotary.rotate(k, *rope)
         cu = batch.cu_seqlens
         decode = getattr(kv, "decode", None)
         if decode is not None and t == len(cu) - 1:  # a pure decode step: one token per sequence

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import chain, ops, tiling
+from lathe.kernels import chain, ops, rotary, tiling
 from lathe.models import tiles, trials
-from lathe.models.decoder import Decoder, _rotate
+from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch
 
@@ -141,25 +141,25 @@ def test_rope_in_one_call_has_the_bits_of_torchs_elementwise_ops(gen: torch.Gene
     x[0, 0, :4] = torch.tensor([0.0, -0.0, float("inf"), 1e-40])
     cos, sin = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
     want = _torch_rope(x, cos, sin)
-    assert torch.equal(chain.rope(x, cos, sin).view(torch.int32), want.view(torch.int32))
+    assert torch.equal(rotary.rotate_in_library(x, cos, sin).view(torch.int32), want.view(torch.int32))
     strided = torch.randn(t, 2 * h, d, generator=gen)[:, ::2]  # heads of a wider projection
-    assert torch.equal(chain.rope(strided, cos, sin).view(torch.int32),
+    assert torch.equal(rotary.rotate_in_library(strided, cos, sin).view(torch.int32),
                        _torch_rope(strided, cos, sin).view(torch.int32))
     # the decoder's rotation: through the kernel out of autograd, torch's ops under it, the same bits
     with torch.no_grad():
-        inference = _rotate(x, cos, sin)
-    trained = _rotate(x.clone().requires_grad_(), cos, sin)
+        inference = rotary.rotate(x, cos, sin)
+    trained = rotary.rotate(x.clone().requires_grad_(), cos, sin)
     assert trained.grad_fn is not None
     assert torch.equal(inference.view(torch.int32), trained.detach().view(torch.int32))
 
 
 def test_bad_rope_operands_are_refused_with_what_was_wrong() -> None:
-    with pytest.raises(TypeError, match=r"3-d fp32 CPU tensors as x, got torch.bfloat16 \[1, 2, 4\]"):
-        chain.rope(torch.ones(1, 2, 4, dtype=torch.bfloat16), torch.ones(1, 4), torch.ones(1, 4))
+    with pytest.raises(TypeError, match=r"rotary takes 3-d fp32 CPU tensors as x, got torch.bfloat16 \[1, 2, 4\]"):
+        rotary.rotate_in_library(torch.ones(1, 2, 4, dtype=torch.bfloat16), torch.ones(1, 4), torch.ones(1, 4))
     with pytest.raises(ValueError, match=r"x \[1, 2, 5\] needs an even D"):
-        chain.rope(torch.ones(1, 2, 5), torch.ones(1, 5), torch.ones(1, 5))
+        rotary.rotate_in_library(torch.ones(1, 2, 5), torch.ones(1, 5), torch.ones(1, 5))
     with pytest.raises(ValueError, match=r"contiguous cos, sin \[2, 4\], got \[1, 4\]"):
-        chain.rope(torch.ones(2, 2, 4), torch.ones(1, 4), torch.ones(2, 4))
+        rotary.rotate_in_library(torch.ones(2, 2, 4), torch.ones(1, 4), torch.ones(2, 4))
 
 
 WEIGHTS = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
@@ -423,4 +423,4 @@ def test_without_a_compiler_pools_keep_the_padded_tile(no_compiler: None, gen: t
         chain.chain_matmul(torch.ones(1, 4), torch.ones(4, 2), 64)
     x, cos, sin = (torch.randn(*shape, generator=gen) for shape in ((3, 2, 8), (3, 8), (3, 8)))
     with torch.no_grad():  # the decoder's rotation keeps torch's ops
-        assert torch.equal(_rotate(x, cos, sin), _torch_rope(x, cos, sin))
+        assert torch.equal(rotary.rotate(x, cos, sin), _torch_rope(x, cos, sin))
