@@ -44,6 +44,18 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """Lathe's C library (``lathe.kernels.chain``) as on a machine without a C compiler: it does not build."""
+    from lathe.kernels import chain
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("LATHE_KERNEL_CACHE", str(tmp_path))
+    chain._library.cache_clear()
+    yield
+    chain._library.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def model_cache() -> Path:
     root = cache_root()

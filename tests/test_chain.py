@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from lathe.kernels import attention as attn
-from lathe.kernels import chain, ops, rotary, tiling
+from lathe.kernels import chain, ops, tiling
 from lathe.models import tiles, trials
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
@@ -126,40 +125,6 @@ def test_bad_operands_are_refused_with_what_was_wrong() -> None:
         chain.chain_lora(torch.ones(2, 4), torch.ones(8, 5), torch.ones(3, 8), 1.0, 64)
     with pytest.raises(ValueError, match=r"block must be in \[1, 512\], got 1024"):
         chain.chain_matmul(torch.ones(2, 4), torch.ones(4, 3), 1024)
-
-
-def _torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as the decoder's autograd path computes it (torch's elementwise ops)."""
-    half = x.shape[-1] // 2
-    return x * cos[:, None, :] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None, :]
-
-
-@pytest.mark.parametrize("shape", [(1, 9, 64), (7, 3, 64), (33, 4, 128), (5, 2, 6)])
-def test_rope_in_one_call_has_the_bits_of_torchs_elementwise_ops(gen: torch.Generator, shape: tuple[int, ...]) -> None:
-    t, h, d = shape
-    x = torch.randn(t, h, d, generator=gen) * torch.logspace(-30, 30, d)  # products that round, and some that underflow
-    x[0, 0, :4] = torch.tensor([0.0, -0.0, float("inf"), 1e-40])
-    cos, sin = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
-    want = _torch_rope(x, cos, sin)
-    assert torch.equal(rotary.rotate_in_library(x, cos, sin).view(torch.int32), want.view(torch.int32))
-    strided = torch.randn(t, 2 * h, d, generator=gen)[:, ::2]  # heads of a wider projection
-    assert torch.equal(rotary.rotate_in_library(strided, cos, sin).view(torch.int32),
-                       _torch_rope(strided, cos, sin).view(torch.int32))
-    # the decoder's rotation: through the kernel out of autograd, torch's ops under it, the same bits
-    with torch.no_grad():
-        inference = rotary.rotate(x, cos, sin)
-    trained = rotary.rotate(x.clone().requires_grad_(), cos, sin)
-    assert trained.grad_fn is not None
-    assert torch.equal(inference.view(torch.int32), trained.detach().view(torch.int32))
-
-
-def test_bad_rope_operands_are_refused_with_what_was_wrong() -> None:
-    with pytest.raises(TypeError, match=r"rotary takes 3-d fp32 CPU tensors as x, got torch.bfloat16 \[1, 2, 4\]"):
-        rotary.rotate_in_library(torch.ones(1, 2, 4, dtype=torch.bfloat16), torch.ones(1, 4), torch.ones(1, 4))
-    with pytest.raises(ValueError, match=r"x \[1, 2, 5\] needs an even D"):
-        rotary.rotate_in_library(torch.ones(1, 2, 5), torch.ones(1, 5), torch.ones(1, 5))
-    with pytest.raises(ValueError, match=r"contiguous cos, sin \[2, 4\], got \[1, 4\]"):
-        rotary.rotate_in_library(torch.ones(2, 2, 4), torch.ones(1, 4), torch.ones(2, 4))
 
 
 WEIGHTS = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
@@ -403,15 +368,6 @@ def test_bad_attention_operands_are_refused_with_what_was_wrong(gen: torch.Gener
         chain.attention_values(x[:, :, :3], x[:, :, :3].sum(-1), v, pos, 64)
 
 
-@pytest.fixture
-def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[None]:
-    monkeypatch.setenv("CC", "no-such-compiler")
-    monkeypatch.setenv("LATHE_KERNEL_CACHE", str(tmp_path))
-    chain._library.cache_clear()
-    yield
-    chain._library.cache_clear()
-
-
 def test_without_a_compiler_pools_keep_the_padded_tile(no_compiler: None, gen: torch.Generator,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lathe.kernels.chain"):
@@ -421,6 +377,3 @@ def test_without_a_compiler_pools_keep_the_padded_tile(no_compiler: None, gen: t
     assert tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1]) == 0
     with pytest.raises(RuntimeError, match="not available on this machine"):
         chain.chain_matmul(torch.ones(1, 4), torch.ones(4, 2), 64)
-    x, cos, sin = (torch.randn(*shape, generator=gen) for shape in ((3, 2, 8), (3, 8), (3, 8)))
-    with torch.no_grad():  # the decoder's rotation keeps torch's ops
-        assert torch.equal(rotary.rotate(x, cos, sin), _torch_rope(x, cos, sin))
