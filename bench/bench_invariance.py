@@ -31,7 +31,8 @@ from machine import cpu_line
 
 from lathe.kernels import attention as attn
 from lathe.kernels import ops, tiling
-from lathe.models.tiles import choose_attention_tiles, choose_row_tiles, head_block
+from lathe.models.attention_tiles import choose_attention_tiles
+from lathe.models.tiles import choose_row_tiles, head_block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Mode = tuple[bool, tuple[int, ...], tuple[int, ...]]

@@ -34,7 +34,7 @@ from machine import cpu_line, read_gbps
 
 from lathe.kernels import attention as attn
 from lathe.kernels import chain, ops, tiling
-from lathe.models import tiles
+from lathe.models import attention_tiles, tiles
 from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.smollm2 import import_smollm2
 
@@ -70,7 +70,7 @@ def attention_table(repeats: int) -> None:
     """One layer's decode attention (SmolLM2: 9 query heads, 3 kv heads of 64), library products vs the kernel on
     paged blocks, per sequence count and context length, and the floor of reading the keys and values once."""
     torch.set_num_threads(2)
-    block = tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1, 2])
+    block = attention_tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1, 2])
     gbps = read_gbps()
     print(f"decode attention, one layer (Hq 9, Hkv 3, D 64), fp32, 2 threads, kernel block {block}, {cpu_line()}")
     print(f"{'seqs':>5}{'context':>9}{'library us':>12}{'kernel us':>11}{'ratio':>7}{'floor us':>10}  same bits")

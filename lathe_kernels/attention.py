@@ -43,7 +43,7 @@ reference height, and the one decode uses (a decoded token's group of heads fill
 
 ATTN_TILE_CANDIDATES = (16, 64)
 """Taller attention tiles a pool may add to its prefill ladder (``attention``'s ``tiles``) when its self-check
-finds their rows bitwise equal to the reference tile's (``lathe.models.tiles.choose_attention_tiles``)."""
+finds their rows bitwise equal to the reference tile's (``lathe.models.attention_tiles.choose_attention_tiles``)."""
 
 KEY_CHUNK = 64
 """Width of the fixed key chunks of invariant attention, on the absolute key grid."""
@@ -271,8 +271,8 @@ def decode_attention(
     zero). ``positions`` may be an int64 tensor on q's device ([S]; what a captured CUDA graph reads: no
     host value enters the computation), or a list.
 
-    ``chain`` (a pool's ``Decoder.attn_chain``, admitted by ``lathe.models.tiles.choose_attention_chain`` where it
-    gives these bits): the products run in Lathe's own fixed-order kernel with k-blocks of that size
+    ``chain`` (a pool's ``Decoder.attn_chain``, admitted by ``lathe.models.attention_tiles.choose_attention_chain``
+    where it gives these bits): the products run in Lathe's own fixed-order kernel with k-blocks of that size
     (``lathe.kernels.chain.attention_scores`` and ``attention_values``), a few calls a layer instead of a few
     small library products per kv head and chunk, each of which wakes the library's threads; the exponentials
     and the per-chunk sums stay torch's.

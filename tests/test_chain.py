@@ -18,7 +18,7 @@ import torch
 
 from lathe.kernels import attention as attn
 from lathe.kernels import chain, ops, tiling
-from lathe.models import tiles, trials
+from lathe.models import attention_tiles, tiles, trials
 from lathe.models.decoder import Decoder
 from lathe.models.lora import LoraSpec, LoraWeights
 from lathe.models.lora_batch import LoraBatch
@@ -342,7 +342,7 @@ def test_decode_attention_reads_a_paged_caches_blocks_in_place_with_the_same_bit
 
 
 def test_a_pool_admits_the_attention_kernel_only_where_it_has_the_librarys_bits(gen: torch.Generator) -> None:
-    block = tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1, 2])
+    block = attention_tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1, 2])
     q, k, v, pos = _decode_case(gen, [5, 70, 191], heads=9, kv_heads=3, d=64)
     library = attn.decode_attention(q, k, v, pos, scale=0.125, invariant=True)
     if not block:  # refused here: then no block gives those bits (or the kernel cannot be built)
@@ -351,7 +351,7 @@ def test_a_pool_admits_the_attention_kernel_only_where_it_has_the_librarys_bits(
             for b in chain.BLOCKS)
         return
     assert torch.equal(attn.decode_attention(q, k, v, pos, scale=0.125, invariant=True, chain=block), library)
-    assert tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("meta"), [1]) == 0
+    assert attention_tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("meta"), [1]) == 0
 
 
 def test_bad_attention_operands_are_refused_with_what_was_wrong(gen: torch.Generator) -> None:
@@ -374,6 +374,6 @@ def test_without_a_compiler_pools_keep_the_padded_tile(no_compiler: None, gen: t
         assert not chain.available()
     assert "no C compiler" in caplog.text
     assert tiles.choose_ladder(_weights(gen), [1]).chain == 0
-    assert tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1]) == 0
+    assert attention_tiles.choose_attention_chain(9, 3, 64, torch.float32, torch.device("cpu"), [1]) == 0
     with pytest.raises(RuntimeError, match="not available on this machine"):
         chain.chain_matmul(torch.ones(1, 4), torch.ones(4, 2), 64)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lathe.kernels import attention as attn
 from lathe.kernels import ops, tiling
-from lathe.models import checks, exactness, tiles, trials
+from lathe.models import attention_tiles, checks, exactness, tiles, trials
 from lathe.models.decoder import Decoder, layer_weight_names
 from lathe.models.lora import LoraSpec, LoraWeights, module_shape
 from lathe.models.lora_batch import LoraBatch
@@ -245,7 +245,7 @@ def test_an_attention_tile_height_with_other_bits_is_left_out_of_its_ladder(monk
         return out * (1 + 2**-20) if t == 64 else out
 
     monkeypatch.setattr(attn, "_chunked_attention", off_at_64)
-    ladder = tiles.choose_attention_tiles(6, 2, 16, torch.float32, torch.device("cpu"), [1])
+    ladder = attention_tiles.choose_attention_tiles(6, 2, 16, torch.float32, torch.device("cpu"), [1])
     assert 64 not in ladder and attn.ATTN_ROW_TILE in ladder
 
 

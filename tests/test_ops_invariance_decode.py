@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lathe.kernels import attention as attn
 from lathe.kernels import ops
-from lathe.models.tiles import choose_attention_tiles
+from lathe.models.attention_tiles import choose_attention_tiles
 from tests.test_ops_invariance import DTYPES
 
 # ---------------------------------------------------------------- attention: prefill vs. decode
