@@ -62,8 +62,6 @@ that machine. ``bench/bench_invariance.py`` measures the cost against the plain 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -327,15 +325,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, invariant: bo
     handles (it reduces the row next to a zero row, as it would be in any batch).
     """
     wide = _wide(x.dtype)
+    if x.dtype == wide:  # no upcast and no cast back (a decode step makes two calls a layer: their cost counts)
+        return weight * (x * torch.rsqrt(_mean_square(x, invariant) + eps))
     xf = x.to(wide)
     # a narrower x: backward reads its upcast again rather than autograd keeping the wide copy
-    with contextlib.nullcontext() if xf is x else recomputed(xf, lambda: x.to(wide)):
-        if invariant and x.shape[-1] > LONE_ROW_SPLIT and x.numel() == x.shape[-1]:
-            paired = _pad_rows(xf.reshape(1, -1), 2)
-            mean_sq = paired.pow(2).mean(-1, keepdim=True)[:1].reshape(*x.shape[:-1], 1)
-        else:
-            mean_sq = xf.pow(2).mean(-1, keepdim=True)
-        return weight * (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype)
+    with recomputed(xf, lambda: x.to(wide)):
+        return weight * (xf * torch.rsqrt(_mean_square(xf, invariant) + eps)).to(x.dtype)
+
+
+def _mean_square(xf: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """mean(xf ** 2, -1, keepdim=True) of ``rms_norm``'s widened rows; a lone invariant row longer than
+    ``LONE_ROW_SPLIT`` reduced beside a zero row."""
+    if invariant and xf.shape[-1] > LONE_ROW_SPLIT and xf.numel() == xf.shape[-1]:
+        paired = _pad_rows(xf.reshape(1, -1), 2)
+        return paired.pow(2).mean(-1, keepdim=True)[:1].reshape(*xf.shape[:-1], 1)
+    return xf.pow(2).mean(-1, keepdim=True)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, invariant: bool) -> torch.Tensor:
