@@ -281,7 +281,6 @@ def chain_linears(x: torch.Tensor, jobs: list[Job]) -> list[torch.Tensor]:
     segments, panels) for each job], each with the bits of its own call; x [M, K] -> one [M, N_j] per job."""
     lib, x = _checked(x, max(job[1] for job in jobs), *[job[0] for job in jobs])
     m, k = x.shape
-    threads = torch.get_num_threads()
     args: list[int] = []
     keep: list[object] = []  # the tables and buffers the call reads, alive until it returns
     ys = []
@@ -304,11 +303,10 @@ def chain_linears(x: torch.Tensor, jobs: list[Job]) -> list[torch.Tensor]:
             keep += (ctable, cscales, scratch)
             table, scales = ctypes.addressof(ctable), ctypes.addressof(cscales)
             v = scratch.data_ptr()
-            d, lora_threads = v + 4 * m * widest, threads if covered * widest * n >= THREADED_FLOPS else 1
+            d, lora_threads = v + 4 * m * widest, _threads(covered * widest * n)
         ws = weight.stride()
         args += (weight.data_ptr(), ws[1], ws[0], 0 if panels is None else panels.data_ptr(), y.data_ptr(), n, block,
-                 threads if m * k * n >= THREADED_FLOPS else 1, table, scales, v, d, len(segments), widest,
-                 lora_threads)
+                 _threads(m * k * n), table, scales, v, d, len(segments), widest, lora_threads)
     lib.lathe_chain_linears(x.data_ptr(), x.stride()[0], m, k, len(jobs), (ctypes.c_long * len(args))(*args))
     return ys
 
@@ -395,4 +393,3 @@ def attention_values(p: torch.Tensor, den: torch.Tensor, v: torch.Tensor, positi
                                      positions.data_ptr(), o.data_ptr(), o.stride(0), o.stride(1), s, hkv, g, d,
                                      chunks, block, _attention_threads(s, hkv, g, d, chunks))
     return o
-
