@@ -103,6 +103,7 @@ def test_the_cookbook_downloads_and_merges_an_export(stack: Stack, tiny_dir: Pat
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url[:-3] + ("AAA" if not url.endswith("AAA") else "BBB"))
     assert refused.value.code == 403 and "signature does not match" in refused.value.read().decode()
+    sc.close("success").result()
 
 
 def test_an_encrypted_export_decrypts_with_the_callers_key(stack: Stack, tmp_path: Path) -> None:
@@ -116,6 +117,7 @@ def test_an_encrypted_export_decrypts_with_the_callers_key(stack: Stack, tmp_pat
     sealed = urllib.request.urlopen(urls["adapter_config.json.age"]).read()
     assert b'"peft_type"' not in sealed
     assert json.loads(pyrage.decrypt(sealed, [identity]))["r"] == 4
+    sc.close("success").result()
 
 
 def test_an_export_a_gateway_restart_lost_is_built_by_the_next_urls_request(
@@ -161,7 +163,8 @@ def s3_stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_d
 def test_the_tinker_cli_downloads_an_export_from_s3(s3_stack: Stack, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     key = "tml-dl-cli"
-    tc = _train(tinker.ServiceClient(base_url=s3_stack.http_url, api_key=key))
+    sc = tinker.ServiceClient(base_url=s3_stack.http_url, api_key=key)  # closed at the end: its stack stops first
+    tc = _train(sc)
     path = tc.save_weights_external("cli").result().path
     urls = tinker.RestClient(base_url=s3_stack.http_url, api_key=key).get_external_weights_urls(path).result().urls
     port = s3_stack.http_url.rsplit(":", 1)[1]
@@ -176,3 +179,4 @@ def test_the_tinker_cli_downloads_an_export_from_s3(s3_stack: Stack, tmp_path: P
     with CheckpointsClient(s3_stack.service("checkpoints").address) as c:
         assert got == c.get(tenant=ApiKeys.from_file(None).tenant(key), path=path)
     assert sorted(got) == ["adapter_config.json", "adapter_model.safetensors"]
+    sc.close("success").result()

@@ -103,7 +103,8 @@ def test_a_full_queue_parks_the_accepted_and_refuses_the_new_until_it_drains(sta
 
 
 def test_the_official_sdk_retries_a_429_and_its_operation_runs_once_the_queue_drains(stack: Stack) -> None:
-    tc = tinker.ServiceClient(base_url=stack.http_url, api_key=KEY).create_lora_training_client(BASE, rank=4).result()
+    sc = tinker.ServiceClient(base_url=stack.http_url, api_key=KEY)
+    tc = sc.create_lora_training_client(BASE, rank=4).result()
     with httpx.Client(base_url=f"{stack.http_url}/api/v1", headers={"X-API-Key": KEY}, timeout=60) as http:
         blocker = RawRun(http)
         waiting = _ok(blocker.forward(2))
@@ -122,3 +123,4 @@ def test_the_official_sdk_retries_a_429_and_its_operation_runs_once_the_queue_dr
         for fut in (waiting, parked):
             assert PROTO in blocker.result(fut["request_id"]).headers["content-type"]
         tc.optim_step(types.AdamParams(learning_rate=0.01)).result()  # the run goes on in order
+    sc.close("success").result()

@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,9 +88,21 @@ def stack(server: Server, tmp_path_factory: pytest.TempPathFactory, model_cache:
         yield s
 
 
-def clients(stack: Stack, key: str) -> tuple[lathe.ServiceClient, tinker.ServiceClient]:
-    return (lathe.ServiceClient(base_url=stack.gateway, api_key=key),
-            tinker.ServiceClient(base_url=stack.http_url, api_key=key))
+@pytest.fixture
+def clients(stack: Stack) -> Iterator[Callable[[str], tuple[lathe.ServiceClient, tinker.ServiceClient]]]:
+    """Both SDKs' clients of the stack under an API key, closed when the test ends (an open official client
+    heartbeats on into a stack that has stopped)."""
+    made: list[tuple[lathe.ServiceClient, tinker.ServiceClient]] = []
+
+    def make(key: str) -> tuple[lathe.ServiceClient, tinker.ServiceClient]:
+        made.append((lathe.ServiceClient(base_url=stack.gateway, api_key=key),
+                     tinker.ServiceClient(base_url=stack.http_url, api_key=key)))
+        return made[-1]
+
+    yield make
+    for ours, theirs in made:
+        theirs.close("success").result()
+        ours.close()
 
 
 def seqs(res: object) -> list[tuple[list[int], list[float], str]]:
@@ -109,8 +121,8 @@ def near(got: list[float | None], want: list[float]) -> bool:
                                          for g, w in zip(got, want, strict=True))
 
 
-def test_seeded_samples_repeat_and_both_sdks_see_the_same_ones(stack: Stack) -> None:
-    lc, tc = clients(stack, "tml-sglang-seeds")
+def test_seeded_samples_repeat_and_both_sdks_see_the_same_ones(stack: Stack, clients: Callable) -> None:
+    lc, tc = clients("tml-sglang-seeds")
     params = {"max_tokens": 8, "seed": 11, "stop": [], "temperature": 1.0}
     ls = lc.create_sampling_client(base_model=BASE)
     first = ls.sample(lathe.ModelInput.from_ints(PROMPT), 3, lathe.SamplingParams(**params)).result()
@@ -123,8 +135,8 @@ def test_seeded_samples_repeat_and_both_sdks_see_the_same_ones(stack: Stack) -> 
     assert seqs(official) == seqs(first)
 
 
-def test_a_trained_adapter_is_published_loaded_and_sampled(stack: Stack) -> None:
-    lc, sc = clients(stack, "tml-sglang-adapter")
+def test_a_trained_adapter_is_published_loaded_and_sampled(stack: Stack, clients: Callable) -> None:
+    lc, sc = clients("tml-sglang-adapter")
     tc = lc.create_lora_training_client(BASE, rank=8, seed=3)
     datum = lathe.Datum(model_input=lathe.ModelInput.from_ints(PROMPT[:-1]),
                         loss_fn_inputs={"target_tokens": PROMPT[1:]})
@@ -153,10 +165,11 @@ def test_a_trained_adapter_is_published_loaded_and_sampled(stack: Stack) -> None
     assert all(len(s.tokens) == 6 for s in res.sequences)
 
 
-def test_stop_tokens_and_strings_end_sequences_as_the_native_rule_does(stack: Stack, tiny_dir: Path) -> None:
+def test_stop_tokens_and_strings_end_sequences_as_the_native_rule_does(stack: Stack, tiny_dir: Path,
+                                                                        clients: Callable) -> None:
     from lathe.sampler.stops import StopRule
 
-    lc, tc = clients(stack, "tml-sglang-stops")
+    lc, tc = clients("tml-sglang-stops")
     ls = lc.create_sampling_client(base_model=BASE)
     greedy = {"max_tokens": 10, "temperature": 0.0}
     free = ls.sample(lathe.ModelInput.from_ints(PROMPT), 1, lathe.SamplingParams(**greedy, stop=[])).result()
@@ -175,8 +188,8 @@ def test_stop_tokens_and_strings_end_sequences_as_the_native_rule_does(stack: St
     assert (by_text.sequences[0].tokens, by_text.sequences[0].stop_reason) == (tokens[:cut], "stop")
 
 
-def test_prompt_and_top_k_logprobs_are_the_trainers(stack: Stack) -> None:
-    lc, tc = clients(stack, "tml-sglang-scores")
+def test_prompt_and_top_k_logprobs_are_the_trainers(stack: Stack, clients: Callable) -> None:
+    lc, tc = clients("tml-sglang-scores")
     trainer = lc.create_lora_training_client(BASE, rank=8, seed=1)  # a fresh adapter: B = 0, the base model
     want = trainer_logprobs(trainer, PROMPT)
     ls = lc.create_sampling_client(base_model=BASE)
@@ -200,8 +213,8 @@ def test_prompt_and_top_k_logprobs_are_the_trainers(stack: Stack) -> None:
     assert near(official.result()[1:], want)
 
 
-def test_the_exactness_verdict_and_warning_name_the_sglang_pool(stack: Stack) -> None:
-    lc, _ = clients(stack, "tml-sglang-exact")
+def test_the_exactness_verdict_and_warning_name_the_sglang_pool(stack: Stack, clients: Callable) -> None:
+    lc, _ = clients("tml-sglang-exact")
     model = next(m for m in lc.get_server_capabilities().supported_models if m.model_name == BASE)
     s = model.sampler_exactness
     assert (s.checked, s.exact, s.fingerprint, model.logprobs_exact) == (True, False, "sglang", False)
@@ -219,8 +232,8 @@ def adapter_events(stack: Stack) -> dict[str, float]:
             re.findall(r'^lathe_sampler_engine_adapters_total\{event="(\w+)"\} (\S+)$', text, re.M)}
 
 
-def test_adapters_past_the_cap_are_unloaded_from_the_server(stack: Stack, server: Server) -> None:
-    lc, _ = clients(stack, "tml-sglang-evict")
+def test_adapters_past_the_cap_are_unloaded_from_the_server(stack: Stack, server: Server, clients: Callable) -> None:
+    lc, _ = clients("tml-sglang-evict")
     before = adapter_events(stack)
     policies = [lc.create_lora_training_client(BASE, rank=4, seed=i).save_weights_and_get_sampling_client()
                 for i in range(ADAPTER_CAP + 2)]
@@ -239,12 +252,12 @@ def test_adapters_past_the_cap_are_unloaded_from_the_server(stack: Stack, server
         assert len(info["loaded_lora_adapters"]) <= ADAPTER_CAP and info["lora_unloads"] >= unloads
 
 
-def test_an_adapter_the_server_lost_is_loaded_again(stack: Stack, server: Server) -> None:
+def test_an_adapter_the_server_lost_is_loaded_again(stack: Stack, server: Server, clients: Callable) -> None:
     """A restarted SGLang container forgets its adapters while the sampler still lists them: the next request that
     needs one loads it again instead of failing for ever."""
     import json
 
-    lc, _ = clients(stack, "tml-sglang-lost")
+    lc, _ = clients("tml-sglang-lost")
     policy = lc.create_lora_training_client(BASE, rank=4, seed=9).save_weights_and_get_sampling_client()
     params = lathe.SamplingParams(max_tokens=3, seed=2, stop=[])
     first = policy.sample(lathe.ModelInput.from_ints(PROMPT), 1, params).result()
@@ -264,8 +277,8 @@ def test_an_adapter_the_server_lost_is_loaded_again(stack: Stack, server: Server
     assert len([d for d in server.adapter_dir.iterdir() if d.is_dir()]) <= ADAPTER_CAP
 
 
-def test_bad_requests_get_errors_that_name_the_field(stack: Stack) -> None:
-    lc, _ = clients(stack, "tml-sglang-errors")
+def test_bad_requests_get_errors_that_name_the_field(stack: Stack, clients: Callable) -> None:
+    lc, _ = clients("tml-sglang-errors")
     ls = lc.create_sampling_client(base_model=BASE)
     with pytest.raises(LatheError, match="vocabulary"):
         ls.sample(lathe.ModelInput.from_ints([5, 10**7]), 1, lathe.SamplingParams(max_tokens=2)).result()
