@@ -171,14 +171,16 @@ def planning_share(stack: Stack) -> float:
 def run_model(key: str, args: argparse.Namespace) -> None:
     model = MODELS[key]
     print(f"\n{model}: {args.tenants} tenants, LoRA rank {RANK}, median of {args.repeats} runs of {args.steps} steps, "
-          f"{args.dtype}, trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens; {cpu_line()}")
+          f"{args.dtype}, trainer threads {args.threads}, cycle capacity {args.cycle_tokens} tokens, snapshots every "
+          f"{args.snapshot_every if args.snapshot_every is not None else 'the trainer default'} steps; {cpu_line()}")
     print(f"{'tokens/tenant':<14}{'packed tok/s':>13}{'serial tok/s':>13}{'one-big tok/s':>14}"
           f"{'packed/serial':>14}{'packed/one-big':>15}{'lat packed s':>13}{'lat serial s':>13}")
     rows = {}
     shapes = [s for s in SHAPES if f"{s[0]}x{s[1]}" in args.shapes.split(",")]
     with contextlib.ExitStack() as up:  # both stacks up at once, measured in turn (an idle stack costs ~nothing)
         stacks = {}
-        for label, extra in (("packed", ()), ("serial", ("--max-runs-per-cycle", "1"))):
+        snapshots = () if args.snapshot_every is None else ("--snapshot-every", str(args.snapshot_every))
+        for label, extra in (("packed", snapshots), ("serial", (*snapshots, "--max-runs-per-cycle", "1"))):
             cfg = StackConfig(models=model, store_root=CACHE / f"bench-store-{label}", cache_root=CACHE,
                               trainer_threads=args.threads, sampler_threads=1, trainer_dtype=args.dtype,
                               trainer_args=("--metrics-port", "0", "--cycle-tokens", str(args.cycle_tokens), *extra))
@@ -224,6 +226,7 @@ def main() -> None:
                     help="the pools' base weights (auto: what lathe serve chooses on this machine)")
     ap.add_argument("--cycle-tokens", type=int, default=2048, help="the trainer's cycle capacity")
     ap.add_argument("--shapes", default="1x32,1x128,4x128", help="tokens per tenant, e.g. 1x32,4x128")
+    ap.add_argument("--snapshot-every", type=int, help="the trainer's --snapshot-every (default: the trainer's own)")
     args = ap.parse_args()
     for key in (["tiny", "smollm2"] if args.model == "both" else [args.model]):
         run_model(key, args)
