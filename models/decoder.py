@@ -153,11 +153,16 @@ class Decoder(torch.nn.Module):
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu", invariant: bool = True,
                      checkpoint_layers: bool = False) -> Decoder:
-        """A decoder over HF-named tensors (any dtype, any device): each is cast to ``dtype`` on ``device``
-        and every matrix but the embedding is stored column-major; ``weights`` itself is left as it is."""
+        """A decoder over HF-named tensors (any dtype, any device): each is cast to ``dtype`` on ``device`` and
+        every matrix but the embedding is stored column-major, in memory of its own; ``weights`` is left as it is.
+
+        Of its own because ``safetensors`` maps a loaded file and its tensors are views of that mapping: one of them
+        kept (a norm's weight, the embedding) would keep the whole file mapped, and every page of it resident once
+        read, beside the copies made here. Measured on SmolLM2-135M: 538 MB more resident in every pool."""
         def place(name: str, t: torch.Tensor) -> torch.Tensor:
-            t = t.to(device=device, dtype=dtype)
-            return _column_major(t) if t.dim() == 2 and "embed_tokens" not in name else t
+            out = t.to(device=device, dtype=dtype)
+            out = _column_major(out) if out.dim() == 2 and "embed_tokens" not in name else out
+            return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
 
         placed = {k: place(k, v) for k, v in weights.items()
                   if not (cfg.tie_word_embeddings and k == "lm_head.weight")}

@@ -45,3 +45,16 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     (d / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match="unsupported architectures \\['MixtralForCausalLM'\\]"):
         Decoder.from_dir(d)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_loaded_decoder_keeps_no_view_of_its_files(tmp_path: Path, tied: bool) -> None:
+    """safetensors maps the files it loads; a weight left a view of that mapping (a norm, the embedding) would keep
+    every read page of the file resident beside the decoder's own copies. Once loaded, the files are unmapped."""
+    d = write_tiny_model(tmp_path / "llama", "llama", seed=3, tie_word_embeddings=tied)
+    model = Decoder.from_dir(d)
+    files = {str(f) for f in d.glob("*.safetensors")}
+    mapped = {line.split(maxsplit=5)[-1].strip() for line in Path("/proc/self/maps").read_text().splitlines()
+              if len(line.split(maxsplit=5)) == 6}
+    assert files and not files & mapped, files & mapped
+    assert model.w["model.norm.weight"].is_contiguous() and model.w["model.embed_tokens.weight"].is_contiguous()
