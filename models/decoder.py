@@ -3,10 +3,10 @@
 Owns the frozen base weights (``dtype`` of the pool: fp32 or bf16, on the pool's ``device``) and the
 forward math: RMSNorm, RoPE from one precomputed table, grouped-query attention, SwiGLU, tied or untied
 embeddings, Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm, and Qwen3-MoE's routed experts
-(``lathe.models.moe``). It never owns adapters or optimizer state: a
-batch's adapters (``LoraDeltas``: a ``LoraBatch``, an ``SgmvBatch``, or the sampler's BGMV slots) are passed in
-per call, and so is the sampler's KV cache; both live on ``device``.
-Callers build a batch's index tensors on the CPU; ``hidden`` and ``target_logprobs`` move them.
+(``lathe.models.moe``). It never owns adapters or optimizer state: a batch's adapters (``LoraDeltas``: a
+``LoraBatch``, an ``SgmvBatch``, or the sampler's BGMV slots) are passed in per call, and so is the sampler's KV
+cache; both live on ``device``. Callers build a batch's index tensors on the CPU; ``hidden`` and
+``target_logprobs`` move them.
 
 A batch is *packed*: the tokens of all sequences are one flat ``[T]`` row, sequence ``s`` owns rows
 ``cu_seqlens[s]:cu_seqlens[s+1]``, and every matmul runs once over all ``T`` rows. With
@@ -16,6 +16,7 @@ logprob have the same bits whatever else is in the batch and whether it was pref
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -103,11 +104,8 @@ def shape_weight_names(cfg: ModelConfig) -> list[str]:
 
 
 def _column_major(w: torch.Tensor) -> torch.Tensor:
-    """The same ``[out, in]`` matrix stored column-major, so ``x @ w.T`` reads a contiguous ``[in, out]``.
-
-    Measured with torch 2.13 / MKL on our CPUs: a few-row matmul against a row-major ``[out, in]`` weight
-    takes the slow transposed path (1.2 ms vs 0.2 ms for 4 x 576 x 1536), which is what decoding does.
-    """
+    """The same ``[out, in]`` matrix stored column-major, so ``x @ w.T`` reads a contiguous ``[in, out]``: against a
+    row-major weight a decode step's few-row matmul takes MKL's slow transposed path (1.2 vs 0.2 ms, 4 x 576 x 1536)."""
     return w.t().contiguous().t()
 
 
@@ -154,11 +152,8 @@ class Decoder(torch.nn.Module):
                      device: str | torch.device = "cpu", invariant: bool = True,
                      checkpoint_layers: bool = False) -> Decoder:
         """A decoder over HF-named tensors (any dtype, any device): each is cast to ``dtype`` on ``device`` and
-        every matrix but the embedding is stored column-major, in memory of its own; ``weights`` is left as it is.
-
-        Of its own because ``safetensors`` maps a loaded file and its tensors are views of that mapping: one of them
-        kept (a norm's weight, the embedding) would keep the whole file mapped, and every page of it resident once
-        read, beside the copies made here. Measured on SmolLM2-135M: 538 MB more resident in every pool."""
+        every matrix but the embedding is stored column-major, in memory of its own (a view of the file safetensors
+        maps would keep all of it resident beside these copies: 525 MB in a SmolLM2 pool); ``weights`` is kept."""
         def place(name: str, t: torch.Tensor) -> torch.Tensor:
             out = t.to(device=device, dtype=dtype)
             out = _column_major(out) if out.dim() == 2 and "embed_tokens" not in name else out
@@ -316,9 +311,14 @@ class Decoder(torch.nn.Module):
 
     def _layer(self, i: int, x: torch.Tensor, batch: Packed, rope: tuple[torch.Tensor, torch.Tensor],
                lora: LoraDeltas | None, kv: KVCache | None, load: ExpertLoad | None) -> torch.Tensor:
-        x = x + self._attention(i, self._norm(x, f"model.layers.{i}.input_layernorm.weight"), batch, rope, lora, kv)
-        h = self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight")
-        return x + (self._moe(i, h, lora, load) if self.cfg.sparse(i) and h.shape[0] else self._mlp(i, h, lora))
+        """One layer; backward rebuilds each RMSNorm's output, which the linears after it keep, from the norm's input
+        (``activations.recomputed``: 288 MB of a SmolLM2 pass of 8 x 256 tokens)."""
+        norm = functools.partial(self._norm, x, f"model.layers.{i}.input_layernorm.weight")
+        with activations.recomputed(h := norm(), norm):
+            x = x + self._attention(i, h, batch, rope, lora, kv)
+        norm = functools.partial(self._norm, x, f"model.layers.{i}.post_attention_layernorm.weight")
+        with activations.recomputed(h := norm(), norm):
+            return x + (self._moe(i, h, lora, load) if self.cfg.sparse(i) and h.shape[0] else self._mlp(i, h, lora))
 
     def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[T, V]`` (fp32) for hidden rows ``h [T, hidden]``."""

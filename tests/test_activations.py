@@ -84,17 +84,36 @@ class _Outputs(TorchDispatchMode):
         return out
 
 
+def _alive_after_forward(model: Decoder, lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The tensors a training pass of two adapters over sequences of ``lengths`` holds for backward, and its
+    output."""
+    seg = [0, lengths[0], sum(lengths)]
+    lora = LoraBatch(seg, [0, 1], [_adapter(model, 4, 1), _adapter(model, 8, 2)], invariant=True)
+    with _Outputs() as outputs:
+        h = model.hidden(Packed.from_sequences([list(range(3, 3 + n)) for n in lengths]), lora)
+    gc.collect()
+    return list({t.untyped_storage().data_ptr(): t for t in (r() for r in outputs.refs) if t is not None}.values()), h
+
+
+def test_a_pass_keeps_no_rmsnorm_output_for_the_linears_after_it(tiny_dir) -> None:  # noqa: ANN001
+    """Between forward and backward, of the [T, hidden] activations an fp32 pass keeps only the embedding, each
+    layer's attention output and two residual sums, and the final norm's output (the LM head's input): the linears
+    after each layer's two RMSNorms (and their adapters) no longer keep the norm's output, which backward rebuilds
+    from the norm's input (a layer kept five before)."""
+    model = Decoder.from_dir(tiny_dir)
+    alive, h = _alive_after_forward(model, (21, 40))
+    wide = [t for t in alive if tuple(t.shape) == (61, model.cfg.hidden_size)]
+    assert len(wide) == 3 * model.cfg.num_layers + 2, [t.grad_fn for t in wide]
+    assert h.requires_grad
+
+
 def test_a_bf16_pass_keeps_no_wide_copy_and_two_mlp_activations_a_layer(tiny_dir) -> None:  # noqa: ANN001
     """Between forward and backward of a bf16 pass with two adapters, the graph holds no fp32 copy of an
     activation (it held one per RMSNorm and per LoRA target's input) and, of the MLP, gate and up only (it held
     silu(gate) and the product too)."""
     model = Decoder.from_dir(tiny_dir, dtype=torch.bfloat16)
     lengths = (21, 40)
-    lora = LoraBatch([0, 21, 61], [0, 1], [_adapter(model, 4, 1), _adapter(model, 8, 2)], invariant=True)
-    with _Outputs() as outputs:
-        h = model.hidden(Packed.from_sequences([list(range(3, 3 + n)) for n in lengths]), lora)
-    gc.collect()
-    alive = {t.untyped_storage().data_ptr(): t for t in (r() for r in outputs.refs) if t is not None}.values()
+    alive, h = _alive_after_forward(model, lengths)
     rows, cfg = sum(lengths), model.cfg
     wide = [tuple(t.shape) for t in alive if t.dtype == torch.float32 and t.numel() >= rows * cfg.hidden_size]
     assert wide == []
