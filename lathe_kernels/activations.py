@@ -68,11 +68,13 @@ class _Rebuilt:
         return self.value
 
 
-def recomputed(t: torch.Tensor, make: Callable[[], torch.Tensor]) -> contextlib.AbstractContextManager[object]:
+def recomputed(t: torch.Tensor, make: Callable[[], torch.Tensor], *, enabled: bool = True
+               ) -> contextlib.AbstractContextManager[object]:
     """See the module docstring. ``t`` must be alive through the block (its storage is how its views are told
-    apart); it and ``make()``'s result are contiguous tensors of one dtype and shape. Without grad (decoding) the
-    block is a shared no-op context: nothing is saved there."""
-    if not torch.is_grad_enabled():
+    apart); it and ``make()``'s result are contiguous tensors of one dtype and shape. Without grad (decoding) or
+    ``enabled`` the block is a shared no-op context. Not enabled inside activation checkpointing around a wide block:
+    its hooks would replace checkpointing's there, and every other tensor saved in the block would be kept."""
+    if not torch.is_grad_enabled() or not enabled:
         return _NOTHING
     if not t.is_contiguous():
         raise ValueError(f"recomputed: the tensor to rebuild must be contiguous (shape {tuple(t.shape)}, "

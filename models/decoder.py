@@ -266,11 +266,11 @@ class Decoder(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
     def _mlp(self, i: int, x: torch.Tensor, lora: LoraDeltas | None, expert: str = "") -> torch.Tensor:
-        """The SwiGLU MLP of layer ``i``, or of its expert ``expert`` (``"experts.3."``) over that expert's rows."""
+        """Layer ``i``'s SwiGLU MLP, or its expert ``expert``'s over its rows; backward rebuilds h from gate and up."""
         gate, up = self._linears(x, f"model.layers.{i}.mlp.", i, (expert + "gate_proj", expert + "up_proj"), lora)
         p = f"model.layers.{i}.mlp.{expert}"
         h = activations.swiglu(gate, up)
-        with activations.recomputed(h, lambda: activations.swiglu(gate, up)):  # backward rebuilds h from gate, up
+        with activations.recomputed(h, lambda: activations.swiglu(gate, up), enabled=not self.checkpoint_layers):
             return self._linear(h, p + "down_proj", (i, expert + "down_proj"), lora)
 
     def _moe(self, i: int, x: torch.Tensor, lora: LoraDeltas | None, load: ExpertLoad | None) -> torch.Tensor:
@@ -312,12 +312,12 @@ class Decoder(torch.nn.Module):
     def _layer(self, i: int, x: torch.Tensor, batch: Packed, rope: tuple[torch.Tensor, torch.Tensor],
                lora: LoraDeltas | None, kv: KVCache | None, load: ExpertLoad | None) -> torch.Tensor:
         """One layer; backward rebuilds each RMSNorm's output, which the linears after it keep, from the norm's input
-        (``activations.recomputed``: 288 MB of a SmolLM2 pass of 8 x 256 tokens)."""
+        (``activations.recomputed``: 288 MB of a SmolLM2 pass of 8 x 256 tokens) unless it is checkpointed."""
         norm = functools.partial(self._norm, x, f"model.layers.{i}.input_layernorm.weight")
-        with activations.recomputed(h := norm(), norm):
+        with activations.recomputed(h := norm(), norm, enabled=not self.checkpoint_layers):
             x = x + self._attention(i, h, batch, rope, lora, kv)
         norm = functools.partial(self._norm, x, f"model.layers.{i}.post_attention_layernorm.weight")
-        with activations.recomputed(h := norm(), norm):
+        with activations.recomputed(h := norm(), norm, enabled=not self.checkpoint_layers):
             return x + (self._moe(i, h, lora, load) if self.cfg.sparse(i) and h.shape[0] else self._mlp(i, h, lora))
 
     def logits(self, h: torch.Tensor, lora: LoraDeltas | None = None) -> torch.Tensor:

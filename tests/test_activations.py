@@ -107,6 +107,20 @@ def test_a_pass_keeps_no_rmsnorm_output_for_the_linears_after_it(tiny_dir) -> No
     assert h.requires_grad
 
 
+def test_a_checkpointed_pass_keeps_no_layers_activations(tiny_dir) -> None:  # noqa: ANN001
+    """Under activation checkpointing no rebuild block opens inside a layer (its saved-tensor hooks would stand in
+    for checkpointing's, and keep what checkpointing drops): no MLP activation is held between forward and
+    backward (a SwiGLU rebuild's closure held gate and up), and of the [T, hidden] ones only the embedding, each
+    layer's input and the final norm's output (the RMSNorm rebuilds kept every tensor their layers saved)."""
+    model = Decoder.from_dir(tiny_dir, checkpoint_layers=True)
+    alive, h = _alive_after_forward(model, (21, 40))
+    cfg = model.cfg
+    assert [t.grad_fn for t in alive if tuple(t.shape) == (61, cfg.intermediate_size)] == []
+    wide = [t.grad_fn for t in alive if tuple(t.shape) == (61, cfg.hidden_size)]
+    assert len(wide) == cfg.num_layers + 2, wide
+    assert h.requires_grad
+
+
 def test_a_bf16_pass_keeps_no_wide_copy_and_two_mlp_activations_a_layer(tiny_dir) -> None:  # noqa: ANN001
     """Between forward and backward of a bf16 pass with two adapters, the graph holds no fp32 copy of an
     activation (it held one per RMSNorm and per LoRA target's input) and, of the MLP, gate and up only (it held
