@@ -9,6 +9,9 @@
       tensors autograd saves inside the block that are views of ``t``'s storage are not kept: backward
       calls ``make()`` (once, when a node first asks) and reads the same view of its result
 
+The decoder opens a ``recomputed`` block after each RMSNorm, so that the linears after it keep no copy of its output
+(and none inside a checkpointed layer, where checkpointing's own hooks must stay in charge).
+
 Both change what is stored between forward and backward, never a bit of a result: the forward runs the ops
 it ran before, and backward runs autograd's own formulas on recomputed values that are the saved ones bit for
 bit (``make`` must be a deterministic function of tensors kept anyway, as an upcast or ``swiglu`` of its

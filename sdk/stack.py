@@ -253,9 +253,9 @@ class Stack:
         OpenMP threads that sleep between parallel regions cost a model pool dearly (a SmolLM2 pass of 8 x 32
         tokens measured 2.64 s under OMP_WAIT_POLICY=PASSIVE and 1.56 s under the library default, brief
         spinning), so pools keep the default and the torch-free services, with no team to park, get PASSIVE.
-        Pools get ``POOL_MALLOC``, and so does the checkpoints service, through which snapshots stream in 4 MiB
-        chunks that glibc's defaults map and fault in afresh each time (a 92 MB put on 2 cores: 0.45-0.7 CPU-s of the
-        service with the defaults, 0.2-0.25 with these).
+        Pools get ``POOL_MALLOC``, and so does the checkpoints service, whose S3 uploads gather 16 MiB parts that
+        glibc's defaults map and fault in afresh each time (measured when snapshots streamed in 4 MiB chunks, which
+        the defaults map too: a 92 MB put on 2 cores, 0.45-0.7 CPU-s of the service with them, 0.2-0.25 with these).
         """
         tuned = {"GLIBC_TUNABLES": POOL_MALLOC} if name in POOLS else {"OMP_WAIT_POLICY": "PASSIVE"}
         if name == "checkpoints":
