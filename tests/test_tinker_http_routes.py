@@ -133,12 +133,12 @@ def test_sessions_list_newest_first_with_their_runs_and_samplers(stack: Stack) -
         r = http.post("/cancel_future", json={"request_id": waiting["request_id"]})
         assert r.status_code == 400 and "only samples can be cancelled" in r.json()["error"], r.text
 
-    rc = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-lister").create_rest_client()
+    rc = tinker.RestClient(base_url=stack.http_url, api_key="tml-lister")
     assert rc.list_sessions().result().sessions == [newer, older]
     assert rc.list_sessions(limit=1, offset=1).result().sessions == [older]
     got = rc.get_session(older).result()
     assert (got.training_run_ids, got.sampler_ids, got.user_metadata) == ([model], [f"{older}:sample:0"], {"k": "v"})
-    stranger = tinker.ServiceClient(base_url=stack.http_url, api_key="tml-stranger").create_rest_client()
+    stranger = tinker.RestClient(base_url=stack.http_url, api_key="tml-stranger")
     assert older not in stranger.list_sessions().result().sessions
     with pytest.raises(tinker.NotFoundError):
         stranger.get_session(older).result()
