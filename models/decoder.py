@@ -153,7 +153,7 @@ class Decoder(torch.nn.Module):
                      checkpoint_layers: bool = False) -> Decoder:
         """A decoder over HF-named tensors (any dtype, any device): each is cast to ``dtype`` on ``device`` and
         every matrix but the embedding is stored column-major, in memory of its own (a view of the file safetensors
-        maps would keep all of it resident beside these copies: 525 MB in a SmolLM2 pool); ``weights`` is kept."""
+        maps would keep all of it resident beside these copies: 525 MB in a SmolLM2 pool); ``weights`` is unchanged."""
         def place(name: str, t: torch.Tensor) -> torch.Tensor:
             out = t.to(device=device, dtype=dtype)
             out = _column_major(out) if out.dim() == 2 and "embed_tokens" not in name else out
